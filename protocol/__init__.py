@@ -1,0 +1,37 @@
+"""slipstream wire protocol: message types, msgpack codec, validation, errors.
+
+Imports stdlib, msgpack and numpy only — never torch (DESIGN.md §2).
+"""
+
+from protocol.codec import PROTOCOL_VERSION, decode, decode_header, encode, message_id, new_message_id
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    ACK_STATUSES,
+    FINISH_REASONS,
+    MESSAGE_TYPES,
+    Ack,
+    Assignment,
+    ControlReply,
+    ControlRequest,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    RolloutResult,
+    Sample,
+    TensorSpec,
+    WeightChunk,
+    WeightChunkRequest,
+    WeightsApplied,
+    WeightsAvailable,
+    Welcome,
+    WorkRequest,
+)
+
+__all__ = [
+    "ACK_STATUSES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Ack", "Assignment",
+    "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "Message", "ProtocolError",
+    "RolloutResult", "Sample", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
+    "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",
+    "new_message_id",
+]
