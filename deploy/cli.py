@@ -1,0 +1,84 @@
+"""The ``slipstream`` command: learner, rollout, run, ctl.
+
+Config errors print one line saying what to fix and exit with code 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from deploy.config import ConfigError, load_config
+
+EXIT_CONFIG = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--config", required=required, metavar="FILE",
+                   help="YAML config file" + ("" if required else " (default: the built-in demo)"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set learner.lr=1e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("learner", help="run the learner process")
+    _add_config_args(p, required=True)
+    p = sub.add_parser("rollout", help="run one rollout server process")
+    _add_config_args(p, required=True)
+    p.add_argument("--learner", metavar="tcp://HOST:PORT", help="the learner's rollout endpoint")
+    p = sub.add_parser("run", help="start a learner and N rollout servers, supervise them")
+    _add_config_args(p, required=False)
+    p = sub.add_parser("ctl", help="talk to a live learner: status, set KEY VALUE, stop")
+    p.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="the learner's control endpoint (default: read RUN_DIR/learner.json)")
+    p.add_argument("--run-dir", default="runs/default", help="run directory of the learner")
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("action", choices=["status", "set", "stop"])
+    p.add_argument("key", nargs="?")
+    p.add_argument("value", nargs="?")
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"slipstream: {message}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _resolve_model(name: str) -> str:
+    from deploy.builtin import resolve_model
+
+    return resolve_model(name, log=lambda m: print(json.dumps({"proc": "setup", "event": m}), flush=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "ctl":
+            from deploy.ctl import ctl
+            return ctl(args)
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "run":
+            from deploy.launcher import launch
+            return launch(cfg, args.config, args.overrides)
+        model_path = _resolve_model(cfg.model)
+        if args.command == "learner":
+            from learner.service import serve
+            return serve(cfg.learner, model_path)
+        if args.command == "rollout":
+            rollout = cfg.rollout
+            if args.learner:
+                rollout = rollout.model_copy(update={"learner": args.learner})
+            from rollout_server.service import serve
+            return serve(rollout, model_path)
+    except ConfigError as e:
+        return _fail(str(e))
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(f"config error: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

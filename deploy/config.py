@@ -1,0 +1,113 @@
+"""Config composition: YAML file + ``--set a.b=value`` overrides -> validated pydantic models.
+
+Every config error becomes :class:`ConfigError` with one line that says what to fix; the CLI prints
+it and exits with code 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from learner.config import LearnerConfig
+from rollout_server.config import RolloutConfig
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+
+
+class ConfigError(Exception):
+    """A config problem, phrased as what to fix (one line)."""
+
+
+class LauncherConfig(BaseModel):
+    """How `slipstream run` starts the processes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_rollout_servers: int = Field(1, ge=1)
+    """Rollout server processes to start next to the learner."""
+    shutdown_timeout_s: float = Field(20.0, gt=0)
+    """Seconds to wait for processes to exit after SIGTERM before killing them."""
+
+
+class SlipstreamConfig(BaseModel):
+    """One file configures a whole run; each process reads its own section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "builtin:tiny-arith"
+    """Hugging Face model directory, or builtin:tiny-arith (built in code, no download)."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """The learner process (see learner/config.py)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout server processes (see rollout_server/config.py)."""
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    """`slipstream run` only."""
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one ``a.b.c=value`` override in place (value parsed as YAML: 3, 1e-4, true, [1,2])."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set learner.lr=1e-4")
+    key, _, raw = assignment.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {assignment!r}: empty key")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = _parse_scalar(raw)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "(top level)"
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        msg = "unknown key (check the spelling; see README 'Configuration')"
+    else:
+        msg = first.get("msg", "invalid value")
+        if "input" in first and kind not in ("missing",) and not isinstance(first["input"], dict):
+            msg += f" (got {first['input']!r})"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"config error in {source}: {loc}: {msg}{more}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> SlipstreamConfig:
+    """Read YAML (or the built-in default), apply overrides, validate."""
+    source = str(path) if path else "the built-in default config"
+    file = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {file}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {file} is not valid YAML{where}: "
+                          f"{getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {file}: top level must be a mapping of sections")
+    for item in overrides or []:
+        apply_override(data, item)
+    if overrides:
+        source += " with --set overrides"
+    try:
+        return SlipstreamConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None

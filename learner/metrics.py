@@ -1,0 +1,55 @@
+"""Prometheus metrics of the learner, and the metrics.jsonl log of every policy step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class LearnerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.policy_version = Gauge("slipstream_policy_version", "Learner policy version", registry=r)
+        self.rollouts_received = Counter("slipstream_rollouts_received",
+                                         "Samples received from rollout servers", registry=r)
+        self.samples = Counter("slipstream_samples", "Received samples by ack status", ["status"],
+                               registry=r)
+        self.protocol_errors = Counter("slipstream_protocol_errors",
+                                       "Messages refused with ProtocolError", ["socket"], registry=r)
+        self.step_seconds = Histogram("slipstream_train_step_seconds", "Seconds per policy step",
+                                      registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.publish_seconds = Histogram("slipstream_weights_publish_seconds",
+                                         "Seconds to serialize and announce a version", registry=r,
+                                         buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+        self.reward_mean = Gauge("slipstream_reward_mean", "Mean reward of the last batch", registry=r)
+        self.staleness_mean = Gauge("slipstream_staleness_mean",
+                                    "Mean staleness (policy steps) of the last batch", registry=r)
+        self.max_staleness = Gauge("slipstream_max_staleness", "Current staleness limit eta", registry=r)
+        self.buffered = Gauge("slipstream_buffer_samples", "Samples buffered, not yet trained", registry=r)
+        self.inflight = Gauge("slipstream_inflight_samples", "Samples issued, not yet returned", registry=r)
+        self.servers = Gauge("slipstream_rollout_servers", "Rollout servers connected", registry=r)
+        self.server_version = Gauge("slipstream_server_policy_version",
+                                    "Version each rollout server reports as applied", ["server"],
+                                    registry=r)
+        self.step_stats = Gauge("slipstream_train_stat", "Last step's training statistics", ["name"],
+                                registry=r)
+
+    def serve(self, host: str, port: int) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+
+class JsonlLog:
+    """Append one JSON object per line (flushed) to ``run_dir/metrics.jsonl``."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,77 @@
+"""Config loading: YAML + --set overrides; every error is one line and exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from deploy.cli import main
+from deploy.config import ConfigError, load_config
+
+
+def test_default_config_loads():
+    cfg = load_config()
+    assert cfg.model == "builtin:tiny-arith"
+    assert cfg.learner.batch_samples == cfg.learner.batch_prompts * cfg.learner.group_size
+
+
+def test_overrides_parse_yaml_scalars(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  lr: 0.001\n")
+    cfg = load_config(f, ["learner.lr=1e-4", "learner.max_staleness=3", "rollout.server_id=s7",
+                          "learner.recompute_logprobs=false"])
+    assert cfg.learner.lr == pytest.approx(1e-4)
+    assert cfg.learner.max_staleness == 3
+    assert cfg.rollout.server_id == "s7"
+    assert cfg.learner.recompute_logprobs is False
+
+
+@pytest.mark.parametrize("text, overrides, needle", [
+    ("learner:\n  lr: abc\n", [], "learner.lr"),
+    ("learner:\n  lrr: 0.1\n", [], "learner.lrr: unknown key"),
+    ("learner:\n  max_staleness: -1\n", [], "learner.max_staleness"),
+    ("learner: [1, 2\n", [], "not valid YAML at line"),
+    ("- 1\n- 2\n", [], "top level must be a mapping"),
+    ("", ["learner.group_size=1"], "group_size must be >= 2"),
+    ("", ["learner.is_mode=bogus"], "learner.is_mode"),
+    ("", ["nonsense"], "expected KEY=VALUE"),
+])
+def test_bad_config_is_one_clear_line(tmp_path, text, overrides, needle):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f, overrides)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file_is_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_exit_code_2_without_traceback(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  total_steps: zero\n")
+    assert main(["learner", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "learner.total_steps" in err and "Traceback" not in err
+
+
+def test_cli_subprocess_exit_code(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  engine: tpu\n")
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "rollout", "--config", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "rollout.engine" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_model_path_is_config_error(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {tmp_path / 'no-such-model'}\n")
+    assert main(["learner", "--config", str(f)]) == 2
+    assert "no such directory" in capsys.readouterr().err
