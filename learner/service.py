@@ -206,6 +206,8 @@ class LearnerService:
             for srv in list(self.servers.values()):
                 if srv.credits < g:
                     continue
+                while self.reissue and not self.buffer.is_open(self.reissue[0].assignment_id):
+                    self.reissue.pop(0)       # finished meanwhile by its first holder
                 if self.reissue:
                     lease = self.buffer.reissue(self.reissue.pop(0), srv.server_id)
                     old: protocol.Assignment = lease.payload

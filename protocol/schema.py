@@ -4,9 +4,17 @@ A struct (message or nested record) declares ``FIELDS``: a tuple of ``(name, kin
 an object with ``pack(value)`` (Python value -> msgpack-able value) and ``unpack(value, where)``
 (msgpack value -> validated Python value, raising :class:`ProtocolError` that names ``where``).
 
-Arrays travel as a msgpack map ``{"dtype": "<i4", "shape": [n], "data": <bin>}``: raw little-endian
-bytes, never a list of numbers, never pickled. Decoded arrays are zero-copy, read-only views of the
-received buffer.
+Arrays travel as a 3-element msgpack array ``[dtype, shape, data]``, e.g.
+``["<i4", [1024], <bin 4096 bytes>]``: the numpy dtype string (always little-endian), the shape
+as a list, and the raw bytes, never a list of numbers, never pickled. Any msgpack reader gets the
+bytes back with ``unpackb(body)["completion_token_ids"][2]``. Decoded arrays are zero-copy,
+read-only views of the received buffer.
+
+This generic path is the reference: it is complete and names the offending field in every error.
+The hot messages (``Sample``, ``RolloutResult``) also have a hand-written fast path in
+``protocol.messages``; it never accepts what this path refuses, and hands everything it does not
+accept (bad input, but also lenient input such as an int reward or a field an older sender left
+out) to this path, which decides and writes the error. ``tests/protocol`` checks that they agree.
 """
 
 from __future__ import annotations
@@ -24,6 +32,11 @@ MAX_STR_CHARS = 1 << 20          # 1 Mi characters for any one string (prompts, 
 MAX_ARRAY_ITEMS = 1 << 22        # 4 Mi elements in one array (tokens per sample)
 MAX_LIST_ITEMS = 1 << 16         # samples per result, tensors per manifest, ids per ack
 MAX_MAP_ITEMS = 1 << 10          # entries in a metadata / reward-parts / timing map
+MAX_DEPTH = 8                    # nesting of plain maps and lists (metadata, control args)
+MAX_DIMS = 64                    # dimensions of a tensor shape in a weights manifest
+
+_ndarray = np.ndarray
+_DTYPE_STR: dict[np.dtype, str] = {}   # dtype.str builds a new string on every access
 
 
 class Kind:
@@ -42,15 +55,19 @@ def _type_error(where: str, expected: str, value: Any) -> ProtocolError:
     return ProtocolError(f"{where}: expected {expected}, got {type(value).__name__}")
 
 
+def check_str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise _type_error(where, "a string", value)
+    if len(value) > MAX_STR_CHARS:
+        raise ProtocolError(f"{where}: string of {len(value)} characters exceeds {MAX_STR_CHARS}")
+    return value
+
+
 class Str(Kind):
     name = "str"
 
     def unpack(self, value: Any, where: str) -> str:
-        if type(value) is not str:
-            raise _type_error(where, "a string", value)
-        if len(value) > MAX_STR_CHARS:
-            raise ProtocolError(f"{where}: string of {len(value)} characters exceeds {MAX_STR_CHARS}")
-        return value
+        return check_str(value, where)
 
 
 class Int(Kind):
@@ -111,6 +128,9 @@ class Optional(Kind):
 class StrList(Kind):
     name = "list of strings"
 
+    def pack(self, value: Any) -> list:
+        return list(value)
+
     def unpack(self, value: Any, where: str) -> list[str]:
         if type(value) is not list:
             raise _type_error(where, "a list of strings", value)
@@ -119,25 +139,44 @@ class StrList(Kind):
         for i, item in enumerate(value):
             if type(item) is not str:
                 raise _type_error(f"{where}[{i}]", "a string", item)
+            if len(item) > MAX_STR_CHARS:
+                raise ProtocolError(f"{where}[{i}]: string of {len(item)} characters exceeds "
+                                    f"{MAX_STR_CHARS}")
         return value
 
 
 class IntList(Kind):
+    """A short list of non-negative integers (a tensor shape)."""
+
     name = "list of integers"
+
+    def pack(self, value: Any) -> list:
+        return [int(v) for v in value]
 
     def unpack(self, value: Any, where: str) -> list[int]:
         if type(value) is not list:
             raise _type_error(where, "a list of integers", value)
-        if len(value) > 64:
-            raise ProtocolError(f"{where}: {len(value)} items exceed 64")
+        if len(value) > MAX_DIMS:
+            raise ProtocolError(f"{where}: {len(value)} items exceed {MAX_DIMS}")
         for i, item in enumerate(value):
             if type(item) is not int or item < 0:
                 raise ProtocolError(f"{where}[{i}]: expected a non-negative integer, got {item!r}")
         return value
 
 
+def is_float_map(value: Any) -> bool:
+    """True if ``value`` is already a valid float map (str keys, finite float values)."""
+    if type(value) is not dict or len(value) > MAX_MAP_ITEMS:
+        return False
+    for k, v in value.items():
+        # ``v - v`` is 0.0 for finite floats and NaN for NaN and +-inf.
+        if type(k) is not str or type(v) is not float or v - v != 0.0:
+            return False
+    return True
+
+
 class FloatMap(Kind):
-    """``dict[str, float]`` with finite values (reward parts, timings)."""
+    """``dict[str, float]`` with finite values (reward parts, timings); ints become floats."""
 
     name = "map of string to float"
 
@@ -145,6 +184,8 @@ class FloatMap(Kind):
         return {k: float(v) for k, v in value.items()}
 
     def unpack(self, value: Any, where: str) -> dict[str, float]:
+        if is_float_map(value):
+            return value
         if type(value) is not dict:
             raise _type_error(where, "a map of string to float", value)
         if len(value) > MAX_MAP_ITEMS:
@@ -163,20 +204,58 @@ class FloatMap(Kind):
         return out
 
 
-_PLAIN = (str, int, float, bool, type(None), bytes)
+PLAIN_TYPES = frozenset((str, int, float, bool, type(None), bytes))
+_PLAIN = PLAIN_TYPES
 
 
-def _check_plain(value: Any, where: str, depth: int) -> None:
-    if depth > 8:
-        raise ProtocolError(f"{where}: nested deeper than 8 levels")
+def is_plain(value: Any, depth: int = 0) -> bool:
+    """True if ``value`` is a plain msgpack value within the limits (the fast check)."""
     t = type(value)
     if t in _PLAIN:
+        return t is not str or len(value) <= MAX_STR_CHARS
+    if depth >= MAX_DEPTH:
+        return False
+    if t is dict:
+        if len(value) > MAX_MAP_ITEMS:
+            return False
+        for k, v in value.items():
+            if type(k) is not str:
+                return False
+            t = type(v)
+            if t is str:
+                if len(v) > MAX_STR_CHARS:
+                    return False
+            elif t not in _PLAIN and not is_plain(v, depth + 1):
+                return False
+        return True
+    if t is list:
+        if len(value) > MAX_LIST_ITEMS:
+            return False
+        for v in value:
+            t = type(v)
+            if t is str:
+                if len(v) > MAX_STR_CHARS:
+                    return False
+            elif t not in _PLAIN and not is_plain(v, depth + 1):
+                return False
+        return True
+    return False
+
+
+def check_plain(value: Any, where: str, depth: int = 0) -> None:
+    """Raise :class:`ProtocolError` naming the first non-plain part of ``value``."""
+    t = type(value)
+    if t in _PLAIN:
+        if t is str and len(value) > MAX_STR_CHARS:
+            raise ProtocolError(f"{where}: string of {len(value)} characters exceeds {MAX_STR_CHARS}")
         return
+    if depth >= MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     if t is list:
         if len(value) > MAX_LIST_ITEMS:
             raise ProtocolError(f"{where}: {len(value)} items exceed {MAX_LIST_ITEMS}")
         for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]", depth + 1)
+            check_plain(item, f"{where}[{i}]", depth + 1)
         return
     if t is dict:
         if len(value) > MAX_MAP_ITEMS:
@@ -184,7 +263,7 @@ def _check_plain(value: Any, where: str, depth: int) -> None:
         for k, v in value.items():
             if type(k) is not str:
                 raise _type_error(f"{where} key", "a string", k)
-            _check_plain(v, f"{where}[{k!r}]", depth + 1)
+            check_plain(v, f"{where}[{k!r}]", depth + 1)
         return
     raise _type_error(where, "a plain value (str, int, float, bool, None, bytes, list, map)", value)
 
@@ -200,48 +279,85 @@ class PlainMap(Kind):
     def unpack(self, value: Any, where: str) -> dict[str, Any]:
         if type(value) is not dict:
             raise _type_error(where, "a map", value)
-        _check_plain(value, where, 0)
+        if not is_plain(value):
+            check_plain(value, where)
         return value
 
 
-class Array(Kind):
-    """A 1-D numpy array of a fixed dtype, sent as raw little-endian bytes."""
+# ---------------------------------------------------------------------------------------------
+# Arrays
 
-    def __init__(self, dtype: str, finite: bool = False):
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.wire_dtype = self.dtype.str
+
+def pack_array(value: Any, dtype: np.dtype) -> list:
+    """``[dtype_str, [n], data]`` for a 1-D array, e.g. ``["<i4", [3], b"..."]``.
+
+    Lists and arrays of another dtype are converted; an integer conversion that would change a
+    value (int64 -> int32 overflow) or an array that is not 1-D raises :class:`ProtocolError`.
+    """
+    if type(value) is not _ndarray or value.dtype is not dtype or value.ndim != 1:
+        try:
+            src = np.asarray(value)
+            arr = np.ascontiguousarray(src, dtype=dtype)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ProtocolError(f"cannot convert to an array of {dtype.name} ({e})") from None
+        if src.ndim != 1:
+            raise ProtocolError(f"expected a 1-D array, got shape {src.shape}")
+        if dtype.kind in "iu" and src.dtype != dtype and not np.array_equal(arr, src):
+            raise ProtocolError(f"values not representable as {dtype.name}")
+        value = arr
+    return [_DTYPE_STR[dtype], [len(value)], value.tobytes()]
+
+
+def unpack_array(value: Any, dtype: np.dtype, where: str) -> np.ndarray:
+    """Validate ``[dtype_str, [n], data]`` and return a read-only view of ``data``."""
+    if type(value) is not list or len(value) != 3:
+        raise _type_error(where, f"an array [dtype, shape, data] of {dtype.name}", value)
+    wire_dtype, shape, data = value
+    if wire_dtype != dtype.str:
+        raise ProtocolError(f"{where}: dtype {wire_dtype!r:.40}, expected {dtype.str!r}")
+    if type(shape) is not list or len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
+        raise ProtocolError(f"{where}: shape must be [n] with n >= 0, got {shape!r}")
+    n = shape[0]
+    if n > MAX_ARRAY_ITEMS:
+        raise ProtocolError(f"{where}: {n} elements exceed {MAX_ARRAY_ITEMS}")
+    if type(data) is not bytes:
+        raise _type_error(f"{where} data", "binary data", data)
+    if len(data) != n * dtype.itemsize:
+        raise ProtocolError(f"{where}: {len(data)} bytes do not match shape [{n}] of {dtype.name}")
+    return np.frombuffer(data, dtype)
+
+
+def all_finite(arr: np.ndarray) -> bool:
+    """True if a float array has no NaN or infinity (the exact check of the reference path)."""
+    return bool(np.isfinite(arr).all())
+
+
+def all_non_negative(arr: np.ndarray) -> bool:
+    """True if an integer array has no negative value (``argmin`` is cheaper than ``min``)."""
+    return not arr.shape[0] or arr.item(arr.argmin()) >= 0
+
+
+class Array(Kind):
+    """A 1-D numpy array of a fixed dtype, sent as raw little-endian bytes with dtype and shape."""
+
+    def __init__(self, dtype: str, finite: bool = False, non_negative: bool = False):
+        # np.dtype("<i4") is the same object as np.dtype(np.int32) on little-endian hosts, which
+        # lets the hot path compare dtypes with ``is``.
+        self.dtype = np.dtype(np.dtype(dtype).newbyteorder("<").str)
+        self.wire_dtype = _DTYPE_STR.setdefault(self.dtype, self.dtype.str)
         self.finite = finite
+        self.non_negative = non_negative
         self.name = f"array of {self.dtype.name}"
 
-    def pack(self, value: Any) -> dict:
-        arr = np.asarray(value)
-        if arr.dtype != self.dtype or not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr, dtype=self.dtype)
-        return {"dtype": self.wire_dtype, "shape": [arr.shape[0]] if arr.ndim else [1], "data": arr.data}
+    def pack(self, value: Any) -> list:
+        return pack_array(value, self.dtype)
 
     def unpack(self, value: Any, where: str) -> np.ndarray:
-        if type(value) is not dict:
-            raise _type_error(where, f"an {self.name} map {{dtype, shape, data}}", value)
-        try:
-            dtype, shape, data = value["dtype"], value["shape"], value["data"]
-        except KeyError as e:
-            raise ProtocolError(f"{where}: array map lacks key {e.args[0]!r}") from None
-        if dtype != self.wire_dtype:
-            raise ProtocolError(f"{where}: dtype {dtype!r}, expected {self.wire_dtype!r}")
-        if type(shape) is not list or len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
-            raise ProtocolError(f"{where}: shape must be [n] with n >= 0, got {shape!r}")
-        n = shape[0]
-        if n > MAX_ARRAY_ITEMS:
-            raise ProtocolError(f"{where}: {n} elements exceed {MAX_ARRAY_ITEMS}")
-        if type(data) is not bytes:
-            raise _type_error(f"{where}.data", "binary data", data)
-        if len(data) != n * self.dtype.itemsize:
-            raise ProtocolError(
-                f"{where}: {len(data)} bytes do not match shape [{n}] of {self.dtype.name}")
-        arr = np.frombuffer(data, dtype=self.dtype)
-        # One float64 reduction catches any NaN or inf (float32 values cannot overflow it).
-        if self.finite and n and not math.isfinite(arr.sum(dtype=np.float64)):
+        arr = unpack_array(value, self.dtype, where)
+        if self.finite and not all_finite(arr):
             raise ProtocolError(f"{where}: contains NaN or infinite values")
+        if self.non_negative and not all_non_negative(arr):
+            raise ProtocolError(f"{where}: contains negative values (min {int(arr.min())})")
         return arr
 
 
@@ -256,8 +372,16 @@ class StructList(Kind):
         self.struct = struct
         self.name = f"list of {struct.__name__}"
 
-    def pack(self, value: Any) -> list:
-        return [item.to_wire() for item in value]
+    def pack(self, value: Any, where: str | None = None) -> list:
+        where = where or self.name
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(where, self.name, value)
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, self.struct):
+                raise _type_error(f"{where}[{i}]", f"a {self.struct.__name__}", item)
+            out.append(item.to_wire_checked(f"{where}[{i}]"))
+        return out
 
     def unpack(self, value: Any, where: str) -> list:
         if type(value) is not list:
@@ -268,37 +392,90 @@ class StructList(Kind):
         return [from_wire(item, f"{where}[{i}]") for i, item in enumerate(value)]
 
 
+# ---------------------------------------------------------------------------------------------
+# Structs
+
+
 class Struct:
-    """Base of messages and nested records. Subclasses are dataclasses that declare ``FIELDS``."""
+    """Base of messages and nested records. Subclasses are dataclasses that declare ``FIELDS``.
+
+    ``cross_check(where)`` is the hook for checks across fields (lengths that must agree); it runs
+    after every field passed its own kind's check.
+    """
 
     FIELDS: tuple[tuple[str, Kind], ...] = ()
 
     def to_wire(self) -> dict:
-        return {name: kind.pack(getattr(self, name)) for name, kind in self.FIELDS
-                if not isinstance(kind, Frame)}
+        """The msgpack body (a plain dict)."""
+        return self.to_wire_checked()
+
+    def to_wire_checked(self, where: str | None = None) -> dict:
+        """The reference encoder: every value through its kind's ``pack``; an error names the
+        field (``"RolloutResult.samples[2].reward: ..."``)."""
+        where = where or type(self).__name__
+        out = {}
+        for name, kind in _wire_fields(type(self)):
+            value = getattr(self, name)
+            if type(kind) is StructList:
+                out[name] = kind.pack(value, f"{where}.{name}")
+                continue
+            try:
+                out[name] = kind.pack(value)
+            except Exception as e:
+                raise ProtocolError(f"{where}.{name}: {e}") from None
+        return out
 
     @classmethod
     def from_wire(cls, body: Any, where: str | None = None):
+        return cls.from_wire_checked(body, where)
+
+    @classmethod
+    def from_wire_checked(cls, body: Any, where: str | None = None):
+        """The reference decoder: validates field by field and names the first bad one."""
         where = where or cls.__name__
         if type(body) is not dict:
             raise _type_error(where, "a map", body)
         values = {}
-        for name, kind in cls.FIELDS:
-            if isinstance(kind, Frame):
-                continue
+        defaulted = _defaulted(cls)
+        for name, kind in _wire_fields(cls):
             try:
                 raw = body[name]
             except KeyError:
                 # A sender of an older minor version may omit a field that has a default.
-                if name not in cls._defaulted():
+                if name not in defaulted:
                     raise ProtocolError(f"{where}.{name}: missing") from None
                 continue
             values[name] = kind.unpack(raw, f"{where}.{name}")
         # Unknown keys are ignored: a newer minor version may add optional fields.
-        return cls(**values)
+        msg = cls(**values)
+        msg.cross_check(where)
+        return msg
 
-    @classmethod
-    def _defaulted(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls)
-                         if f.default is not dataclasses.MISSING
-                         or f.default_factory is not dataclasses.MISSING)
+    def cross_check(self, where: str) -> None:
+        """Cross-field checks; raise :class:`ProtocolError` naming the field."""
+
+
+_WIRE_FIELDS: dict[type, tuple[tuple[str, Kind], ...]] = {}
+_DEFAULTED: dict[type, frozenset[str]] = {}
+
+
+def _wire_fields(cls: type) -> tuple[tuple[str, Kind], ...]:
+    """``FIELDS`` without the raw-frame fields (those travel after the body)."""
+    fields = _WIRE_FIELDS.get(cls)
+    if fields is None:
+        fields = _WIRE_FIELDS[cls] = tuple((n, k) for n, k in cls.FIELDS if not isinstance(k, Frame))
+    return fields
+
+
+def _defaulted(cls: type) -> frozenset[str]:
+    names = _DEFAULTED.get(cls)
+    if names is None:
+        names = _DEFAULTED[cls] = frozenset(
+            f.name for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+    return names
+
+
+def frame_fields(cls: type) -> tuple[str, ...]:
+    """Names of the fields that travel as raw frames after the body, in declaration order."""
+    return tuple(name for name, kind in cls.FIELDS if isinstance(kind, Frame))

@@ -1,0 +1,739 @@
+"""RolloutBuffer: assignments out, results in, whole groups out as training batches.
+
+It ties together the staleness gate (:mod:`buffer.gate`), the lease table (:mod:`buffer.leases`)
+and a bounded de-duplication memory (:mod:`buffer.dedupe`). One asyncio loop owns it; only
+:meth:`RolloutBuffer.put` and :meth:`RolloutBuffer.next_batch` are coroutines, and they share one
+``asyncio.Condition`` (notified when a group completes).
+
+Delivery argument — nothing lost, nothing trained twice (DESIGN.md §6):
+
+- every sample slot ``(assignment_id, group_index)`` is filled at most once: the first result
+  wins, every later copy (a re-send after reconnect, or the other server's answer to a re-issued
+  assignment) is acknowledged ``duplicate``; sample ids are remembered too, and after a group is
+  trained or dropped its assignment id is remembered, both for ``dedupe_window`` entries;
+- every acknowledgement is final, so a server never re-sends an acknowledged sample;
+- a lease that expires or whose holder leaves is re-issued (``max_attempts`` in all), so work is
+  not lost to a dead server; a lease out of attempts is given up and counted ``failed``;
+- the gate counts every slot exactly once as in flight, and releases it exactly once (accepted,
+  failed, stale, or given up with its group): the gate cannot drift.
+
+Groups. A group is the ``group_size`` samples of one assignment (one prompt); GRPO/RLOO need the
+whole group, so groups are never split. A group leaves the buffer as a whole: trained, or dropped
+when one member is over the staleness limit under ``drop``, or when it cannot be completed (a
+member reported ``failed``, the lease ran out of attempts, or it was cancelled). A failed member
+drops the whole group rather than shrinking it: failures are rarely independent of the outcome
+(a reward function that times out on long answers removes mostly low-reward samples), and a
+group-relative baseline over the survivors would be biased upward; and batches keep a fixed
+shape. The failed sample is acknowledged ``accepted`` (received; do not re-send) and counted in
+``failed``.
+
+Staleness (DESIGN.md §3): the staleness of a sample at learner version ``v`` is
+``v − min(token_versions)`` (0 for a sample without tokens); a group's staleness is that of its
+oldest member. Under ``stale_policy="drop"`` a group over the limit is dropped as soon as that
+is known — when one of its results arrives, at the first ``capacity``/``next_batch`` call of a
+new version, when η shrinks or the policy becomes ``drop`` — and its capacity returned; under
+``"correct"`` it is kept and trained with ``needs_correction`` set on the samples over the limit.
+Versions passed in only grow; a token newer than the learner's version makes a sample invalid.
+
+Resume. :meth:`RolloutBuffer.state_dict` holds the gate totals, the buffered samples, the leases,
+the de-duplication windows and the counters. Leases of the saved run are lost at a restart and
+reported by the next :meth:`RolloutBuffer.expire` (capacity kept for reissue, or returned when
+out of attempts), so the gate neither leaks nor double-counts; a buffer that sees a learner past
+version 0 without a checkpoint starts its gate with the history of that many trained batches.
+
+Counters (all in samples; ``counters`` returns a copy):
+
+    issued, reissued         samples handed out / handed out again
+    accepted, duplicate,     acknowledgements, one per put (accepted includes failed samples)
+      stale, invalid
+    expired, released        samples whose lease was lost to its deadline (or a learner
+                             restart) / because its holder left
+    failed                   samples reported failed + samples never returned after the last attempt
+    cancelled                in-flight samples of assignments cancelled by the caller
+    abandoned                in-flight samples whose group was dropped before they arrived
+    dropped_stale            accepted samples later dropped for staleness
+    dropped_incomplete       accepted samples dropped because their group cannot complete
+    consumed, corrected      samples trained / trained with needs_correction
+    batches                  batches handed out
+    stale_dropped            stale + dropped_stale (every sample discarded for staleness)
+
+Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from buffer.dedupe import RecentKeys
+from buffer.gate import StalenessGate
+from buffer.leases import Lease, LeaseTable
+from buffer.records import AckStatus, Batch
+from protocol import MESSAGE_TYPES, Message, Sample
+
+STALE_POLICIES = ("drop", "correct")
+STATE_FORMAT = 1
+
+_NO_TOKENS = sys.maxsize         # min_version of a group none of whose samples has a token
+_min = np.minimum.reduce         # ndarray.min without its Python-level wrapper (hot path)
+
+COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invalid", "expired",
+                 "released", "failed", "cancelled", "abandoned", "dropped_stale",
+                 "dropped_incomplete", "consumed", "corrected", "batches")
+
+_ACCEPTED, _DUPLICATE, _STALE, _INVALID = (AckStatus.ACCEPTED, AckStatus.DUPLICATE, AckStatus.STALE,
+                                           AckStatus.INVALID)
+
+
+class _Group:
+    """The samples of one assignment, by group_index. ``resolved`` slots are no longer in flight."""
+
+    __slots__ = ("assignment_id", "size", "slots", "mins", "filled", "resolved", "min_version",
+                 "tokens", "max_len", "ready")
+
+    def __init__(self, assignment_id: str, size: int):
+        self.assignment_id = assignment_id
+        self.size = size
+        self.slots: list[Sample | None] = [None] * size
+        self.mins: list[int] = [-1] * size      # min token version per slot (-1: no tokens)
+        self.filled = 0
+        self.resolved = 0
+        self.min_version = _NO_TOKENS
+        self.tokens = 0                          # prompt + completion tokens of filled slots
+        self.max_len = 0                         # longest filled sample, in tokens
+        self.ready = False
+
+    def staleness(self, version: int) -> int:
+        return 0 if self.min_version == _NO_TOKENS else version - self.min_version
+
+
+class RolloutBuffer:
+    """Staleness gate + leases + group assembly + batching, for one learner (see module doc).
+
+    Args:
+        batch_samples: samples per training batch (B of the gate rule); a multiple of group_size.
+        group_size: completions per prompt; every assignment asks for exactly this many.
+        max_staleness: η, in policy steps (0 = strict on-policy).
+        stale_policy: "drop" (default) or "correct".
+        max_inflight: optional cap on samples in flight at once (any number of servers).
+        lease_timeout_s: seconds without a result before a lease is lost and re-issued.
+        max_attempts: issues of one assignment before it is given up and counted failed.
+        dedupe_window: sample ids and finished assignment ids remembered (each); make it larger
+            than the samples buffered plus in flight.
+        token_budget: when set, a batch is whole groups up to this many prompt + completion tokens
+            instead of batch_samples samples (the gate still counts batch_samples per step).
+        length_bucketing: when more than a batch is ready, pick groups of similar length: first
+            the groups that would be over the limit at the next version, then the oldest group
+            (so nothing starves), then those closest to it in length.
+        clock: monotonic seconds, for lease deadlines.
+    """
+
+    def __init__(self, batch_samples: int, group_size: int, max_staleness: int = 1,
+                 stale_policy: str = "drop", max_inflight: int | None = None,
+                 lease_timeout_s: float = 600.0, max_attempts: int = 3, dedupe_window: int = 100_000,
+                 token_budget: int | None = None, length_bucketing: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
+        if type(group_size) is not int or group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+        if type(batch_samples) is not int or batch_samples < 1 or batch_samples % group_size:
+            raise ValueError(f"batch_samples must be a positive multiple of group_size {group_size} "
+                             f"(groups are never split), got {batch_samples!r}")
+        if token_budget is not None and (type(token_budget) is not int or token_budget < 1):
+            raise ValueError(f"token_budget must be None or an integer >= 1, got {token_budget!r}")
+        self.batch_samples = batch_samples
+        self.group_size = group_size
+        self.token_budget = token_budget
+        self.length_bucketing = bool(length_bucketing)
+        self.gate = StalenessGate(batch_samples, max_staleness, max_inflight)
+        self.leases = LeaseTable(lease_timeout_s, max_attempts, clock)
+        self._policy = self._check_policy(stale_policy)
+        self._seen = RecentKeys(dedupe_window)       # sample ids accepted
+        self._closed = RecentKeys(dedupe_window)     # assignment id -> why it left the buffer
+        self._groups: dict[str, _Group] = {}         # open (being generated) and ready groups
+        self._ready: deque[_Group] = deque()         # complete groups, in completion order
+        self._ready_samples = 0
+        self._ready_tokens = 0
+        self._pending = 0                            # samples buffered (open + ready groups)
+        self._n = dict.fromkeys(COUNTER_NAMES, 0)
+        self._hist: dict[int, int] = {}
+        self._version = 0
+        self._started = False                        # a version was seen or state loaded
+        self._swept: tuple[int, int, str] | None = None
+        self._cond = asyncio.Condition()
+        self._waiting = 0
+        self.last_invalid_reason = ""
+
+    # -- configuration at runtime -----------------------------------------------------------------
+
+    @staticmethod
+    def _check_policy(policy: str) -> str:
+        if policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {policy!r}")
+        return policy
+
+    @property
+    def max_staleness(self) -> int:
+        return self.gate.max_staleness
+
+    @property
+    def stale_policy(self) -> str:
+        return self._policy
+
+    def set_max_staleness(self, eta: int) -> None:
+        """Change η now: the gate uses it at once; under ``drop`` buffered groups now over the
+        limit are dropped at once (at the last version seen), under ``correct`` they get flagged."""
+        self.gate.set_max_staleness(eta)
+        self._sweep(self._version)
+
+    def set_stale_policy(self, policy: str) -> None:
+        """Switch ``drop``/``correct`` now; switching to ``drop`` drops what is over the limit."""
+        self._policy = self._check_policy(policy)
+        self._sweep(self._version)
+
+    # -- gauges -----------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The newest learner version seen (by capacity, put, next_batch or a checkpoint)."""
+        return self._version
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples buffered and not yet trained (complete and incomplete groups)."""
+        return self._pending
+
+    @property
+    def ready_samples(self) -> int:
+        """Samples in complete groups, waiting for a batch."""
+        return self._ready_samples
+
+    @property
+    def inflight_samples(self) -> int:
+        """Samples issued and not yet returned (including leases waiting for reissue)."""
+        return self.gate.in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Callers blocked in :meth:`next_batch`."""
+        return self._waiting
+
+    @property
+    def counters(self) -> dict[str, int]:
+        out = dict(self._n)
+        out["stale_dropped"] = out["stale"] + out["dropped_stale"]
+        return out
+
+    @property
+    def staleness_histogram(self) -> dict[int, int]:
+        """Staleness of trained samples: {staleness: count}."""
+        return dict(sorted(self._hist.items()))
+
+    def remaining(self, assignment_id: str) -> int:
+        """Samples of an open assignment still in flight (0 when not open)."""
+        g = self._groups.get(assignment_id)
+        return 0 if g is None or g.ready else g.size - g.resolved
+
+    def is_open(self, assignment_id: str) -> bool:
+        """True while the assignment is being generated (it has a lease)."""
+        return assignment_id in self.leases
+
+    # -- version ----------------------------------------------------------------------------------
+
+    def _observe(self, version: int) -> None:
+        if version == self._version and self._started:
+            return
+        if type(version) is not int or version < 0:
+            raise ValueError(f"version must be an integer >= 0, got {version!r}")
+        if version < self._version:
+            raise ValueError(f"policy versions only grow: got {version} after {self._version}")
+        if not self._started:
+            self._started = True
+            if version > 0 and not (self.gate.accepted_total or self.gate.in_flight):
+                # No history but a learner past version 0 (resumed without buffer state):
+                # count its batches as trained, or the gate would let generation run v batches
+                # ahead (AReaL's recovery bug).
+                self.gate.start_at(version)
+        self._version = version
+
+    # -- gate and leases --------------------------------------------------------------------------
+
+    def capacity(self, version: int) -> int:
+        """Samples that may be issued now (the gate rule; see :mod:`buffer.gate`)."""
+        self._observe(version)
+        self._sweep(version)
+        return self.gate.capacity(version)
+
+    def issue(self, assignment_id: str, holder: str, n_samples: int | None = None,
+              payload: Any = None, *, force: bool = False) -> Lease:
+        """Lease a new assignment of ``n_samples`` (= group_size) samples to ``holder``.
+
+        Raises ``ValueError`` when the id was used before, when ``n_samples`` is not the group
+        size, or when it exceeds ``capacity(version)`` at the last version seen (pass
+        ``force=True`` to override the gate knowingly).
+        """
+        n = self.group_size if n_samples is None else n_samples
+        if n != self.group_size:
+            raise ValueError(f"n_samples {n} != group_size {self.group_size}: an assignment is one "
+                             "whole group")
+        if assignment_id in self._groups or assignment_id in self._closed:
+            raise ValueError(f"assignment id {assignment_id!r} was used before")
+        if not force:
+            room = self.capacity(self._version)
+            if n > room:
+                raise ValueError(f"issue({assignment_id!r}): {n} samples exceed the gate's capacity "
+                                 f"{room} at version {self._version}; check capacity(version) first")
+        lease = self.leases.issue(assignment_id, holder, n, payload, self._version)
+        self._groups[assignment_id] = _Group(assignment_id, n)
+        self.gate.on_issued(n)
+        self._n["issued"] += n
+        return lease
+
+    def expire(self) -> list[Lease]:
+        """Lose the leases past their deadline (and those of a restored checkpoint).
+
+        Returns the ones to :meth:`reissue`; their capacity stays reserved until then (call
+        :meth:`cancel` to give one up). Leases out of attempts are given up here: their missing
+        samples count as failed, their capacity is returned, their buffered samples dropped.
+        """
+        retry, exhausted = self.leases.expire()
+        for lease in retry:
+            self._n["expired"] += self.remaining(lease.assignment_id)
+        for lease in exhausted:
+            g = self._groups[lease.assignment_id]
+            self._n["expired"] += g.size - g.resolved
+            self._close(g, "exhausted")
+        return retry
+
+    def release_holder(self, holder: str) -> list[Lease]:
+        """``holder`` is gone: its leases are lost now. Returns those to :meth:`reissue`."""
+        retry, exhausted = self.leases.release_holder(holder)
+        for lease in retry:
+            self._n["released"] += self.remaining(lease.assignment_id)
+        for lease in exhausted:
+            g = self._groups[lease.assignment_id]
+            self._n["released"] += g.size - g.resolved
+            self._close(g, "exhausted")
+        return retry
+
+    def reissue(self, lease: Lease, holder: str) -> Lease:
+        """Hand an expired lease to ``holder`` (same assignment id, attempt + 1, new deadline).
+
+        The server is asked for the whole group again; slots already filled keep their first
+        result and the new copies are duplicates. Raises ``KeyError`` if the assignment finished
+        (or was given up) since :meth:`expire` returned it — a late result from the first holder
+        completes it: a caller that keeps expired leases across awaits checks :meth:`is_open`.
+        """
+        self.leases.reissue(lease, holder, self._version)
+        self._n["reissued"] += self.remaining(lease.assignment_id)
+        return lease
+
+    def cancel(self, assignment_id: str) -> bool:
+        """Give up an open assignment: capacity returned, buffered members dropped."""
+        g = self._groups.get(assignment_id)
+        if g is None or g.ready:
+            return False
+        self._close(g, "cancelled")
+        return True
+
+    # -- results ----------------------------------------------------------------------------------
+
+    async def put(self, sample: Sample, version: int) -> AckStatus:
+        """Take one result at learner version ``version``; the returned status is final.
+
+        A token tagged with a version newer than ``version`` makes the sample ``invalid``: the
+        learner must advance its version before it publishes the new weights.
+        """
+        status, completed = self._put(sample, version)
+        if completed and self._waiting:
+            async with self._cond:
+                self._cond.notify_all()
+        return status
+
+    def _invalid(self, reason: str) -> AckStatus:
+        self.last_invalid_reason = reason
+        self._n["invalid"] += 1
+        return _INVALID
+
+    def _put(self, s: Sample, version: int) -> tuple[AckStatus, bool]:
+        if version != self._version or not self._started:
+            self._observe(version)
+        n = self._n
+        aid = s.assignment_id
+        g = self._groups.get(aid)
+        if g is None:
+            why = self._closed.get(aid)
+            if why is None:
+                return self._invalid(f"unknown assignment {aid!r}"), False
+            if why == "stale" and s.sample_id not in self._seen:
+                n["stale"] += 1
+                return _STALE, False
+            n["duplicate"] += 1
+            return _DUPLICATE, False
+        gi = s.group_index
+        if s.group_size != g.size or not 0 <= gi < g.size:
+            return self._invalid(f"sample {s.sample_id!r}: group_index {gi} / group_size "
+                                 f"{s.group_size} do not fit assignment {aid!r} of {g.size}"), False
+        if g.slots[gi] is not None or s.sample_id in self._seen:
+            n["duplicate"] += 1
+            return _DUPLICATE, False
+        tv = s.token_versions
+        if len(tv):
+            mv = int(_min(tv))
+            # Versions never decrease along a completion, so the last token is the newest.
+            newest = int(tv[-1])
+            if newest > version or mv > version:
+                return self._invalid(f"sample {s.sample_id!r}: token version {max(newest, mv)} is "
+                                     f"newer than the learner's {version}"), False
+        else:
+            mv = -1
+        if s.failed is not None:
+            self._seen.add(s.sample_id)
+            n["accepted"] += 1
+            n["failed"] += 1
+            n["dropped_incomplete"] += 1
+            g.resolved += 1
+            self.gate.on_failed(1)
+            self._close(g, "failed")
+            return _ACCEPTED, False
+        gmin = mv if 0 <= mv < g.min_version else g.min_version
+        if (self._policy == "drop" and gmin != _NO_TOKENS
+                and version - gmin > self.gate.max_staleness):
+            n["stale"] += 1
+            g.resolved += 1
+            self.gate.on_failed(1)
+            self._close(g, "stale")
+            return _STALE, False
+        # Accepted: fill the slot.
+        g.slots[gi] = s
+        g.mins[gi] = mv
+        g.min_version = gmin
+        length = len(s.prompt_token_ids) + len(tv)
+        g.tokens += length
+        if length > g.max_len:
+            g.max_len = length
+        g.filled += 1
+        g.resolved += 1
+        self._pending += 1
+        self._seen.add(s.sample_id)
+        self.gate.on_accepted(1)
+        n["accepted"] += 1
+        if g.filled < g.size:
+            self.leases.extend(aid)
+            return _ACCEPTED, False
+        self.leases.complete(aid)
+        g.ready = True
+        self._ready.append(g)
+        self._ready_samples += g.size
+        self._ready_tokens += g.tokens
+        return _ACCEPTED, True
+
+    def _close(self, g: _Group, reason: str, unlink: bool = True) -> None:
+        """Remove a group that will not be trained; return its capacity.
+
+        ``reason``: "stale", "failed" (a member failed), "exhausted" (out of attempts) or
+        "cancelled". With ``unlink=False`` the caller removes it from the ready queue.
+        """
+        rem = g.size - g.resolved
+        if rem:
+            self.gate.on_failed(rem)
+            g.resolved = g.size
+            self._n[{"exhausted": "failed", "cancelled": "cancelled"}.get(reason, "abandoned")] += rem
+        if g.filled:
+            self.gate.on_dropped(g.filled)
+            self._n["dropped_stale" if reason == "stale" else "dropped_incomplete"] += g.filled
+            self._pending -= g.filled
+        if g.ready:
+            self._ready_samples -= g.size
+            self._ready_tokens -= g.tokens
+            if unlink:
+                self._ready.remove(g)
+        self.leases.complete(g.assignment_id)
+        del self._groups[g.assignment_id]
+        self._closed.add(g.assignment_id, "stale" if reason == "stale" else
+                         "cancelled" if reason == "cancelled" else "failed")
+
+    def _sweep(self, version: int) -> None:
+        """Apply the staleness limit to everything buffered, once per (version, η, policy)."""
+        key = (version, self.gate.max_staleness, self._policy)
+        if key == self._swept:
+            return
+        self._swept = key
+        if self._policy != "drop":
+            return
+        eta = self.gate.max_staleness
+        stale = [g for g in self._groups.values() if g.staleness(version) > eta]
+        if not stale:
+            return
+        for g in stale:
+            self._close(g, "stale", unlink=False)
+        self._ready = deque(g for g in self._ready if g.assignment_id in self._groups)
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    def _batch_ready(self) -> bool:
+        if self.token_budget is None:
+            return self._ready_samples >= self.batch_samples
+        return bool(self._ready) and self._ready_tokens >= self.token_budget
+
+    def _select(self, version: int) -> list[_Group]:
+        """Groups for one batch, in the order they will appear (see ``length_bucketing``)."""
+        ready = self._ready
+        if self.token_budget is None:
+            k = self.batch_samples // self.group_size
+            if not self.length_bucketing or len(ready) == k:
+                return [ready.popleft() for _ in range(k)]
+            fits = None
+        else:
+            budget = self.token_budget
+            if not self.length_bucketing:
+                chosen = [ready.popleft()]
+                total = chosen[0].tokens
+                while ready and total + ready[0].tokens <= budget:
+                    total += ready[0].tokens
+                    chosen.append(ready.popleft())
+                return chosen
+            k = len(ready)
+            fits = budget
+        # Length bucketing. First the groups that would be over the limit at the next version
+        # (staleness already == η), oldest first; then the oldest group (so nothing starves);
+        # then the groups closest in length to it.
+        eta = self.gate.max_staleness
+        groups = list(ready)
+        urgent = [i for i, g in enumerate(groups) if g.staleness(version) >= eta]
+        take: list[int] = []
+        total = 0
+        for i in urgent + [0]:
+            if len(take) < k and i not in take and (
+                    fits is None or not take or total + groups[i].tokens <= fits):
+                take.append(i)
+                total += groups[i].tokens
+        anchor = groups[take[0]].max_len if take else groups[0].max_len
+        rest = sorted((i for i in range(len(groups)) if i not in take),
+                      key=lambda i: (abs(groups[i].max_len - anchor), i))
+        for i in rest:
+            if len(take) >= k:
+                break
+            if fits is None or total + groups[i].tokens <= fits:
+                take.append(i)
+                total += groups[i].tokens
+        chosen_set = set(take)
+        self._ready = deque(g for i, g in enumerate(groups) if i not in chosen_set)
+        return [groups[i] for i in sorted(take)]
+
+    def poll_batch(self, version: int) -> Batch | None:
+        """A batch for learner version ``version`` if one is ready now, else None (never waits)."""
+        self._observe(version)
+        self._sweep(version)
+        if not self._batch_ready():
+            return None
+        groups = self._select(version)
+        eta = self.gate.max_staleness
+        samples: list[Sample] = []
+        staleness: list[int] = []
+        flags: list[bool] = []
+        hist = self._hist
+        closed = self._closed
+        tokens = 0
+        for g in groups:
+            samples.extend(g.slots)  # type: ignore[arg-type]   (a ready group has no empty slot)
+            for mv in g.mins:
+                st = version - mv if mv >= 0 else 0
+                staleness.append(st)
+                flags.append(st > eta)
+                hist[st] = hist.get(st, 0) + 1
+            tokens += g.tokens
+            del self._groups[g.assignment_id]
+            closed.add(g.assignment_id, "consumed")
+        n = len(samples)
+        self._ready_samples -= n
+        self._ready_tokens -= tokens
+        self._pending -= n
+        self.gate.on_consumed(n)
+        self._n["consumed"] += n
+        self._n["corrected"] += sum(flags)
+        self._n["batches"] += 1
+        return Batch(samples, version, staleness, flags, [g.size for g in groups])
+
+    async def next_batch(self, version: int, max_wait_s: float | None = None) -> Batch:
+        """Wait for and return the next batch at learner version ``version``.
+
+        Wakes as soon as the batch is complete. Raises ``TimeoutError`` (``asyncio.TimeoutError``)
+        after ``max_wait_s`` seconds without one. Cancellation-safe: a batch is taken from the
+        buffer in the same step that returns it, so a cancelled or timed-out call takes nothing.
+        Training counts as done when the batch is returned (``consumed``, the histogram and the
+        gate's ``consumed_total`` move here; there is no separate on_consumed call).
+        """
+        batch = self.poll_batch(version)
+        if batch is not None:
+            return batch
+        if max_wait_s is None:
+            return await self._wait_batch(version)
+        if hasattr(asyncio, "timeout"):                      # Python >= 3.11
+            async with asyncio.timeout(max_wait_s):
+                return await self._wait_batch(version)
+        return await asyncio.wait_for(self._wait_batch(version), max_wait_s)  # pragma: no cover
+
+    def on_consumed(self, batch: Batch) -> None:
+        """Nothing to do: a batch counts as consumed when :meth:`next_batch` returns it. Kept for
+        callers written against the optional form of the API."""
+
+    async def _wait_batch(self, version: int) -> Batch:
+        async with self._cond:
+            self._waiting += 1
+            try:
+                while True:
+                    batch = self.poll_batch(version)
+                    if batch is not None:
+                        return batch
+                    await self._cond.wait()
+            finally:
+                self._waiting -= 1
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self, binary: bool = True) -> dict[str, Any]:
+        """Everything needed to resume, as plain data (buffered samples included).
+
+        Arrays are raw little-endian bytes as on the wire (msgpack- and torch.save-able);
+        ``binary=False`` writes them base64-encoded so the result is JSON-able as well. Lease
+        payloads must be plain data or a ``protocol.Message`` (an ``Assignment``, say).
+        """
+        groups = [g for g in self._groups.values() if not g.ready] + list(self._ready)
+        return {
+            "format": STATE_FORMAT,
+            "version": self._version,
+            "batch_samples": self.batch_samples,
+            "group_size": self.group_size,
+            "max_staleness": self.gate.max_staleness,
+            "stale_policy": self._policy,
+            "gate": self.gate.state_dict(),
+            "leases": self.leases.state_dict(lambda p: _pack_payload(p, binary)),
+            "groups": [{"assignment_id": g.assignment_id, "size": g.size,
+                        "samples": [_to_plain(s.to_wire(), binary) for s in g.slots if s is not None]}
+                       for g in groups],
+            "seen": [k for k, _ in self._seen.items()],
+            "closed": [[k, v] for k, v in self._closed.items()],
+            "counters": dict(self._n),
+            "staleness_histogram": [[k, v] for k, v in sorted(self._hist.items())],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`, into a buffer built with the same group_size.
+
+        η and the stale policy come from the checkpoint (they may have been changed at runtime;
+        call the setters afterwards to override). Leases of the saved run are lost — their
+        servers are gone or will reconnect — and the next :meth:`expire` reports them: for
+        reissue (their capacity stays reserved, so the gate is exact), or, out of attempts, as
+        failed with their capacity returned. Results that servers re-send for them in the
+        meantime are accepted as usual.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
+        if state["group_size"] != self.group_size:
+            raise ValueError(f"checkpoint group_size {state['group_size']} != {self.group_size}: "
+                             "buffered groups cannot be re-cut")
+        self.gate.load_state_dict(state["gate"])
+        self._policy = self._check_policy(state["stale_policy"])
+        self.leases.load_state_dict(state["leases"], _unpack_payload)
+        self._groups, self._ready = {}, deque()
+        self._ready_samples = self._ready_tokens = self._pending = 0
+        in_flight = 0
+        for gd in state["groups"]:
+            g = _Group(gd["assignment_id"], int(gd["size"]))
+            for w in gd["samples"]:
+                s = Sample.from_wire(_from_plain(w), "buffer state sample")
+                tv = s.token_versions
+                mv = int(tv.min()) if len(tv) else -1
+                g.slots[s.group_index] = s
+                g.mins[s.group_index] = mv
+                if 0 <= mv < g.min_version:
+                    g.min_version = mv
+                length = len(s.prompt_token_ids) + len(tv)
+                g.tokens += length
+                g.max_len = max(g.max_len, length)
+                g.filled += 1
+            g.resolved = g.filled
+            self._groups[g.assignment_id] = g
+            self._pending += g.filled
+            if g.filled == g.size:
+                g.ready = True
+                self._ready.append(g)
+                self._ready_samples += g.size
+                self._ready_tokens += g.tokens
+            else:
+                if g.assignment_id not in self.leases:
+                    raise ValueError(f"buffer state: open group {g.assignment_id!r} has no lease")
+                in_flight += g.size - g.filled
+        if len(self.leases) != len(self._groups) - len(self._ready):
+            raise ValueError("buffer state: leases and open groups differ")
+        if self.gate.buffered != self._pending:
+            raise ValueError(f"buffer state: gate counts {self.gate.buffered} buffered samples, "
+                             f"the checkpoint holds {self._pending}")
+        self.gate.in_flight = in_flight
+        self._seen = RecentKeys(self._seen.capacity)
+        self._seen.update((k, None) for k in state["seen"])
+        self._closed = RecentKeys(self._closed.capacity)
+        self._closed.update((k, v) for k, v in state["closed"])
+        self._n = dict.fromkeys(COUNTER_NAMES, 0)
+        self._n.update({k: int(v) for k, v in state["counters"].items() if k in self._n})
+        self._hist = {int(k): int(v) for k, v in state["staleness_histogram"]}
+        self._version = int(state["version"])
+        self._started = True
+        self._swept = None
+
+    def __repr__(self) -> str:
+        return (f"RolloutBuffer(version={self._version}, eta={self.max_staleness}, "
+                f"policy={self._policy!r}, pending={self._pending}, ready={self._ready_samples}, "
+                f"in_flight={self.gate.in_flight}, leases={len(self.leases)})")
+
+
+# -- plain-data helpers for checkpoints -----------------------------------------------------------
+
+_B64 = "__b64__"
+_MSG = "__message__"
+
+
+def _to_plain(x: Any, binary: bool) -> Any:
+    """Wire form -> plain data: memoryviews become bytes (or base64 strings tagged ``__b64__``)."""
+    t = type(x)
+    if t is dict:
+        return {k: _to_plain(v, binary) for k, v in x.items()}
+    if t is list or t is tuple:
+        return [_to_plain(v, binary) for v in x]
+    if t is memoryview or t is bytes or t is bytearray:
+        b = bytes(x)
+        return b if binary else {_B64: base64.b64encode(b).decode("ascii")}
+    if x is None or t in (str, int, float, bool):
+        return x
+    raise TypeError(f"not plain data: {t.__name__} (lease payloads must be plain data or a "
+                    "protocol.Message)")
+
+
+def _from_plain(x: Any) -> Any:
+    t = type(x)
+    if t is dict:
+        if len(x) == 1 and _B64 in x:
+            return base64.b64decode(x[_B64])
+        return {k: _from_plain(v) for k, v in x.items()}
+    if t is list:
+        return [_from_plain(v) for v in x]
+    return x
+
+
+def _pack_payload(payload: Any, binary: bool) -> Any:
+    if isinstance(payload, Message):
+        return {_MSG: payload.TYPE, "body": _to_plain(payload.to_wire(), binary)}
+    return _to_plain(payload, binary)
+
+
+def _unpack_payload(p: Any) -> Any:
+    if type(p) is dict and _MSG in p:
+        return MESSAGE_TYPES[p[_MSG]].from_wire(_from_plain(p["body"]))
+    return _from_plain(p)

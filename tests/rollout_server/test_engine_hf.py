@@ -1,0 +1,77 @@
+"""HF engine: behavior log-probs are those of the distribution actually sampled from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from learner.trainer import collate
+from ops import token_logprobs
+from protocol import Sample
+from rollout_server.engine_hf import GenRequest, HFEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return HFEngine(tiny_model_dir, seed=3)
+
+
+def _prompt(engine, text):
+    tok = engine.tokenizer
+    return np.array([tok.bos_token_id, *tok.encode(text, add_special_tokens=False)], dtype=np.int32)
+
+
+def _recompute(engine, prompt, comps, temperature):
+    """The learner's view: right-padded batch, ops.token_logprobs at the same temperature."""
+    samples = [Sample(f"s{i}", "a", i, len(comps), prompt, c.token_ids, c.logprobs, c.versions, 0.0)
+               for i, c in enumerate(comps)]
+    bt = collate(samples, engine.pad_id)
+    with torch.no_grad():
+        logits = engine.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits[:, :-1]
+    lp = token_logprobs(logits, bt.targets, temperature=temperature)
+    return lp, bt
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behavior_logprobs_match_learner_recompute(engine, temperature):
+    prompts = [_prompt(engine, "12+7="), _prompt(engine, "3+25=")]
+    out = engine.generate([GenRequest(p, 4, temperature=temperature, max_new_tokens=6) for p in prompts])
+    for prompt, comps in zip(prompts, out):
+        assert len(comps) == 4
+        for c in comps:
+            assert c.token_ids.dtype == np.int32 and c.logprobs.dtype == np.float32
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) >= 1
+            assert (c.versions == engine.version).all()
+            assert np.all(c.logprobs <= 0) and np.isfinite(c.logprobs).all()
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == engine.eos_id
+            else:
+                assert len(c.token_ids) == 6
+        lp, bt = _recompute(engine, prompt, comps, temperature)
+        assert torch.allclose(lp[bt.mask.bool()], bt.behavior_logprobs[bt.mask.bool()], atol=2e-4)
+
+
+def test_top_p_logprobs_are_of_the_truncated_distribution(engine):
+    prompt = _prompt(engine, "9+9=")
+    (comps,) = engine.generate([GenRequest(prompt, 8, top_p=0.5, max_new_tokens=4)])
+    lp, bt = _recompute(engine, prompt, comps, 1.0)
+    m = bt.mask.bool()
+    # Renormalizing over the nucleus can only raise a kept token's probability.
+    assert (bt.behavior_logprobs[m] >= lp[m] - 1e-5).all()
+    assert (bt.behavior_logprobs[m] > lp[m] + 1e-4).any()
+
+
+def test_load_weights_changes_outputs_and_version(tiny_model_dir):
+    eng = HFEngine(tiny_model_dir, seed=0)
+    prompt = _prompt(eng, "1+1=")
+    new = {n: torch.randn_like(p) * 0.5 for n, p in eng.model.named_parameters()}
+    eng.load_weights(7, new)
+    assert eng.version == 7
+    for n, p in eng.model.named_parameters():
+        assert torch.equal(p, new[n])
+    (comps,) = eng.generate([GenRequest(prompt, 2, max_new_tokens=3)])
+    assert all((c.versions == 7).all() for c in comps)
+    with pytest.raises(ValueError, match="missing"):
+        eng.load_weights(8, {k: v for k, v in list(new.items())[1:]})
+    assert eng.version == 7
