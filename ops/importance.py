@@ -1,0 +1,93 @@
+"""Behavior-policy importance weights for decoupled PPO (DESIGN.md §4).
+
+Tokens were sampled by the behavior policy μ (the engine, possibly several versions old, possibly a
+different numerical stack); the PPO ratio is taken against the proximal policy π_prox (learner
+recompute at step start). The correction is w_t = π_prox(y_t)/μ(y_t) = exp(log π_prox − log μ),
+detached (Hilton et al. 2022 "Batch size-invariance for policy optimization" — decoupled PPO;
+AReaL, Fu et al. 2025), treated by ``mode``:
+
+- ``none``    w = 1;
+- ``tis``     w ← min(w, C)                         (truncated IS; Yao et al. 2025, "Your efficient
+                                                     RL framework secretly brings you off-policy RL");
+- ``mis``     w kept where 1/C ≤ w ≤ C, else the token is masked (weight 0; masked IS / rejection);
+- ``seq_tis`` / ``seq_mis``  the same on each sequence's geometric-mean weight
+              w_seq = exp(mean_t log w_t) (verl rollout-correction "sequence" level, geometric form),
+              broadcast to the sequence's tokens.
+
+Log-ratios are clamped to [−20, 20] before exp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kl import LOG_RATIO_CLAMP, kl_estimate
+from .masked import compute_dtype, masked_mean, masked_sum
+
+__all__ = ["IS_MODES", "importance_weights"]
+
+IS_MODES = ("none", "tis", "mis", "seq_tis", "seq_mis")
+
+
+@torch.no_grad()
+def importance_weights(
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "tis",
+    cap: float | None = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Detached importance weights w = π_prox/μ -> (weights [B, T], mask [B, T], stats).
+
+    proximal_logprobs, behavior_logprobs, mask: [B, T]. Returned ``weights`` are 0 wherever the
+    returned ``mask`` is 0; the returned mask is the input mask with the tokens (``mis``) or sequences
+    (``seq_mis``) outside [1/cap, cap] removed, in the input mask's dtype. ``cap`` is unused by ``none``.
+
+    Stats (plain floats, computed on the raw weights over the counted tokens of the input mask):
+    ``is_weight_mean``, ``is_weight_max``, ``is_weight_min``, ``is_ess_ratio`` = (Σw)²/(n·Σw²) ∈ (0, 1]
+    (1 when on-policy; Kish's effective sample size over n), ``is_masked_fraction`` (counted tokens
+    removed by mis/seq_mis), ``is_truncated_fraction`` (tokens whose weight the cap lowered),
+    ``mismatch_kl`` = mean k3 estimate of KL(μ ‖ π_prox) (samples come from μ).
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-weight mode {mode!r}; expected one of {IS_MODES}")
+    if mode != "none" and (cap is None or not cap >= 1.0):
+        raise ValueError(f"mode {mode!r} needs a cap >= 1, got {cap!r}")
+    cdt = compute_dtype(proximal_logprobs.dtype)
+    keep = mask != 0  # [B, T] bool
+    log_w = torch.clamp(proximal_logprobs.to(cdt) - behavior_logprobs.to(cdt), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_w = torch.where(keep, log_w, torch.zeros_like(log_w))  # padding: log w := 0
+    raw = torch.exp(log_w)  # [B, T]
+
+    new_keep = keep
+    if mode == "none":
+        w = torch.ones_like(raw)
+    elif mode in ("tis", "mis"):
+        w = raw
+    else:
+        log_w_seq = masked_mean(log_w, keep, dim=-1)  # [B] mean log-weight = log geometric mean
+        w = torch.exp(log_w_seq).unsqueeze(-1).expand_as(raw)  # [B, T]
+    truncated = torch.zeros_like(keep)
+    if mode in ("tis", "seq_tis"):
+        truncated = keep & (w > cap)
+        w = torch.clamp(w, max=cap)
+    elif mode in ("mis", "seq_mis"):
+        new_keep = keep & (w >= 1.0 / cap) & (w <= cap)
+    weights = torch.where(new_keep, w, torch.zeros_like(w))
+
+    n = keep.sum()
+    sum_w = masked_sum(raw, keep)
+    sum_w2 = masked_sum(raw.square(), keep)
+    ess = (sum_w.square() / (n * sum_w2)).item() if n > 0 else 1.0
+    raw_counted = raw[keep]
+    stats = {
+        "is_weight_mean": masked_mean(raw, keep).item(),
+        "is_weight_max": raw_counted.max().item() if raw_counted.numel() else 0.0,
+        "is_weight_min": raw_counted.min().item() if raw_counted.numel() else 0.0,
+        "is_ess_ratio": ess,
+        "is_masked_fraction": masked_mean((keep & ~new_keep).to(cdt), keep).item(),
+        "is_truncated_fraction": masked_mean(truncated.to(cdt), keep).item(),
+        "mismatch_kl": masked_mean(kl_estimate(behavior_logprobs, proximal_logprobs, "k3"), keep).item(),
+    }
+    out_mask = new_keep if mask.dtype == torch.bool else torch.where(new_keep, mask, torch.zeros_like(mask))
+    return weights, out_mask, stats

@@ -1,0 +1,205 @@
+"""Slow, obviously-correct twins of the optimized ``ops`` functions: Python loops over rows and
+tokens, float64, straight from the formulas. Tests compare the fast versions against these."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _rows(mask: torch.Tensor) -> list[list[int]]:
+    """Counted positions of each row, in order."""
+    return [[t for t in range(mask.shape[1]) if bool(mask[b, t] != 0)] for b in range(mask.shape[0])]
+
+
+# --- log-probs ---------------------------------------------------------------------------------------
+
+def token_logprobs_loop(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    B, T, _ = logits.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            z = logits[b, t].double() / temperature
+            out[b, t] = z[tokens[b, t]] - torch.logsumexp(z, 0)
+    return out
+
+
+def entropy_loop(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    B, T, _ = logits.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            p = torch.softmax(logits[b, t].double() / temperature, 0)
+            out[b, t] = -sum(float(pi) * math.log(float(pi)) for pi in p if pi > 0)
+    return out
+
+
+# --- masked statistics -------------------------------------------------------------------------------
+
+def counted_values(x: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    return [float(x[b, t]) for b, ts in enumerate(_rows(mask)) for t in ts]
+
+
+def masked_mean_loop(x, mask) -> float:
+    vals = counted_values(x, mask)
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def masked_var_loop(x, mask, unbiased=True) -> float:
+    vals = counted_values(x, mask)
+    n = len(vals)
+    if n - (1 if unbiased else 0) <= 0:
+        return 0.0
+    mu = sum(vals) / n
+    return sum((v - mu) ** 2 for v in vals) / (n - 1 if unbiased else n)
+
+
+def aggregate_loop(loss, mask, agg) -> float:
+    rows = _rows(mask)
+    if agg == "token_mean":
+        return masked_mean_loop(loss, mask)
+    per_row = []
+    for b, ts in enumerate(rows):
+        if not ts:
+            continue
+        s = sum(float(loss[b, t]) for t in ts)
+        per_row.append(s if agg == "seq_mean_token_sum" else s / len(ts))
+    return sum(per_row) / len(per_row) if per_row else 0.0
+
+
+# --- advantages --------------------------------------------------------------------------------------
+
+def gae_loop(rewards, values, mask, gamma, lam):
+    """verl's reverse loop over time with multi-turn masking (skip values and TD-errors on masked)."""
+    B, T = rewards.shape
+    m = (mask != 0).double()
+    r, v = rewards.double(), values.double()
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    lastgaelam = torch.zeros(B, dtype=torch.float64)
+    nextvalues = torch.zeros(B, dtype=torch.float64)
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * nextvalues - v[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = v[:, t] * m[:, t] + (1 - m[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * m[:, t] + (1 - m[:, t]) * lastgaelam
+        adv[:, t] = lastgaelam
+    adv = adv * m
+    return adv, (adv + v) * m
+
+
+def gae_compact_loop(rewards, values, mask, gamma, lam):
+    """GAE written per row on the list of counted tokens (a second, independent twin)."""
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    ret = torch.zeros(B, T, dtype=torch.float64)
+    for b, ts in enumerate(_rows(mask)):
+        a = 0.0
+        for i in reversed(range(len(ts))):
+            t = ts[i]
+            v_next = float(values[b, ts[i + 1]]) if i + 1 < len(ts) else 0.0
+            delta = float(rewards[b, t]) + gamma * v_next - float(values[b, t])
+            a = delta + gamma * lam * a
+            adv[b, t] = a
+            ret[b, t] = a + float(values[b, t])
+    return adv, ret
+
+
+def returns_to_go_loop(rewards, mask, gamma):
+    B, T = rewards.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b, ts in enumerate(_rows(mask)):
+        g = 0.0
+        for t in reversed(ts):
+            g = float(rewards[b, t]) + gamma * g
+            out[b, t] = g
+    return out
+
+
+def vtrace_sum(behavior, target, rewards, values, mask, gamma, rho_bar, c_bar):
+    """V-trace straight from eq. 1 of Espeholt et al. (2018): explicit sums of products, O(T²)."""
+    B, T = rewards.shape
+    vs = torch.zeros(B, T, dtype=torch.float64)
+    pg = torch.zeros(B, T, dtype=torch.float64)
+    for b, ts in enumerate(_rows(mask)):
+        n = len(ts)
+        ratio = [math.exp(min(max(float(target[b, t]) - float(behavior[b, t]), -20.0), 20.0)) for t in ts]
+        rho = [min(rho_bar, x) for x in ratio]
+        c = [min(c_bar, x) for x in ratio]
+        V = [float(values[b, t]) for t in ts] + [0.0]
+        r = [float(rewards[b, t]) for t in ts]
+        v_s = []
+        for s in range(n):
+            total = V[s]
+            for t in range(s, n):
+                prod = 1.0
+                for i in range(s, t):
+                    prod *= c[i]
+                total += gamma ** (t - s) * prod * rho[t] * (r[t] + gamma * V[t + 1] - V[t])
+            v_s.append(total)
+        v_s.append(0.0)
+        for s in range(n):
+            vs[b, ts[s]] = v_s[s]
+            pg[b, ts[s]] = rho[s] * (r[s] + gamma * v_s[s + 1] - V[s])
+    return vs, pg
+
+
+def group_advantages_loop(scores, group_size, method, eps=1e-6):
+    s = [float(x) for x in scores]
+    out = []
+    for g0 in range(0, len(s), group_size):
+        grp = s[g0 : g0 + group_size]
+        n = len(grp)
+        mean = sum(grp) / n
+        for i, x in enumerate(grp):
+            if method == "dr_grpo":
+                out.append(x - mean)
+            elif n == 1:
+                out.append(0.0)
+            elif method == "grpo":
+                std = math.sqrt(sum((y - mean) ** 2 for y in grp) / (n - 1))
+                out.append((x - mean) / (std + eps))
+            else:  # rloo
+                others = [y for j, y in enumerate(grp) if j != i]
+                out.append(x - sum(others) / len(others))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+# --- losses ------------------------------------------------------------------------------------------
+
+def ppo_token_losses_loop(logprobs, proximal, advantages, mask, clip_low, clip_high, dual_clip, is_weights):
+    B, T = logprobs.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t] == 0:
+                continue
+            lr = min(max(float(logprobs[b, t]) - float(proximal[b, t]), -20.0), 20.0)
+            r = math.exp(lr)
+            a = float(advantages[b, t])
+            loss = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
+            if dual_clip is not None and a < 0:
+                loss = min(loss, -a * dual_clip)
+            w = 1.0 if is_weights is None else float(is_weights[b, t])
+            out[b, t] = w * loss
+    return out
+
+
+def importance_loop(prox, behav, mask, mode, cap):
+    """Returns (weights, keep) as float64 / bool tensors, per the mode definitions, token by token."""
+    B, T = prox.shape
+    w = torch.zeros(B, T, dtype=torch.float64)
+    keep = torch.zeros(B, T, dtype=torch.bool)
+    for b, ts in enumerate(_rows(mask)):
+        raw = [math.exp(min(max(float(prox[b, t]) - float(behav[b, t]), -20.0), 20.0)) for t in ts]
+        if mode.startswith("seq"):
+            geo = math.exp(sum(math.log(x) for x in raw) / len(raw)) if raw else 1.0
+            raw = [geo] * len(ts)
+        for t, x in zip(ts, raw, strict=True):
+            if mode == "none":
+                w[b, t], keep[b, t] = 1.0, True
+            elif mode.endswith("tis"):
+                w[b, t], keep[b, t] = min(x, cap), True
+            elif 1.0 / cap <= x <= cap:
+                w[b, t], keep[b, t] = x, True
+    return w, keep
