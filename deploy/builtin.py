@@ -17,6 +17,8 @@ import random
 import time
 from pathlib import Path
 
+from learner.data import ARITH_MAX_OPERAND
+
 BUILTIN_MODELS = ("builtin:tiny-arith",)
 
 RECIPE = {
@@ -25,11 +27,12 @@ RECIPE = {
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "intermediate_size": 384,
-    "warmup_steps": 300,
+    "warmup_steps": 60,
     "warmup_batch": 64,
     "warmup_lr": 3e-3,
     "seed": 1234,
-    "revision": 1,
+    "revision": 2,
+    "max_operand": ARITH_MAX_OPERAND,
 }
 
 CHARS = list("0123456789+-*=?.,: ") + list("abcdefghijklmnopqrstuvwxyz")
@@ -100,7 +103,7 @@ def warm_up(model, tokenizer, steps: int, batch: int, lr: float, seed: int) -> l
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     model.eval()
     return losses
 

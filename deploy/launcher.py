@@ -24,7 +24,7 @@ import yaml
 from deploy.config import SlipstreamConfig
 
 TABLE_COLUMNS = (("step", "{:>5}"), ("reward_mean", "{:>7.3f}"), ("entropy", "{:>7.3f}"),
-                 ("is_mismatch_kl", "{:>9.2e}"), ("staleness_mean", "{:>6.2f}"), ("step_s", "{:>6.2f}"))
+                 ("mismatch_kl", "{:>11.2e}"), ("staleness_mean", "{:>6.2f}"), ("step_s", "{:>6.2f}"))
 TABLE_HEADER = "  step  reward  entropy  mismatch_kl  stale  step_s  server versions"
 
 

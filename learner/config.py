@@ -25,7 +25,7 @@ class LearnerConfig(BaseModel):
     metrics_port: int = Field(9400, ge=0, le=65535)
     """Port of the Prometheus /metrics endpoint (0 = any free port)."""
 
-    total_steps: int = Field(40, ge=1)
+    total_steps: int = Field(200, ge=1)
     """Policy steps to train; the learner (and `slipstream run`) stops after the last one."""
     batch_prompts: int = Field(8, ge=1)
     """Prompts per policy step; the batch holds batch_prompts * group_size samples."""
@@ -33,7 +33,7 @@ class LearnerConfig(BaseModel):
     """Completions per prompt (GRPO/RLOO groups)."""
     micro_batch_samples: int = Field(32, ge=1)
     """Samples per forward/backward pass (gradient accumulation over the batch)."""
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(3e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
@@ -68,7 +68,7 @@ class LearnerConfig(BaseModel):
     """Sampling temperature sent with every assignment."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold sent with every assignment."""
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(4, ge=1)
     """Completion length limit sent with every assignment."""
 
     weights_chunk_bytes: int = Field(64 << 20, ge=1024)

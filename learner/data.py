@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-ARITH_MAX_OPERAND = 29
+ARITH_MAX_OPERAND = 9
 
 
 def arith_example(rng: random.Random) -> tuple[str, str]:

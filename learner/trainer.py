@@ -99,10 +99,11 @@ class Trainer:
         advantages = adv[:, None] * bt.mask                                        # (B, L-1)
         proximal_all = torch.zeros_like(bt.mask)
         entropy_all = torch.zeros_like(bt.mask)
+        # Global denominator, so that the micro-batch losses add up to the full-batch loss.
         if cfg.loss_agg == "token_mean":
-            total = bt.mask.sum().clamp(min=1.0)
+            normalizer = max(1.0, float(bt.mask.sum()))
         else:
-            total = torch.tensor(float(B))
+            normalizer = max(1.0, float((bt.mask.sum(dim=1) > 0).sum()))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, pg_stats = 0.0, {}
         for lo in range(0, B, cfg.micro_batch_samples):
@@ -110,7 +111,7 @@ class Trainer:
             logits = self._logits(bt, rows)
             logprobs = ops.token_logprobs(logits, bt.targets[rows], temperature=cfg.temperature)
             with torch.no_grad():
-                entropy_all[rows] = ops.entropy_from_logits(logits.detach() / cfg.temperature)
+                entropy_all[rows] = ops.entropy_from_logits(logits.detach(), temperature=cfg.temperature)
             mask = bt.mask[rows]
             behavior = bt.behavior_logprobs[rows]
             proximal = logprobs.detach() if cfg.recompute_logprobs else behavior
@@ -119,11 +120,9 @@ class Trainer:
                                                            cap=cfg.is_cap)
             loss, pg_stats = ops.ppo_policy_loss(
                 logprobs, proximal, advantages[rows], loss_mask, clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high, is_weights=weights, agg=cfg.loss_agg)
-            share = (mask.sum() if cfg.loss_agg == "token_mean" else torch.tensor(float(len(mask))))
-            scaled = loss * (share / total)
-            scaled.backward()
-            loss_sum += float(scaled.detach())
+                clip_high=cfg.clip_high, is_weights=weights, agg=cfg.loss_agg, normalizer=normalizer)
+            loss.backward()
+            loss_sum += float(loss.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         self.optimizer.step()
         _, _, is_stats = ops.importance_weights(proximal_all, bt.behavior_logprobs, bt.mask,
@@ -143,5 +142,5 @@ class Trainer:
             "step_s": time.monotonic() - start,
         }
         stats.update({f"pg_{k}": float(v) for k, v in pg_stats.items()})
-        stats.update({f"is_{k}": float(v) for k, v in is_stats.items()})
+        stats.update({k: float(v) for k, v in is_stats.items()})      # is_weight_*, mismatch_kl, ...
         return stats

@@ -28,6 +28,8 @@ class RolloutConfig(BaseModel):
     """Port of the Prometheus /metrics endpoint (0 = any free port)."""
     ack_timeout_s: float = Field(30.0, gt=0)
     """Seconds to wait for an Ack before re-sending a result."""
+    weights_wait_s: float = Field(10.0, ge=0)
+    """Before starting new work, wait up to this long for announced newer weights to be applied."""
     seed: int = 0
     """Sampling seed (offset by the server's index in `slipstream run`)."""
     threads: int = Field(0, ge=0)

@@ -74,6 +74,7 @@ class RolloutService:
         self.weights_endpoint: str | None = None
         self.latest_manifest: protocol.WeightsAvailable | None = None
         self.weights_event = asyncio.Event()
+        self.weights_applied = asyncio.Event()
         self.send_lock = asyncio.Lock()
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
@@ -192,6 +193,7 @@ class RolloutService:
             self.queue_event.clear()
             if self.stopping.is_set():
                 return
+            await self._wait_for_pending_weights()
             requests = [self._request(a) for a in batch]
             start = time.monotonic()
             groups = await asyncio.to_thread(self.engine.generate, requests)
@@ -208,6 +210,18 @@ class RolloutService:
             self.metrics.requests_inflight.set(self.assigned_samples + len(self.unacked))
             if not self.stopping.is_set():
                 await self.send(protocol.WorkRequest(server_id=self.server_id, credits=done))
+
+    async def _wait_for_pending_weights(self) -> None:
+        """Newer weights announced? Let them land before starting new work (bounded wait), so
+        fresh assignments are not generated on a version the learner has already left behind."""
+        deadline = time.monotonic() + self.cfg.weights_wait_s
+        while (self.latest_manifest is not None and self.latest_manifest.version > self.engine.version
+               and time.monotonic() < deadline):
+            self.weights_applied.clear()
+            try:
+                await asyncio.wait_for(self.weights_applied.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return
 
     def _request(self, a: protocol.Assignment) -> GenRequest:
         s = a.sampling
@@ -248,6 +262,7 @@ class RolloutService:
             try:
                 buffer = await self.fetch_weights(manifest)
             except (TimeoutError, ValueError, protocol.ProtocolError) as e:
+                self.weights_applied.set()        # do not hold generation back for a failed fetch
                 self.metrics.errors.labels(kind="weights").inc()
                 log("weights_failed", version=manifest.version, error=str(e))
                 continue
@@ -260,6 +275,7 @@ class RolloutService:
             self.metrics.policy_version.set(manifest.version)
             await self.send(protocol.WeightsApplied(server_id=self.server_id, version=manifest.version,
                                                     checksum=manifest.checksum, seconds=seconds))
+            self.weights_applied.set()
             log("weights_applied", version=manifest.version, seconds=round(seconds, 4))
 
     async def fetch_weights(self, m: protocol.WeightsAvailable) -> bytearray:

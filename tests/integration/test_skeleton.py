@@ -20,7 +20,7 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 4
 
 
 class Proc:
@@ -92,16 +92,25 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     server = None
     try:
         ready = learner.wait_for("ready", 120)
+        # Change the staleness limit on the live learner (`slipstream ctl`) before any server joins:
+        # from then on training must be strictly on-policy.
+        r = subprocess.run([*cli, "ctl", "--endpoint", ready["control"], "set", "max_staleness", "0"],
+                           env=subprocess_env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert json.loads(r.stdout)["max_staleness"] == 0
+        bad = subprocess.run([*cli, "ctl", "--endpoint", ready["control"], "set", "max_staleness", "-1"],
+                             env=subprocess_env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "max_staleness takes an integer >= 0" in bad.stdout
         server = Proc([*cli, "rollout", "--config", str(cfg_file), "--learner", ready["rollout"]],
                       subprocess_env, tmp_path)
         server_ready = server.wait_for("ready", 120)
         steps = [learner.wait_for("step", 180) for _ in range(STEPS)]
-
-        # Every trained token was produced by a version <= the learner's version at training time,
-        # and generation never ran more than max_staleness + 1 versions behind.
+        # Every trained token was produced by a version <= the learner's version at training time;
+        # with eta = 0, by exactly that version.
         for st in steps:
             assert st["token_version_max"] <= st["trained_on_version"]
-            assert st["trained_on_version"] - st["token_version_min"] <= 1
+            assert st["token_version_min"] == st["trained_on_version"]    # eta = 0: on-policy
+            assert st["staleness_max"] == 0
             assert st["samples"] == 8
         assert [st["step"] for st in steps] == list(range(1, STEPS + 1))
 
