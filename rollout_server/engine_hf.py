@@ -12,34 +12,18 @@ tagged with one version (the HF engine's in-flight policy is effectively ``finis
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass
-class GenRequest:
-    prompt_token_ids: np.ndarray   # int32 [P], BOS included
-    n: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-
-
-@dataclass
-class Completion:
-    token_ids: np.ndarray          # int32 [T], EOS included when produced
-    logprobs: np.ndarray           # float32 [T]
-    versions: np.ndarray           # int32 [T]
-    finish_reason: str             # "stop" | "length"
+from rollout_server.engine import Completion, GenRequest, WeightUpdate
 
 
 class HFEngine:
-    """Synchronous engine; the rollout service calls it from a worker thread."""
+    """transformers engine: model work runs in a worker thread (``*_sync`` methods)."""
 
     name = "hf"
 
@@ -66,8 +50,19 @@ class HFEngine:
     def decode(self, token_ids: np.ndarray) -> str:
         return self.tokenizer.decode(token_ids.tolist(), skip_special_tokens=True)
 
+    async def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        return await asyncio.to_thread(self.generate_sync, requests)
+
+    async def update_weights(self, update: WeightUpdate) -> float:
+        if update.kind != "full":
+            raise ValueError(f"HF engine: {update.kind!r} weight updates are not supported yet")
+        return await asyncio.to_thread(self.load_weights, update.version, update.tensors)
+
+    async def close(self) -> None:
+        return None
+
     @torch.no_grad()
-    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+    def generate_sync(self, requests: list[GenRequest]) -> list[list[Completion]]:
         """Generate ``n`` completions for each request; requests with equal sampling share a call."""
         results: list[list[Completion] | None] = [None] * len(requests)
         by_params: dict[tuple, list[int]] = {}

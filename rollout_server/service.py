@@ -32,7 +32,8 @@ import protocol
 from ops.tensor_bytes import unflatten_tensors
 from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.config import RolloutConfig
-from rollout_server.engine_hf import GenRequest, HFEngine
+from rollout_server.engine import GenRequest, WeightUpdate
+from rollout_server.engine_hf import HFEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import load_reward, score
 
@@ -196,7 +197,7 @@ class RolloutService:
             await self._wait_for_pending_weights()
             requests = [self._request(a) for a in batch]
             start = time.monotonic()
-            groups = await asyncio.to_thread(self.engine.generate, requests)
+            groups = await self.engine.generate(requests)
             gen_s = time.monotonic() - start
             self.metrics.generation_seconds.observe(gen_s)
             for a, completions in zip(batch, groups):
@@ -269,7 +270,9 @@ class RolloutService:
             tensors = unflatten_tensors(buffer, [
                 {"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset, "nbytes": t.nbytes}
                 for t in manifest.tensors])
-            await asyncio.to_thread(self.engine.load_weights, manifest.version, tensors)
+            await self.engine.update_weights(WeightUpdate(version=manifest.version, kind=manifest.kind,
+                                                          tensors=tensors,
+                                                          lora_config=manifest.metadata.get("lora", {})))
             seconds = time.monotonic() - start
             self.metrics.weight_update_seconds.observe(seconds)
             self.metrics.policy_version.set(manifest.version)

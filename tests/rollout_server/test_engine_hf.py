@@ -9,7 +9,8 @@ import torch
 from learner.trainer import collate
 from ops import token_logprobs
 from protocol import Sample
-from rollout_server.engine_hf import GenRequest, HFEngine
+from rollout_server.engine import GenRequest
+from rollout_server.engine_hf import HFEngine
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def _recompute(engine, prompt, comps, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behavior_logprobs_match_learner_recompute(engine, temperature):
     prompts = [_prompt(engine, "12+7="), _prompt(engine, "3+25=")]
-    out = engine.generate([GenRequest(p, 4, temperature=temperature, max_new_tokens=6) for p in prompts])
+    out = engine.generate_sync([GenRequest(p, 4, temperature=temperature, max_new_tokens=6) for p in prompts])
     for prompt, comps in zip(prompts, out):
         assert len(comps) == 4
         for c in comps:
@@ -54,7 +55,7 @@ def test_behavior_logprobs_match_learner_recompute(engine, temperature):
 
 def test_top_p_logprobs_are_of_the_truncated_distribution(engine):
     prompt = _prompt(engine, "9+9=")
-    (comps,) = engine.generate([GenRequest(prompt, 8, top_p=0.5, max_new_tokens=4)])
+    (comps,) = engine.generate_sync([GenRequest(prompt, 8, top_p=0.5, max_new_tokens=4)])
     lp, bt = _recompute(engine, prompt, comps, 1.0)
     m = bt.mask.bool()
     # Renormalizing over the nucleus can only raise a kept token's probability.
@@ -70,7 +71,7 @@ def test_load_weights_changes_outputs_and_version(tiny_model_dir):
     assert eng.version == 7
     for n, p in eng.model.named_parameters():
         assert torch.equal(p, new[n])
-    (comps,) = eng.generate([GenRequest(prompt, 2, max_new_tokens=3)])
+    (comps,) = eng.generate_sync([GenRequest(prompt, 2, max_new_tokens=3)])
     assert all((c.versions == 7).all() for c in comps)
     with pytest.raises(ValueError, match="missing"):
         eng.load_weights(8, {k: v for k, v in list(new.items())[1:]})

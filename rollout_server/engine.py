@@ -1,0 +1,60 @@
+"""The one engine interface every generation backend implements (HF, vLLM).
+
+An engine generates ``n`` completions per request and returns, for every sampled token, its id,
+its behavior log-prob (under the distribution it was actually sampled from) and the policy
+version of the weights that produced it. It applies weight updates (full weights or a LoRA
+adapter) and reports the version it serves. All methods that do model work are coroutines; an
+engine keeps heavy work off the event loop (a worker thread, or its own engine processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class GenRequest:
+    prompt_token_ids: np.ndarray   # int32 [P], BOS included
+    n: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 = no top-k
+    max_new_tokens: int = 16
+
+
+@dataclass
+class Completion:
+    token_ids: np.ndarray          # int32 [T], EOS included when produced
+    logprobs: np.ndarray           # float32 [T]
+    versions: np.ndarray           # int32 [T]
+    finish_reason: str             # "stop" | "length" | "abort"
+
+
+@dataclass
+class WeightUpdate:
+    """A new policy version: full weights (every parameter) or a LoRA adapter's tensors."""
+
+    version: int
+    kind: str                                   # "full" | "lora"
+    tensors: dict[str, Any]                     # name -> torch.Tensor (checkpoint-format names)
+    lora_config: dict[str, Any] = field(default_factory=dict)   # PEFT LoraConfig fields (lora)
+
+
+class Engine(Protocol):
+    name: str
+
+    @property
+    def version(self) -> int: ...
+
+    async def generate(self, requests: list[GenRequest]) -> list[list[Completion]]: ...
+
+    async def update_weights(self, update: WeightUpdate) -> float:
+        """Apply ``update`` between engine steps; returns seconds; afterwards ``version`` is new."""
+        ...
+
+    def decode(self, token_ids: np.ndarray) -> str: ...
+
+    async def close(self) -> None: ...
