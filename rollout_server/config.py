@@ -7,6 +7,31 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class VLLMOptions(BaseModel):
+    """Options of the vLLM engine (``rollout.engine: vllm``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enforce_eager: bool = True
+    """Skip CUDA graphs / torch.compile (engine starts in ~25 s instead of minutes on CPU)."""
+    max_model_len: int = Field(2048, ge=16)
+    """Longest prompt + completion the engine accepts."""
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (GPU builds)."""
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """KV-cache size on the CPU build (VLLM_CPU_KVCACHE_SPACE)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (needed for weights kind "lora")."""
+    max_lora_rank: int = Field(16, ge=1)
+    """Largest LoRA rank the engine accepts."""
+    max_loras: int = Field(2, ge=1)
+    """Adapter versions kept loaded, so requests that started on version k can finish on k."""
+    weight_transfer: Literal["zmq", "nccl"] = "zmq"
+    """How full weights arrive: chunks over ZeroMQ (any machine) or NCCL (GPU clusters)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallelism (GPUs per server)."""
+
+
 class RolloutConfig(BaseModel):
     """Everything a rollout server needs besides the model path."""
 
@@ -16,8 +41,13 @@ class RolloutConfig(BaseModel):
     """The learner's rollout endpoint (its ROUTER); the weights endpoint comes in Welcome."""
     server_id: str | None = None
     """Stable name of this server (default: hostname-pid)."""
-    engine: Literal["hf"] = "hf"
-    """Generation engine."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: hf (transformers, CPU or GPU) or vllm."""
+    inflight_update: Literal["continue", "finish", "resubmit"] = "finish"
+    """Weights arriving while a request generates: continue (new tokens use the new weights),
+    finish (the request finishes on its version), resubmit (abort, regenerate the rest)."""
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    """vLLM engine options."""
     max_concurrency: int = Field(64, ge=1)
     """Samples this server generates at once (the credits it asks for)."""
     reward: str = "builtin:exact_numeric"

@@ -33,7 +33,7 @@ from ops.tensor_bytes import unflatten_tensors
 from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import GenRequest, WeightUpdate
-from rollout_server.engine_hf import HFEngine
+from rollout_server.engines import create_engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import load_reward, score
 
@@ -63,7 +63,7 @@ class RolloutService:
         if cfg.threads:
             import torch
             torch.set_num_threads(cfg.threads)
-        self.engine = HFEngine(model_path, dtype=cfg.dtype, seed=cfg.seed)
+        self.engine = create_engine(cfg, model_path)
         self.model_name = os.path.basename(os.path.normpath(model_path))
         self.metrics = RolloutMetrics()
         self.queue: list[protocol.Assignment] = []
