@@ -79,7 +79,7 @@ from buffer.records import AckStatus, Batch
 from protocol import MESSAGE_TYPES, Message, Sample
 
 STALE_POLICIES = ("drop", "correct")
-STATE_FORMAT = 1
+STATE_FORMAT = 2         # 2: samples stored in protocol 2.0 wire form
 
 _NO_TOKENS = sys.maxsize         # min_version of a group none of whose samples has a token
 _min = np.minimum.reduce         # ndarray.min without its Python-level wrapper (hot path)

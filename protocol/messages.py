@@ -16,9 +16,12 @@ Flow (rollout server = DEALER, learner = ROUTER):
     ctl -> learner      ControlRequest / ControlReply  (control socket)
     either              Error            a refused message, with the id it refers to
 
-All fields are required unless they have a default. Field kinds (see ``schema``) define the wire
-form and the validation applied on decode (``Struct.to_wire_checked`` / ``from_wire_checked``,
-the reference path). ``Sample`` and ``RolloutResult``, the messages that carry every token, also
+All fields are required unless they have a default. On the wire a message is an array of its
+field values in ``FIELDS`` order (``protocol.codec``), so that order is part of the protocol:
+append new fields at the end, with a default, and never reorder, remove or retype one within a
+major version (tests/protocol pins it). Field kinds (see ``schema``) define the wire form and the
+validation applied on decode (``Struct.to_wire_checked`` / ``from_wire_checked``, the reference
+path). ``Sample`` and ``RolloutResult``, the messages that carry every token, also
 have hand-written ``to_wire`` / ``from_wire`` (``_sample_fast`` at the bottom): the same wire form
 and the same checks in one pass, handing anything unusual to the reference path.
 """
@@ -26,7 +29,6 @@ and the same checks in one pass, handing anything unusual to the reference path.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -64,6 +66,7 @@ _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype
 _ndarray = np.ndarray
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior log-probs, versions
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")
 
@@ -93,6 +96,10 @@ class Sample(Struct):
     completion_text: str = ""
     failed: str | None = None              # reason, when generation or the reward failed
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The dtypes of the four arrays, in field order, as they travel (numpy dtype strings). Each
+    # array is 1-D, so its shape is its byte length / item size. Fixed by this protocol version;
+    # a receiver refuses any other value instead of misreading the bytes.
+    array_dtypes: str = "<i4,<i4,<f4,<i4"
 
     FIELDS: ClassVar = (
         ("sample_id", _STR), ("assignment_id", _STR), ("group_index", _NAT), ("group_size", Int(1)),
@@ -100,9 +107,13 @@ class Sample(Struct):
         ("behavior_logprobs", _F32_FINITE), ("token_versions", _I32_NON_NEGATIVE),
         ("reward", _FLOAT), ("reward_parts", _FMAP), ("finish_reason", _STR), ("timing", _FMAP),
         ("completion_text", _STR), ("failed", Optional(_STR)), ("metadata", _MAP),
+        ("array_dtypes", _STR),
     )
 
     def cross_check(self, where: str) -> None:
+        if self.array_dtypes != SAMPLE_ARRAY_DTYPES:
+            raise ProtocolError(f"{where}.array_dtypes: {self.array_dtypes!r}; this protocol "
+                                f"version sends the arrays as {SAMPLE_ARRAY_DTYPES!r}")
         n = len(self.completion_token_ids)
         if len(self.behavior_logprobs) != n:
             raise ProtocolError(f"{where}.behavior_logprobs: length {len(self.behavior_logprobs)} "
@@ -117,7 +128,7 @@ class Sample(Struct):
             raise ProtocolError(f"{where}.finish_reason: {self.finish_reason!r} not in "
                                 f"{FINISH_REASONS}")
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> list:
         """Hand-written ``to_wire_checked`` for the hot path (same wire form, no per-field loop).
 
         Maps go out as they are; if one holds a value msgpack cannot pack (a numpy scalar), the
@@ -125,33 +136,29 @@ class Sample(Struct):
         """
         p, c = self.prompt_token_ids, self.completion_token_ids
         lp, v = self.behavior_logprobs, self.token_versions
-        if not (FAST_PATHS_CURRENT and type(p) is _ndarray and type(c) is _ndarray and type(lp) is _ndarray
-                and type(v) is _ndarray and p.dtype is _INT32 and c.dtype is _INT32
-                and lp.dtype is _FLOAT32 and v.dtype is _INT32
-                and p.ndim == 1 and c.ndim == 1 and lp.ndim == 1 and v.ndim == 1):
-            return self.to_wire_checked()   # lists, other dtypes: converted (or refused) per field
-        reward = self.reward
-        # tobytes() (a C-order copy) costs what a memoryview plus a layout check costs at these
-        # sizes; msgpack copies into its buffer either way.
-        return {
-            "sample_id": self.sample_id, "assignment_id": self.assignment_id,
-            "group_index": self.group_index, "group_size": self.group_size,
-            "prompt_token_ids": ["<i4", [len(p)], p.tobytes()],
-            "completion_token_ids": ["<i4", [len(c)], c.tobytes()],
-            "behavior_logprobs": ["<f4", [len(lp)], lp.tobytes()],
-            "token_versions": ["<i4", [len(v)], v.tobytes()],
-            "reward": reward if type(reward) is float else float(reward),
-            "reward_parts": self.reward_parts, "finish_reason": self.finish_reason,
-            "timing": self.timing, "completion_text": self.completion_text, "failed": self.failed,
-            "metadata": self.metadata,
-        }
+        try:
+            # The dtype singletons (np.dtype("<i4") is np.dtype(np.int32)) identify numpy arrays
+            # of the wire dtype; anything else (lists, int64, 2-D) is converted or refused field
+            # by field. tobytes() is the C-order copy msgpack needs.
+            if (p.dtype is _INT32 and c.dtype is _INT32 and lp.dtype is _FLOAT32
+                    and v.dtype is _INT32 and p.ndim == 1 and c.ndim == 1 and lp.ndim == 1
+                    and v.ndim == 1 and FAST_PATHS_CURRENT):
+                reward = self.reward
+                return [self.sample_id, self.assignment_id, self.group_index, self.group_size,
+                        p.tobytes(), c.tobytes(), lp.tobytes(), v.tobytes(),
+                        reward if type(reward) is float else float(reward), self.reward_parts,
+                        self.finish_reason, self.timing, self.completion_text, self.failed,
+                        self.metadata, SAMPLE_ARRAY_DTYPES]
+        except AttributeError:
+            pass
+        return self.to_wire_checked()
 
     @classmethod
     def from_wire(cls, body: Any, where: str | None = None) -> Sample:
         """Fast path first; anything it does not accept goes through the checked path, which
         either accepts it too (an int reward, a field an older sender omitted) or raises the
         error that names the field."""
-        if type(body) is dict and FAST_PATHS_CURRENT:
+        if FAST_PATHS_CURRENT:
             sample = _sample_fast(body)
             if sample is not None:
                 return sample
@@ -247,20 +254,21 @@ class RolloutResult(Message):
     samples: list[Sample]
     FIELDS: ClassVar = (("server_id", _STR), ("samples", StructList(Sample)))
 
-    def to_wire(self) -> dict:
-        if not FAST_PATHS_CURRENT:
-            return self.to_wire_checked()
-        return {"server_id": self.server_id, "samples": [s.to_wire() for s in self.samples]}
+    def to_wire(self) -> list:
+        samples = []
+        for s in self.samples:
+            samples.append(s.to_wire())
+        return [self.server_id, samples]
 
     @classmethod
     def from_wire(cls, body: Any, where: str | None = None) -> RolloutResult:
-        if type(body) is dict and FAST_PATHS_CURRENT:
-            server_id, samples = body.get("server_id"), body.get("samples")
-            if (type(server_id) is str and len(server_id) <= MAX_STR_CHARS
-                    and type(samples) is list and len(samples) <= MAX_LIST_ITEMS):
+        if type(body) is list and len(body) >= 2 and FAST_PATHS_CURRENT:
+            server_id, samples = body[0], body[1]
+            if (type(server_id) is str and type(samples) is list
+                    and len(server_id) <= MAX_STR_CHARS and len(samples) <= MAX_LIST_ITEMS):
                 out = []
-                for item in samples:
-                    sample = _sample_fast(item) if type(item) is dict else None
+                for w in samples:
+                    sample = _sample_fast(w)
                     if sample is None:
                         break
                     out.append(sample)
@@ -396,48 +404,57 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 _SAMPLE_FAST_FIELDS = (
     "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
     "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
-    "finish_reason", "timing", "completion_text", "failed", "metadata")
+    "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes")
 FAST_PATHS_CURRENT = (tuple(name for name, _ in Sample.FIELDS) == _SAMPLE_FAST_FIELDS
                       and tuple(name for name, _ in RolloutResult.FIELDS) == ("server_id", "samples"))
-_sample_values = operator.itemgetter(*_SAMPLE_FAST_FIELDS)
 _frombuffer = np.frombuffer
+_isfinite = math.isfinite
 _PLAIN_TYPES = PLAIN_TYPES
+_N_SAMPLE_FIELDS = len(_SAMPLE_FAST_FIELDS)
 
 
-def _sample_fast(d: dict) -> Sample | None:
-    """The Sample if ``d`` passes every check of ``Sample.from_wire_checked``; else None.
+def _sample_fast(w: Any) -> Sample | None:
+    """The Sample if the wire array ``w`` passes every check of ``Sample.from_wire_checked``;
+    else None, and the checked path decides (and names the field).
 
-    Never raises and never accepts more than the checked path (tests/protocol checks both). The
-    loops over the small maps are written out here because a call per map costs more than the
-    check itself.
+    Never accepts more than the checked path (tests/protocol checks both). Written for the
+    interpreter: only checks that 3.11 specialises (``type(x) is T``, int and float compares), no
+    call per field, array lengths checked on the byte strings with Python ints before any array
+    exists, then four ``frombuffer`` views and two reductions.
     """
+    if type(w) is not list:
+        return None
     try:
         (sample_id, assignment_id, group_index, group_size, prompt, completion, logprobs, versions,
-         reward, reward_parts, finish_reason, timing, text, failed, metadata) = _sample_values(d)
-    except KeyError:
-        return None   # an older sender omitted a defaulted field: the checked path fills it in
-    if not (type(sample_id) is str and len(sample_id) <= MAX_STR_CHARS
-            and type(assignment_id) is str and len(assignment_id) <= MAX_STR_CHARS
-            and type(text) is str and len(text) <= MAX_STR_CHARS
-            and type(group_index) is int and type(group_size) is int
+         reward, reward_parts, finish_reason, timing, text, failed, metadata, dtypes) = w
+    except ValueError:
+        # More values: a newer minor version appended fields, ignored. Fewer: an older sender
+        # left out defaulted fields, which the checked path fills in.
+        return _sample_fast(w[:_N_SAMPLE_FIELDS]) if len(w) > _N_SAMPLE_FIELDS else None
+    if not (type(sample_id) is str and type(assignment_id) is str and type(text) is str
+            and type(finish_reason) is str and type(group_index) is int
+            and type(group_size) is int and type(reward) is float
+            and type(reward_parts) is dict and type(timing) is dict and type(metadata) is dict
+            and type(prompt) is bytes and type(completion) is bytes and type(logprobs) is bytes
+            and type(versions) is bytes
             and 0 <= group_index < group_size
-            and type(reward) is float and reward - reward == 0.0     # finite: inf - inf is NaN
-            and type(finish_reason) is str and finish_reason in FINISH_REASONS
+            and reward - reward == 0.0                  # finite: inf - inf and NaN - NaN are NaN
+            and finish_reason in FINISH_REASONS
+            and dtypes == SAMPLE_ARRAY_DTYPES
             and (failed is None or (type(failed) is str and len(failed) <= MAX_STR_CHARS))
-            and type(reward_parts) is dict and len(reward_parts) <= MAX_MAP_ITEMS
-            and type(timing) is dict and len(timing) <= MAX_MAP_ITEMS
-            and type(metadata) is dict and len(metadata) <= MAX_MAP_ITEMS
-            # arrays: [dtype, [n], data], all four dtypes 4 bytes wide
-            and type(prompt) is list and len(prompt) == 3
-            and type(completion) is list and len(completion) == 3
-            and type(logprobs) is list and len(logprobs) == 3
-            and type(versions) is list and len(versions) == 3):
+            # Size limits as sums: a sum within the limit puts every part within it (a message
+            # over the sum but within each limit takes the checked path, which accepts it).
+            and len(sample_id) + len(assignment_id) + len(text) <= MAX_STR_CHARS
+            and len(reward_parts) + len(timing) + len(metadata) <= MAX_MAP_ITEMS
+            # arrays: all four dtypes are 4 bytes wide; one length for the three per-token ones
+            and (n := len(completion)) == len(logprobs) == len(versions)
+            and not (len(prompt) | n) & 3 and len(prompt) + n <= _MAX_ARRAY_BYTES):
         return None
     for k, x in reward_parts.items():
-        if type(k) is not str or type(x) is not float or x - x != 0.0:
+        if type(k) is not str or type(x) is not float or x - x:    # x - x: 0.0, or NaN if not finite
             return None
     for k, x in timing.items():
-        if type(k) is not str or type(x) is not float or x - x != 0.0:
+        if type(k) is not str or type(x) is not float or x - x:
             return None
     for k, x in metadata.items():
         if type(k) is not str:
@@ -448,32 +465,15 @@ def _sample_fast(d: dict) -> Sample | None:
                 return None
         elif t not in _PLAIN_TYPES and not is_plain(x, 1):
             return None
-    p_dtype, p_shape, p_data = prompt
-    c_dtype, c_shape, c_data = completion
-    l_dtype, l_shape, l_data = logprobs
-    v_dtype, v_shape, v_data = versions
-    if not (p_dtype == "<i4" and c_dtype == "<i4" and l_dtype == "<f4" and v_dtype == "<i4"
-            and type(p_data) is bytes and type(c_data) is bytes
-            and type(l_data) is bytes and type(v_data) is bytes
-            and len(p_data) <= _MAX_ARRAY_BYTES and len(c_data) <= _MAX_ARRAY_BYTES
-            and not (len(p_data) & 3 or len(c_data) & 3)
-            and len(l_data) == len(c_data) and len(v_data) == len(c_data)
-            and type(p_shape) is list and len(p_shape) == 1 and type(p_shape[0]) is int
-            and type(c_shape) is list and len(c_shape) == 1 and type(c_shape[0]) is int
-            and p_shape[0] == len(p_data) >> 2 and c_shape[0] == len(c_data) >> 2
-            and l_shape == c_shape and v_shape == c_shape     # both [n], n an int (bool != int)
-            and type(l_shape[0]) is int and type(v_shape[0]) is int):
-        return None
-    prompt = _frombuffer(p_data, _INT32)
-    completion = _frombuffer(c_data, _INT32)
-    logprobs = _frombuffer(l_data, _FLOAT32)
-    versions = _frombuffer(v_data, _INT32)
+    logprobs = _frombuffer(logprobs, _FLOAT32)
+    versions = _frombuffer(versions, _INT32)
     # x·x is NaN/inf iff some x is (or it overflows; then the checked path decides exactly).
-    # argmin + item is about 2x cheaper than min() for a 1k-element array.
-    if c_data and not (math.isfinite(logprobs.dot(logprobs)) and versions.item(versions.argmin()) >= 0):
+    # argmin + item is about 3x cheaper than min() for a 1k-element array.
+    if n and not (_isfinite(logprobs.dot(logprobs)) and versions.item(versions.argmin()) >= 0):
         return None
-    return Sample(sample_id, assignment_id, group_index, group_size, prompt, completion, logprobs,
-                  versions, reward, reward_parts, finish_reason, timing, text, failed, metadata)
+    return Sample(sample_id, assignment_id, group_index, group_size, _frombuffer(prompt, _INT32),
+                  _frombuffer(completion, _INT32), logprobs, versions, reward, reward_parts,
+                  finish_reason, timing, text, failed, metadata)
 
 
 _MAX_ARRAY_BYTES = 4 * MAX_ARRAY_ITEMS

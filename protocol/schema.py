@@ -1,14 +1,16 @@
 """Field kinds: how one field of a message is written to msgpack and validated when read.
 
-A struct (message or nested record) declares ``FIELDS``: a tuple of ``(name, kind)``. Each kind is
-an object with ``pack(value)`` (Python value -> msgpack-able value) and ``unpack(value, where)``
-(msgpack value -> validated Python value, raising :class:`ProtocolError` that names ``where``).
+A struct (message or nested record) declares ``FIELDS``: a tuple of ``(name, kind)``. On the wire
+a struct is a msgpack array of its field values in that order (``Struct`` below; the frame layout
+is in ``protocol.codec``). Each kind is an object with ``pack(value)`` (Python value -> msgpack-able
+value) and ``unpack(value, where)`` (msgpack value -> validated Python value, raising
+:class:`ProtocolError` that names ``where``).
 
-Arrays travel as a 3-element msgpack array ``[dtype, shape, data]``, e.g.
-``["<i4", [1024], <bin 4096 bytes>]``: the numpy dtype string (always little-endian), the shape
-as a list, and the raw bytes, never a list of numbers, never pickled. Any msgpack reader gets the
-bytes back with ``unpackb(body)["completion_token_ids"][2]``. Decoded arrays are zero-copy,
-read-only views of the received buffer.
+Arrays travel as msgpack bin: the raw little-endian bytes of a 1-D array, never a list of
+numbers, never pickled. The dtype is fixed per field by the schema (``Array("int32")`` is
+``<i4``), the length is ``len(data) // itemsize``, so any msgpack reader gets the values back with
+``np.frombuffer(unpackb(body)[1][0][5], "<i4")`` (the ``completion_token_ids`` of the first sample
+of a ``RolloutResult``). Decoded arrays are zero-copy, read-only views of the received buffer.
 
 This generic path is the reference: it is complete and names the offending field in every error.
 The hot messages (``Sample``, ``RolloutResult``) also have a hand-written fast path in
@@ -36,7 +38,6 @@ MAX_DEPTH = 8                    # nesting of plain maps and lists (metadata, co
 MAX_DIMS = 64                    # dimensions of a tensor shape in a weights manifest
 
 _ndarray = np.ndarray
-_DTYPE_STR: dict[np.dtype, str] = {}   # dtype.str builds a new string on every access
 
 
 class Kind:
@@ -288,8 +289,8 @@ class PlainMap(Kind):
 # Arrays
 
 
-def pack_array(value: Any, dtype: np.dtype) -> list:
-    """``[dtype_str, [n], data]`` for a 1-D array, e.g. ``["<i4", [3], b"..."]``.
+def pack_array(value: Any, dtype: np.dtype) -> bytes:
+    """The raw little-endian bytes of a 1-D array of ``dtype``.
 
     Lists and arrays of another dtype are converted; an integer conversion that would change a
     value (int64 -> int32 overflow) or an array that is not 1-D raises :class:`ProtocolError`.
@@ -305,26 +306,20 @@ def pack_array(value: Any, dtype: np.dtype) -> list:
         if dtype.kind in "iu" and src.dtype != dtype and not np.array_equal(arr, src):
             raise ProtocolError(f"values not representable as {dtype.name}")
         value = arr
-    return [_DTYPE_STR[dtype], [len(value)], value.tobytes()]
+    return value.tobytes()
 
 
 def unpack_array(value: Any, dtype: np.dtype, where: str) -> np.ndarray:
-    """Validate ``[dtype_str, [n], data]`` and return a read-only view of ``data``."""
-    if type(value) is not list or len(value) != 3:
-        raise _type_error(where, f"an array [dtype, shape, data] of {dtype.name}", value)
-    wire_dtype, shape, data = value
-    if wire_dtype != dtype.str:
-        raise ProtocolError(f"{where}: dtype {wire_dtype!r:.40}, expected {dtype.str!r}")
-    if type(shape) is not list or len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
-        raise ProtocolError(f"{where}: shape must be [n] with n >= 0, got {shape!r}")
-    n = shape[0]
+    """Validate raw bytes of a 1-D ``dtype`` array and return a read-only view of them."""
+    if type(value) is not bytes:
+        raise _type_error(where, f"binary data (raw little-endian {dtype.name} values)", value)
+    n, rest = divmod(len(value), dtype.itemsize)
+    if rest:
+        raise ProtocolError(f"{where}: {len(value)} bytes are not a whole number of "
+                            f"{dtype.itemsize}-byte {dtype.name} values")
     if n > MAX_ARRAY_ITEMS:
         raise ProtocolError(f"{where}: {n} elements exceed {MAX_ARRAY_ITEMS}")
-    if type(data) is not bytes:
-        raise _type_error(f"{where} data", "binary data", data)
-    if len(data) != n * dtype.itemsize:
-        raise ProtocolError(f"{where}: {len(data)} bytes do not match shape [{n}] of {dtype.name}")
-    return np.frombuffer(data, dtype)
+    return np.frombuffer(value, dtype)
 
 
 def all_finite(arr: np.ndarray) -> bool:
@@ -338,18 +333,21 @@ def all_non_negative(arr: np.ndarray) -> bool:
 
 
 class Array(Kind):
-    """A 1-D numpy array of a fixed dtype, sent as raw little-endian bytes with dtype and shape."""
+    """A 1-D numpy array of a fixed dtype, sent as its raw little-endian bytes (msgpack bin).
+
+    The dtype is part of the schema (this kind), so it is not repeated on the wire; the length
+    is ``len(data) // itemsize``.
+    """
 
     def __init__(self, dtype: str, finite: bool = False, non_negative: bool = False):
         # np.dtype("<i4") is the same object as np.dtype(np.int32) on little-endian hosts, which
         # lets the hot path compare dtypes with ``is``.
         self.dtype = np.dtype(np.dtype(dtype).newbyteorder("<").str)
-        self.wire_dtype = _DTYPE_STR.setdefault(self.dtype, self.dtype.str)
         self.finite = finite
         self.non_negative = non_negative
         self.name = f"array of {self.dtype.name}"
 
-    def pack(self, value: Any) -> list:
+    def pack(self, value: Any) -> bytes:
         return pack_array(value, self.dtype)
 
     def unpack(self, value: Any, where: str) -> np.ndarray:
@@ -399,28 +397,32 @@ class StructList(Kind):
 class Struct:
     """Base of messages and nested records. Subclasses are dataclasses that declare ``FIELDS``.
 
-    ``cross_check(where)`` is the hook for checks across fields (lengths that must agree); it runs
-    after every field passed its own kind's check.
+    On the wire a struct is a msgpack array of its field values in ``FIELDS`` order (raw-frame
+    fields left out: they travel as frames after the body). A reader ignores values beyond the
+    fields it knows (a newer minor version appended them) and gives fields missing at the end
+    their defaults (an older minor version did not have them); a missing field without a default
+    is an error. ``cross_check(where)`` is the hook for checks across fields (lengths that must
+    agree); it runs after every field passed its own kind's check.
     """
 
     FIELDS: tuple[tuple[str, Kind], ...] = ()
 
-    def to_wire(self) -> dict:
-        """The msgpack body (a plain dict)."""
+    def to_wire(self) -> list:
+        """The msgpack body: a plain list of the field values in ``FIELDS`` order."""
         return self.to_wire_checked()
 
-    def to_wire_checked(self, where: str | None = None) -> dict:
+    def to_wire_checked(self, where: str | None = None) -> list:
         """The reference encoder: every value through its kind's ``pack``; an error names the
         field (``"RolloutResult.samples[2].reward: ..."``)."""
         where = where or type(self).__name__
-        out = {}
+        out = []
         for name, kind in _wire_fields(type(self)):
             value = getattr(self, name)
             if type(kind) is StructList:
-                out[name] = kind.pack(value, f"{where}.{name}")
+                out.append(kind.pack(value, f"{where}.{name}"))
                 continue
             try:
-                out[name] = kind.pack(value)
+                out.append(kind.pack(value))
             except Exception as e:
                 raise ProtocolError(f"{where}.{name}: {e}") from None
         return out
@@ -433,20 +435,19 @@ class Struct:
     def from_wire_checked(cls, body: Any, where: str | None = None):
         """The reference decoder: validates field by field and names the first bad one."""
         where = where or cls.__name__
-        if type(body) is not dict:
-            raise _type_error(where, "a map", body)
+        if type(body) is not list:
+            raise _type_error(where, "an array of fields", body)
+        fields = _wire_fields(cls)
         values = {}
-        defaulted = _defaulted(cls)
-        for name, kind in _wire_fields(cls):
-            try:
-                raw = body[name]
-            except KeyError:
-                # A sender of an older minor version may omit a field that has a default.
-                if name not in defaulted:
-                    raise ProtocolError(f"{where}.{name}: missing") from None
-                continue
+        # Values beyond the known fields are ignored: a newer minor version appended them.
+        for (name, kind), raw in zip(fields, body):
             values[name] = kind.unpack(raw, f"{where}.{name}")
-        # Unknown keys are ignored: a newer minor version may add optional fields.
+        if len(body) < len(fields):
+            # An older minor version had fewer fields: the missing ones take their defaults.
+            defaulted = _defaulted(cls)
+            for name, _ in fields[len(body):]:
+                if name not in defaulted:
+                    raise ProtocolError(f"{where}.{name}: missing")
         msg = cls(**values)
         msg.cross_check(where)
         return msg
@@ -474,6 +475,11 @@ def _defaulted(cls: type) -> frozenset[str]:
             f.name for f in dataclasses.fields(cls)
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
     return names
+
+
+def wire_field_names(cls: type) -> tuple[str, ...]:
+    """Names of the body's values, in wire order: ``body[i]`` is field ``wire_field_names(cls)[i]``."""
+    return tuple(name for name, _ in _wire_fields(cls))
 
 
 def frame_fields(cls: type) -> tuple[str, ...]:

@@ -8,6 +8,9 @@ What is measured, all in one process so that the ratios share the machine's stat
   completion tokens and a 128-token prompt, against ``unpackb(packb(d))`` of a plain dict with the
   same fields, the four arrays already as raw bytes (``arr.tobytes()``) and the dicts prebuilt.
   ``ratio`` = bare time / our time = our throughput / bare throughput. Target: >= 0.5.
+  Ours includes everything bare msgpack does not do: the header frame (version, type, id, time),
+  ``to_wire`` (arrays to bytes), every validation of ``Sample.from_wire_checked`` and building
+  the numpy arrays and message objects.
 - ``result_16x1024``: the same with 16 samples in one result.
 - ``*_vs_reused_packer``: the same, the bare side reusing one ``msgpack.Packer`` (as the codec
   does) instead of ``packb``, which builds a Packer per call; on bodies of several hundred KiB
@@ -16,6 +19,10 @@ What is measured, all in one process so that the ratios share the machine's stat
 - ``floor_*``: not the codec, but parts of it against the same bare reference, to show where
   the time goes: encode + decode_header + unpackb of the body with no ``from_wire`` at all, and
   ``to_wire`` + pack + unpackb alone.
+- ``layout_*_msgpack_only``: our positional body packed and unpacked by msgpack alone, with the
+  arrays as raw bytes (what protocol 2 sends) or self-describing as ``[dtype, data]`` or as
+  protocol 1's ``[dtype, [n], data]`` triple: the msgpack part of what a per-array dtype/shape
+  would cost.
 - ``weight_chunk_64MiB`` (and ``_1MiB``): ``decode(encode(WeightChunk))``; the data rides as its
   own frame, so the time must not grow with the size (zero-copy). The bare reference packs the
   bytes inside the msgpack map, which copies them twice.
@@ -168,6 +175,20 @@ def bench_results(rounds: int, target_s: float) -> dict[str, dict]:
     out["floor_to_wire_pack_unpack_only"] = compare(
         lambda: _unpackb(_pack(msg.to_wire())), lambda: msgpack.unpackb(msgpack.packb(bare_dict)),
         max(5, rounds // 2), target_s)
+
+    # The array layout: the same positional body, msgpack only (reused Packer + unpackb), with
+    # the arrays as the raw bytes protocol 2 sends, or self-describing as [dtype, data] or as
+    # protocol 1's [dtype, [n], data]. The gap between these rows is what carrying dtype/shape
+    # per array costs in msgpack alone (building and checking the extra lists costs more).
+    wire = msg.to_wire()
+    for layout, wrap in (("raw_bytes", lambda d, b: b), ("dtype_data", lambda d, b: [d, b]),
+                         ("dtype_shape_data", lambda d, b: [d, [len(b) // 4], b])):
+        sample = list(wire[1][0])
+        for i, dtype in ((4, "<i4"), (5, "<i4"), (6, "<f4"), (7, "<i4")):
+            sample[i] = wrap(dtype, sample[i])
+        out[f"layout_{layout}_msgpack_only"] = compare(
+            lambda d=[wire[0], [sample]]: _unpackb(_pack(d)),
+            lambda: msgpack.unpackb(msgpack.packb(bare_dict)), max(5, rounds // 3), target_s)
     return out
 
 
@@ -192,11 +213,11 @@ def breakdown(rounds: int, target_s: float) -> dict[str, float]:
     frames = encode(msg)
     wire = msg.to_wire()
     body = _unpackb(frames[1])
-    sd = body["samples"][0]
+    sw = body[1][0]                           # [server_id, [sample, ...]]
     bare = {"server_id": "srv-0", "samples": [bare_sample(s)]}
     bare_packed = msgpack.packb(bare)
     lp, tv = s.behavior_logprobs, s.token_versions
-    c_data = sd["completion_token_ids"][2]
+    c_data = sw[5]
     pieces = {
         "bare packb": lambda: msgpack.packb(bare),
         "bare unpackb": lambda: msgpack.unpackb(bare_packed),
@@ -204,10 +225,11 @@ def breakdown(rounds: int, target_s: float) -> dict[str, float]:
         "  RolloutResult.to_wire": msg.to_wire,
         "  Packer.pack(body)": lambda: _pack(wire),
         "decode (total)": lambda: decode(frames),
-        "  decode_header": lambda: decode_header(frames),
+        "  decode_header (dict, not used by decode)": lambda: decode_header(frames),
+        "  unpackb(header)": lambda: _unpackb(frames[0]),
         "  unpackb(body)": lambda: _unpackb(frames[1]),
         "  RolloutResult.from_wire": lambda: RolloutResult.from_wire(body),
-        "    _sample_fast": lambda: _sample_fast(sd),
+        "    _sample_fast": lambda: _sample_fast(sw),
         "    Sample(...) constructor": lambda: Sample(
             s.sample_id, s.assignment_id, 0, 8, s.prompt_token_ids, s.completion_token_ids, lp, tv,
             1.0, s.reward_parts, "stop", s.timing, s.completion_text, None, s.metadata),
@@ -217,20 +239,6 @@ def breakdown(rounds: int, target_s: float) -> dict[str, float]:
         "reference: versions.min()": tv.min,
         "reference: np.isfinite(lp).all()": lambda: np.isfinite(lp).all(),
     }
-    # The same body under three array layouts, msgpack only (reused Packer + unpackb): what the
-    # self-describing [dtype, [n], data] triple costs over bare bytes, and what a map would.
-    layouts = {}
-    for layout, wrap in (("triple [dtype, [n], data] (ours)", lambda d, b: [d, [len(b) // 4], b]),
-                         ("map {dtype, shape, data}", lambda d, b: {"dtype": d, "shape": [len(b) // 4],
-                                                                    "data": b}),
-                         ("bare bytes", lambda d, b: b)):
-        sample = dict(bare["samples"][0])
-        for name, dtype in (("prompt_token_ids", "<i4"), ("completion_token_ids", "<i4"),
-                            ("behavior_logprobs", "<f4"), ("token_versions", "<i4")):
-            sample[name] = wrap(dtype, sample[name])
-        layouts[f"msgpack round trip, arrays as {layout}"] = (
-            lambda d={"server_id": "srv-0", "samples": [sample]}: _unpackb(_pack(d)))
-    pieces.update(layouts)
     return {name: median_us(fn, rounds, target_s) for name, fn in pieces.items()}
 
 
@@ -250,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results = bench_results(args.rounds, target_s)
     results.update(bench_chunks(args.rounds, target_s))
-    print(f"{'case':<34}{'ours us':>10}{'bare us':>10}{'ours/s':>12}{'bare/s':>12}"
+    print(f"{'case':<38}{'ours us':>10}{'bare us':>10}{'ours/s':>12}{'bare/s':>12}"
           f"{'ratio':>8}{'  (q1-q3)':>14}")
     for name, r in results.items():
-        print(f"{name:<34}{r['ours_us']:>10.2f}{r['bare_us']:>10.2f}{r['ours_per_s']:>12.0f}"
+        print(f"{name:<38}{r['ours_us']:>10.2f}{r['bare_us']:>10.2f}{r['ours_per_s']:>12.0f}"
               f"{r['bare_per_s']:>12.0f}{r['ratio']:>8.3f}  ({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})")
     target = results[f"result_1x{COMPLETION_TOKENS}"]["ratio"]
     print(f"\ntarget: ratio >= 0.5 for result_1x{COMPLETION_TOKENS}: "

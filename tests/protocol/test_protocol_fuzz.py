@@ -2,7 +2,8 @@
 
 Random bytes, random frame lists, mutated valid frames (bit flips, truncation, garbage), valid
 msgpack of the wrong shape, and targeted mutations of a valid body (type swaps, wrong lengths,
-NaN/inf log-probs, wrong dtype, oversize, wrong version, unknown type).
+ragged array bytes, NaN/inf log-probs, protocol-1 layouts, oversize, wrong version, unknown
+type). Bodies are positional (``protocol.codec``): ``F`` maps a sample field to its position.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from hypothesis import strategies as st
 from protocol_strategies import MESSAGE_STRATEGIES, plain_values, samples
 
 import protocol
-from protocol import MESSAGE_TYPES, ProtocolError, RolloutResult, Sample, decode, encode
+from protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, RolloutResult, Sample, decode, encode
 from protocol import codec as codec_module
 from protocol.messages import _sample_fast
+from protocol.schema import wire_field_names
 
 # Generated float32 log-probs above 1.8e19 make the fast x·x finiteness hint overflow. The
 # protocol silences that warning with a module-scoped filter (checked in a real interpreter by
@@ -55,6 +57,13 @@ def good_frames() -> list[bytes]:
     return encode(RolloutResult(server_id="srv-0", samples=[good_sample()]))
 
 
+def header_bytes(mtype: str) -> bytes:
+    return msgpack.packb([*PROTOCOL_VERSION, mtype, "x", 1.0])
+
+
+F = {name: i for i, name in enumerate(wire_field_names(Sample))}    # sample field -> position
+
+
 # --- random input --------------------------------------------------------------------------------
 
 @FUZZ
@@ -74,7 +83,7 @@ def test_frames_that_are_not_a_list_of_bytes(frames):
 @FUZZ
 @given(body=st.binary(max_size=300), mtype=st.sampled_from(sorted(MESSAGE_TYPES)))
 def test_valid_header_random_body_bytes(body, mtype):
-    header = msgpack.packb({"v": list(protocol.PROTOCOL_VERSION), "type": mtype, "id": "x", "ts": 1.0})
+    header = header_bytes(mtype)
     decode_or_protocol_error([header, body])
     decode_or_protocol_error([header, body, b"raw"])
 
@@ -82,7 +91,7 @@ def test_valid_header_random_body_bytes(body, mtype):
 @FUZZ
 @given(body=plain_values, mtype=st.sampled_from(sorted(MESSAGE_TYPES)))
 def test_valid_header_random_msgpack_body(body, mtype):
-    header = msgpack.packb({"v": list(protocol.PROTOCOL_VERSION), "type": mtype, "id": "x", "ts": 1.0})
+    header = header_bytes(mtype)
     decode_or_protocol_error([header, msgpack.packb(body), b"raw"][:3 if mtype == "weight_chunk" else 2])
 
 
@@ -93,11 +102,14 @@ def test_random_header(header, body):
 
 
 @FUZZ
-@given(field=st.sampled_from(["v", "type", "id", "ts"]), value=plain_values)
+@given(field=st.integers(0, 5), value=plain_values)
 def test_header_field_replaced_by_any_value(field, value):
     frames = encode(protocol.Heartbeat("srv", 1))
-    header = msgpack.unpackb(frames[0])
-    header[field] = value
+    header = msgpack.unpackb(frames[0])      # [major, minor, type, id, ts]
+    if field < len(header):
+        header[field] = value
+    else:
+        header.append(value)                 # a newer minor version's extra header value
     decode_or_protocol_error([msgpack.packb(header), frames[1]])
 
 
@@ -150,7 +162,7 @@ def test_frame_list_surgery(msg, data):
 def _mutations_of(value):
     """Values of another type than ``value`` (the field-type swap)."""
     pool = [None, True, -1, 2**40, 1.5, float("nan"), "text", b"bytes", [], [1, "a"], {}, {"k": 1},
-            ["<i4", [1], b"\0\0\0\0"]]
+            ["<i4", [1], b"\0\0\0\0"], [1, 2, 3, 4]]
     return [v for v in pool if type(v) is not type(value)]
 
 
@@ -158,9 +170,9 @@ def _mutations_of(value):
 def test_every_sample_field_type_swap_is_refused_or_harmless(field):
     frames = good_frames()
     body = msgpack.unpackb(frames[1])
-    for bad in _mutations_of(body["samples"][0][field]):
+    for bad in _mutations_of(body[1][0][F[field]]):
         mutated = copy.deepcopy(body)
-        mutated["samples"][0][field] = bad
+        mutated[1][0][F[field]] = bad
         out = decode_or_protocol_error([frames[0], msgpack.packb(mutated)])
         if out is not None:    # the legal swaps: a reason in `failed`, an int reward
             assert (field, type(bad)) in {("failed", str), ("reward", int)}, (field, bad)
@@ -173,7 +185,7 @@ def test_every_field_type_swap_of_every_message(cls, data):
     msg = data.draw(MESSAGE_STRATEGIES[cls])
     frames = encode(msg, msg_id="fuzz-0")   # fixed length, so that draws replay
     body = msgpack.unpackb(frames[1])
-    field = data.draw(st.sampled_from(sorted(body)))
+    field = data.draw(st.integers(0, len(body) - 1), label="field position")
     bad = data.draw(st.sampled_from(_mutations_of(body[field])) | plain_values)
     body[field] = bad
     frames[1] = msgpack.packb(body)
@@ -185,44 +197,50 @@ def test_every_field_type_swap_of_every_message(cls, data):
 
 # --- fast path never accepts more than the checked path -----------------------------------------
 
-def _set_item(array_triple: list, index: int, value) -> None:
-    """Overwrite one element of a wire array ``[dtype, [n], data]`` in place."""
-    arr = np.frombuffer(array_triple[2], dtype=array_triple[0]).copy()
+def _set_item(s: list, field: str, index: int, value, dtype: str) -> None:
+    """Overwrite one element of the raw-bytes array ``field`` of wire sample ``s``."""
+    arr = np.frombuffer(s[F[field]], dtype=dtype).copy()
     arr[index] = value
-    array_triple[2] = arr.tobytes()
+    s[F[field]] = arr.tobytes()
 
 
-BODY_MUTATIONS: dict[str, Callable[[dict], None]] = dict([
-    ("logprob NaN", lambda s: _set_item(s["behavior_logprobs"], 0, np.nan)),
-    ("logprob inf", lambda s: _set_item(s["behavior_logprobs"], 1, -np.inf)),
-    ("data longer than shape", lambda s: s["behavior_logprobs"].__setitem__(2, b"\0" * 16)),
-    ("versions shorter", lambda s: s.__setitem__("token_versions", ["<i4", [2], b"\0" * 8])),
-    ("negative version", lambda s: _set_item(s["token_versions"], 1, -3)),
-    ("shape bool", lambda s: s["completion_token_ids"].__setitem__(1, [True])),
-    ("shape float", lambda s: s["prompt_token_ids"].__setitem__(1, [1.0])),
-    ("shape 2-d", lambda s: s["prompt_token_ids"].__setitem__(1, [1, 1])),
-    ("dtype i8", lambda s: s["completion_token_ids"].__setitem__(0, "<i8")),
-    ("dtype big-endian", lambda s: s["behavior_logprobs"].__setitem__(0, ">f4")),
-    ("data as str", lambda s: s["prompt_token_ids"].__setitem__(2, "abc")),
-    ("array as map", lambda s: s.__setitem__("prompt_token_ids", {"dtype": "<i4", "shape": [0],
-                                                                  "data": b""})),
-    ("array of 4", lambda s: s["prompt_token_ids"].append(1)),
-    ("group_index == size", lambda s: s.__setitem__("group_index", s["group_size"])),
-    ("reward inf", lambda s: s.__setitem__("reward", float("inf"))),
-    ("reward_parts NaN", lambda s: s["reward_parts"].__setitem__("x", float("nan"))),
-    ("timing str", lambda s: s["timing"].__setitem__("x", "1")),
-    ("timing bytes key", lambda s: s["timing"].__setitem__(b"k", 1.0)),
-    ("metadata deep", lambda s: s["metadata"].__setitem__("x", {"deep": [[[[[[[[[1]]]]]]]]]})),
-    ("finish_reason", lambda s: s.__setitem__("finish_reason", "done")),
-    ("failed int", lambda s: s.__setitem__("failed", 3)),
-    ("sample_id missing", lambda s: s.pop("sample_id")),
-    ("text oversize", lambda s: s.__setitem__("completion_text", "x" * ((1 << 20) + 1))),
+def _set(field: str, value) -> Callable[[list], None]:
+    return lambda s: s.__setitem__(F[field], value)
+
+
+BODY_MUTATIONS: dict[str, Callable[[list], None]] = dict([
+    ("logprob NaN", lambda s: _set_item(s, "behavior_logprobs", 0, np.nan, "<f4")),
+    ("logprob inf", lambda s: _set_item(s, "behavior_logprobs", 1, -np.inf, "<f4")),
+    ("logprobs longer", _set("behavior_logprobs", b"\0" * 16)),
+    ("versions shorter", _set("token_versions", b"\0" * 8)),
+    ("negative version", lambda s: _set_item(s, "token_versions", 1, -3, "<i4")),
+    ("ragged prompt bytes", _set("prompt_token_ids", b"\0" * 13)),
+    ("ragged completion bytes", lambda s: [s.__setitem__(F[f], b"\0" * 10) for f in (
+        "completion_token_ids", "behavior_logprobs", "token_versions")]),
+    ("array as list of ints", _set("prompt_token_ids", [1, 2, 3])),
+    ("array as protocol-1 triple", _set("completion_token_ids", ["<i4", [3], b"\0" * 12])),
+    ("array as str", _set("prompt_token_ids", "abc")),
+    ("array as map", _set("prompt_token_ids", {"dtype": "<i4", "data": b""})),
+    ("group_index == size", lambda s: s.__setitem__(F["group_index"], s[F["group_size"]])),
+    ("group_index negative", _set("group_index", -1)),
+    ("reward inf", _set("reward", float("inf"))),
+    ("reward_parts NaN", lambda s: s[F["reward_parts"]].__setitem__("x", float("nan"))),
+    ("timing str", lambda s: s[F["timing"]].__setitem__("x", "1")),
+    ("timing bytes key", lambda s: s[F["timing"]].__setitem__(b"k", 1.0)),
+    ("metadata deep", lambda s: s[F["metadata"]].__setitem__("x", {"deep": [[[[[[[[[1]]]]]]]]]})),
+    ("metadata bytes key", lambda s: s[F["metadata"]].__setitem__(b"k", 1)),
+    ("finish_reason", _set("finish_reason", "done")),
+    ("failed int", _set("failed", 3)),
+    ("required fields cut", lambda s: s.__delitem__(slice(F["reward"], None))),
+    ("text oversize", _set("completion_text", "x" * ((1 << 20) + 1))),
+    ("id oversize", _set("sample_id", "x" * ((1 << 20) + 1))),
 ])
 
 
 @pytest.mark.parametrize("mutate", list(BODY_MUTATIONS.values()), ids=list(BODY_MUTATIONS))
 def test_fast_path_refuses_what_checked_path_refuses(mutate):
     body = msgpack.unpackb(msgpack.packb(good_sample(3).to_wire()))
+    assert _sample_fast(body) is not None
     mutate(body)
     body = msgpack.unpackb(msgpack.packb(body))   # as it would arrive
     assert _sample_fast(body) is None
@@ -236,14 +254,15 @@ def test_fast_path_refuses_what_checked_path_refuses(mutate):
 @given(sample=samples(max_tokens=8), data=st.data())
 def test_fast_and_checked_paths_agree_on_random_field_values(sample, data):
     body = msgpack.unpackb(msgpack.packb(sample.to_wire()))
-    field = data.draw(st.sampled_from(sorted(body)))
+    field = data.draw(st.integers(0, len(body) - 1), label="field position")
     body[field] = data.draw(plain_values | st.sampled_from(_mutations_of(body[field])))
     body = msgpack.unpackb(msgpack.packb(body))
     fast = _sample_fast(body)
     try:
         checked = Sample.from_wire_checked(body)
     except ProtocolError:
-        assert fast is None, f"fast path accepted {field}={body[field]!r} that the checked path refuses"
+        assert fast is None, (f"fast path accepted {wire_field_names(Sample)[field]}="
+                              f"{body[field]!r} that the checked path refuses")
         return
     if fast is not None:
         assert fast.to_wire() == checked.to_wire()
@@ -254,21 +273,21 @@ def test_fast_and_checked_paths_agree_on_random_field_values(sample, data):
 S0 = r"RolloutResult\.samples\[0\]"
 
 
-def _body_case(mutate: Callable[[dict], None]) -> list[bytes]:
+def _body_case(mutate: Callable[[list], None]) -> list[bytes]:
     frames = good_frames()
-    body = msgpack.unpackb(frames[1])
+    body = msgpack.unpackb(frames[1])        # [server_id, samples]
     mutate(body)
     return [frames[0], msgpack.packb(body)]
 
 
-def _sample_case(mutate: Callable[[dict], None]) -> list[bytes]:
-    return _body_case(lambda b: mutate(b["samples"][0]))
+def _sample_case(mutate: Callable[[list], None]) -> list[bytes]:
+    return _body_case(lambda b: mutate(b[1][0]))
 
 
-def _header_case(**changes) -> list[bytes]:
+def _header_case(index: int, value) -> list[bytes]:
     frames = good_frames()
-    header = msgpack.unpackb(frames[0])
-    header.update(changes)
+    header = msgpack.unpackb(frames[0])      # [major, minor, type, id, ts]
+    header[index] = value
     return [msgpack.packb(header), frames[1]]
 
 
@@ -276,63 +295,72 @@ NAMED_ERRORS = [
     ("NaN logprob", lambda: _sample_case(BODY_MUTATIONS["logprob NaN"]), S0 + r"\.behavior_logprobs: .*NaN"),
     ("inf logprob", lambda: _sample_case(BODY_MUTATIONS["logprob inf"]),
      S0 + r"\.behavior_logprobs: .*infinite"),
-    ("logprobs length", lambda: _sample_case(
-        lambda s: s.__setitem__("behavior_logprobs", ["<f4", [3], b"\0" * 12])),
+    ("logprobs length", lambda: _sample_case(_set("behavior_logprobs", b"\0" * 12)),
      S0 + r"\.behavior_logprobs: length 3 != completion_token_ids length 4"),
     ("versions length", lambda: _sample_case(BODY_MUTATIONS["versions shorter"]),
      S0 + r"\.token_versions: length 2 != completion_token_ids length 4"),
-    ("bytes vs shape", lambda: _sample_case(lambda s: s["completion_token_ids"].__setitem__(2, b"\0" * 12)),
-     S0 + r"\.completion_token_ids: 12 bytes do not match shape \[4\]"),
-    ("wrong dtype", lambda: _sample_case(BODY_MUTATIONS["dtype i8"]),
-     S0 + r"\.completion_token_ids: dtype '<i8', expected '<i4'"),
-    ("big-endian", lambda: _sample_case(BODY_MUTATIONS["dtype big-endian"]),
-     S0 + r"\.behavior_logprobs: dtype '>f4'"),
-    ("ints as msgpack list", lambda: _sample_case(lambda s: s.__setitem__("prompt_token_ids", [1, 2, 3, 4])),
-     S0 + r"\.prompt_token_ids: expected an array"),
+    ("ragged bytes", lambda: _sample_case(_set("completion_token_ids", b"\0" * 10)),
+     S0 + r"\.completion_token_ids: 10 bytes are not a whole number of 4-byte int32 values"),
+    ("ragged float bytes", lambda: _sample_case(_set("behavior_logprobs", b"\0" * 17)),
+     S0 + r"\.behavior_logprobs: 17 bytes are not a whole number of 4-byte float32 values"),
+    ("ints as msgpack list", lambda: _sample_case(_set("prompt_token_ids", [1, 2, 3, 4])),
+     S0 + r"\.prompt_token_ids: expected binary data \(raw little-endian int32 values\), got list"),
+    ("protocol-1 array", lambda: _sample_case(BODY_MUTATIONS["array as protocol-1 triple"]),
+     S0 + r"\.completion_token_ids: expected binary data"),
     ("negative version", lambda: _sample_case(BODY_MUTATIONS["negative version"]),
      S0 + r"\.token_versions: contains negative values \(min -3\)"),
-    ("type swap", lambda: _sample_case(lambda s: s.__setitem__("sample_id", 17)),
+    ("type swap", lambda: _sample_case(_set("sample_id", 17)),
      S0 + r"\.sample_id: expected a string, got int"),
-    ("bool as int", lambda: _sample_case(lambda s: s.__setitem__("group_size", True)),
+    ("bool as int", lambda: _sample_case(_set("group_size", True)),
      S0 + r"\.group_size: expected an integer, got bool"),
-    ("group index", lambda: _sample_case(lambda s: s.__setitem__("group_index", 4)),
+    ("group index", lambda: _sample_case(_set("group_index", 4)),
      S0 + r"\.group_index: 4 >= group_size 4"),
     ("finish reason", lambda: _sample_case(BODY_MUTATIONS["finish_reason"]),
      S0 + r"\.finish_reason: 'done' not in"),
-    ("reward NaN", lambda: _sample_case(lambda s: s.__setitem__("reward", float("nan"))),
+    ("reward NaN", lambda: _sample_case(_set("reward", float("nan"))),
      S0 + r"\.reward: must be finite"),
     ("reward part", lambda: _sample_case(BODY_MUTATIONS["reward_parts NaN"]),
      S0 + r"\.reward_parts\['x'\]: must be finite"),
     ("metadata depth", lambda: _sample_case(BODY_MUTATIONS["metadata deep"]),
      S0 + r"\.metadata\['x'\].*deeper than"),
-    ("missing field", lambda: _sample_case(lambda s: s.pop("reward")), S0 + r"\.reward: missing"),
+    ("missing field", lambda: _sample_case(BODY_MUTATIONS["required fields cut"]),
+     S0 + r"\.reward: missing"),
     ("oversize text", lambda: _sample_case(BODY_MUTATIONS["text oversize"]),
      S0 + r"\.completion_text: string of 1048577 characters exceeds"),
-    ("oversize array", lambda: _sample_case(lambda s: s.__setitem__(
-        "prompt_token_ids", ["<i4", [(1 << 22) + 1], b"\0" * (4 * ((1 << 22) + 1))])),
+    ("oversize array", lambda: _sample_case(_set("prompt_token_ids", b"\0" * (4 * ((1 << 22) + 1)))),
      S0 + r"\.prompt_token_ids: 4194305 elements exceed"),
-    ("too many samples", lambda: _body_case(lambda b: b.__setitem__("samples", [0] * ((1 << 16) + 1))),
+    ("too many samples", lambda: _body_case(lambda b: b.__setitem__(1, [0] * ((1 << 16) + 1))),
      r"RolloutResult\.samples: 65537 items exceed"),
-    ("sample not a map", lambda: _body_case(lambda b: b.__setitem__("samples", [b"x"])),
-     S0 + r": expected a map, got bytes"),
-    ("body not a map", lambda: [good_frames()[0], msgpack.packb([1, 2])], r"RolloutResult: expected a map"),
+    ("sample not an array", lambda: _body_case(lambda b: b.__setitem__(1, [b"x"])),
+     S0 + r": expected an array of fields, got bytes"),
+    ("sample as a protocol-1 map", lambda: _body_case(lambda b: b.__setitem__(1, [{"sample_id": "x"}])),
+     S0 + r": expected an array of fields, got dict"),
+    ("body not an array", lambda: [good_frames()[0], msgpack.packb({"server_id": "x", "samples": []})],
+     r"RolloutResult: expected an array of fields, got dict"),
     ("body garbage", lambda: [good_frames()[0], b"\xc1"], r"RolloutResult body: not valid msgpack"),
     ("body trailing bytes", lambda: [good_frames()[0], good_frames()[1] + b"\x00"],
      r"RolloutResult body: not valid msgpack"),
-    ("major version", lambda: _header_case(v=[2, 0]),
-     r"header\.v: peer speaks protocol 2\.0, this process speaks 1\.\d+; major versions must match"),
-    ("version shape", lambda: _header_case(v="1.0"), r"header\.v: expected \[major, minor\]"),
-    ("unknown type", lambda: _header_case(type="launch_missiles"),
+    ("major version", lambda: _header_case(0, PROTOCOL_VERSION[0] + 1),
+     r"header\.v: peer speaks protocol \d+\.\d+, this process speaks \d+\.\d+; major versions must match"),
+    ("protocol-1 header", lambda: [msgpack.packb({"v": [1, 0], "type": "rollout_result", "id": "x",
+                                                  "ts": 1.0}), good_frames()[1]],
+     r"header\.v: peer speaks protocol 1\.0, this process speaks \d+\.\d+; major versions must match"),
+    ("version type", lambda: _header_case(0, "2"), r"header\.v: expected integers major, minor"),
+    ("unknown type", lambda: _header_case(2, "launch_missiles"),
      r"header\.type: unknown message type 'launch_missiles'"),
-    ("unhashable type", lambda: _header_case(type=["hello"]),
+    ("unhashable type", lambda: _header_case(2, ["hello"]),
      r"header\.type: unknown message type \['hello'\]"),
-    ("minor version type", lambda: _header_case(v=[1, "0"]), r"header\.v: expected \[major, minor\]"),
-    ("bool major", lambda: _header_case(v=[True, 0]), r"header\.v: expected \[major, minor\]"),
-    ("id type", lambda: _header_case(id=5), r"header\.id: expected a string"),
-    ("ts type", lambda: _header_case(ts="now"), r"header\.ts: expected a number"),
-    ("header not a map", lambda: [b"\x92\x01\x02", good_frames()[1]], r"header: expected a map, got list"),
+    ("minor version type", lambda: _header_case(1, "0"), r"header\.v: expected integers major, minor"),
+    ("bool major", lambda: _header_case(0, True), r"header\.v: expected integers major, minor"),
+    ("id type", lambda: _header_case(3, 5), r"header\.id: expected a string"),
+    ("ts type", lambda: _header_case(4, "now"), r"header\.ts: expected a number"),
+    ("header not an array", lambda: [msgpack.packb({"type": "ack"}), good_frames()[1]],
+     r"header: expected an array \[major, minor, type, id, ts\], got dict"),
+    ("header too short", lambda: [msgpack.packb([*PROTOCOL_VERSION, "ack"]), good_frames()[1]],
+     r"header: 3 values, expected an array \[major, minor, type, id, ts\]"),
     ("header garbage", lambda: [b"\x92\x01", good_frames()[1]], r"header: not valid msgpack"),
-    ("header oversize", lambda: _header_case(pad="x" * 5000), r"header: \d+ bytes exceed the limit of 4096"),
+    ("header oversize", lambda: [msgpack.packb(msgpack.unpackb(good_frames()[0]) + ["x" * 5000]),
+                                 good_frames()[1]], r"header: \d+ bytes exceed the limit of 4096"),
     ("too many frames", lambda: good_frames() + [b""] * 15, r"frames: 17 frames exceed the limit of 16"),
     ("frame count", lambda: good_frames() + [b""], r"RolloutResult: expected 2 frames, got 3"),
     ("one frame", lambda: good_frames()[:1], r"frames: expected at least \[header, body\]"),
@@ -358,6 +386,8 @@ NAMED_ERRORS = [
     ("tensor shape", lambda: encode(protocol.WeightsAvailable(
         3, "full", [protocol.TensorSpec("a", "float32", [-1], 0, 16)], 16, 8, 2, "c")),
      r"WeightsAvailable\.tensors\[0\]\.shape\[0\]: expected a non-negative integer"),
+    ("tensor not an array", lambda: _weights_case(lambda b: b[2].__setitem__(0, {"name": "a"})),
+     r"WeightsAvailable\.tensors\[0\]: expected an array of fields, got dict"),
     ("chunk frame missing", lambda: encode(protocol.WeightChunk(1, 0, "c", b"data"))[:2],
      r"WeightChunk: expected 3 frames, got 2"),
     ("chunk frame type", lambda: encode(protocol.WeightChunk(1, 0, "c", b"data"))[:2] + [3.5],
@@ -367,10 +397,18 @@ NAMED_ERRORS = [
 ]
 
 
+def _weights_case(mutate: Callable[[list], None]) -> list[bytes]:
+    frames = encode(protocol.WeightsAvailable(
+        3, "full", [protocol.TensorSpec("a", "float32", [4], 0, 16)], 16, 8, 2, "c"))
+    body = msgpack.unpackb(frames[1])
+    mutate(body)
+    return [frames[0], msgpack.packb(body)]
+
+
 def _control_case(args) -> list[bytes]:
     frames = encode(protocol.ControlRequest("set", {}))
-    body = msgpack.unpackb(frames[1])
-    body["args"] = args
+    body = msgpack.unpackb(frames[1])        # [command, args]
+    body[1] = args
     return [frames[0], msgpack.packb(body)]
 
 

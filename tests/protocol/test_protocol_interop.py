@@ -11,6 +11,8 @@ import pytest
 
 import protocol
 from protocol import PROTOCOL_VERSION, ProtocolError, RolloutResult, Sample, decode, encode
+from protocol.messages import _sample_fast
+from protocol.schema import wire_field_names
 from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
 
@@ -25,46 +27,78 @@ def make_sample() -> Sample:
         completion_text="42", metadata={"answer": "42"})
 
 
+SAMPLE_FIELDS = wire_field_names(Sample)
+
+
+def test_wire_field_order_is_pinned():
+    """Bodies are positional: reordering or removing a field breaks every peer. Within a major
+    version fields may only be appended (with a default). Extend this table when you append one."""
+    expected = {
+        "hello": ("server_id", "engine", "model", "version", "max_concurrency", "metadata"),
+        "welcome": ("learner_id", "run_id", "version", "weights_kind", "metadata"),
+        "heartbeat": ("sender_id", "version", "inflight"),
+        "work_request": ("server_id", "credits"),
+        "assignment": ("assignment_id", "prompt_id", "prompt_token_ids", "group_size", "version",
+                       "prompt_text", "sampling", "metadata", "deadline_s", "attempt"),
+        "rollout_result": ("server_id", "samples"),
+        "ack": ("sample_ids", "statuses"),
+        "weights_available": ("version", "kind", "tensors", "total_bytes", "chunk_bytes",
+                              "num_chunks", "checksum", "chunk_checksums", "metadata"),
+        "weight_chunk_request": ("version", "index"),
+        "weight_chunk": ("version", "index", "checksum"),        # data: its own frame
+        "weights_applied": ("server_id", "version", "checksum", "seconds"),
+        "control_request": ("command", "args"),
+        "control_reply": ("ok", "result", "error"),
+        "error": ("code", "message", "ref_id"),
+    }
+    assert {name: wire_field_names(cls) for name, cls in protocol.MESSAGE_TYPES.items()} == expected
+    assert SAMPLE_FIELDS == (
+        "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
+        "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
+        "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes")
+    assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
+
+
 def test_body_decodes_with_plain_msgpack():
     s = make_sample()
     header, body = encode(RolloutResult(server_id="srv-0", samples=[s]))
     h = msgpack.unpackb(header)
-    assert h["v"] == list(PROTOCOL_VERSION) and h["type"] == "rollout_result"
-    assert isinstance(h["id"], str) and isinstance(h["ts"], float)
-    # The header is exactly what msgpack writes for that map (the codec assembles it by hand).
+    major, minor, mtype, mid, ts = h
+    assert [major, minor] == list(PROTOCOL_VERSION) and mtype == "rollout_result"
+    assert isinstance(mid, str) and isinstance(ts, float)
+    # The header is exactly what msgpack writes for that array (the codec assembles it by hand).
     assert header == msgpack.packb(h)
+    assert protocol.decode_header([header, body]) == {"v": [major, minor], "type": mtype,
+                                                       "id": mid, "ts": ts}
 
-    b = msgpack.unpackb(body)
-    assert b["server_id"] == "srv-0"
-    w = b["samples"][0]
+    server_id, samples = msgpack.unpackb(body)
+    assert server_id == "srv-0" and len(samples) == 1
+    w = dict(zip(SAMPLE_FIELDS, samples[0], strict=True))      # names from the schema order
     assert w["sample_id"] == "s-7" and w["reward"] == 1.0 and w["completion_text"] == "42"
     assert w["finish_reason"] == "stop" and w["reward_parts"] == {"correct": 1.0}
+    assert w["failed"] is None and w["metadata"] == {"answer": "42"} and w["group_size"] == 2
     expected = {
-        "prompt_token_ids": ("<i4", s.prompt_token_ids.astype("<i4").tobytes()),
-        "completion_token_ids": ("<i4", s.completion_token_ids.astype("<i4").tobytes()),
-        "behavior_logprobs": ("<f4", s.behavior_logprobs.astype("<f4").tobytes()),
-        "token_versions": ("<i4", s.token_versions.astype("<i4").tobytes()),
+        "prompt_token_ids": s.prompt_token_ids.astype("<i4").tobytes(),
+        "completion_token_ids": s.completion_token_ids.astype("<i4").tobytes(),
+        "behavior_logprobs": s.behavior_logprobs.astype("<f4").tobytes(),
+        "token_versions": s.token_versions.astype("<i4").tobytes(),
     }
-    for name, (dtype, raw) in expected.items():
-        wire_dtype, shape, data = w[name]
-        assert wire_dtype == dtype and shape == [3], name
-        assert type(data) is bytes and data == raw, name     # raw little-endian bytes, not ints
-    assert np.array_equal(np.frombuffer(w["behavior_logprobs"][2], "<f4"), s.behavior_logprobs)
+    for name, raw in expected.items():
+        assert type(w[name]) is bytes and w[name] == raw, name   # raw little-endian bytes
+    assert np.array_equal(np.frombuffer(w["behavior_logprobs"], "<f4"), s.behavior_logprobs)
 
 
 def test_body_written_by_plain_msgpack_decodes():
-    """A sender in another language only needs msgpack and this layout."""
+    """A sender in another language only needs msgpack and the field order; it may leave out
+    trailing fields that have defaults."""
     ids = np.array([5, 6], dtype="<i4").tobytes()
-    body = {"server_id": "foreign", "samples": [{
-        "sample_id": "x", "assignment_id": "a", "group_index": 0, "group_size": 1,
-        "prompt_token_ids": ["<i4", [0], b""], "completion_token_ids": ["<i4", [2], ids],
-        "behavior_logprobs": ["<f4", [2], np.array([-1, -2], "<f4").tobytes()],
-        "token_versions": ["<i4", [2], np.zeros(2, "<i4").tobytes()], "reward": 0.0,
-    }]}
-    header = {"v": list(PROTOCOL_VERSION), "type": "rollout_result", "id": "m1", "ts": 1}
-    msg = decode([msgpack.packb(header), msgpack.packb(body)])
+    sample = ["x", "a", 0, 1, b"", ids, np.array([-1, -2], "<f4").tobytes(),
+              np.zeros(2, "<i4").tobytes(), 0.0]                  # up to reward; the rest defaults
+    header = [PROTOCOL_VERSION[0], PROTOCOL_VERSION[1], "rollout_result", "m1", 1]  # int ts is fine
+    msg = decode([msgpack.packb(header), msgpack.packb(["foreign", [sample]])])
     s = msg.samples[0]
     assert s.completion_token_ids.tolist() == [5, 6] and s.behavior_logprobs.tolist() == [-1.0, -2.0]
+    assert s.prompt_token_ids.dtype == np.int32 and len(s.prompt_token_ids) == 0
     assert s.finish_reason == "stop" and s.timing == {} and s.metadata == {}   # defaults filled in
 
 
@@ -73,7 +107,7 @@ def test_major_version_mismatch_is_refused_clearly():
     h = msgpack.unpackb(frames[0])
     major, minor = PROTOCOL_VERSION
     for other in (major + 1, major - 1):
-        h["v"] = [other, 3]
+        h[0], h[1] = other, 3
         with pytest.raises(ProtocolError) as e:
             decode([msgpack.packb(h), frames[1]])
         msg = str(e.value)
@@ -84,25 +118,41 @@ def test_major_version_mismatch_is_refused_clearly():
     assert protocol.message_id([msgpack.packb(h), frames[1]]) == ""
 
 
+def test_protocol_1_header_is_refused_as_a_version_mismatch():
+    """Protocol 1 wrote the header as a map; a peer still on it gets the version error, not a
+    complaint about the header's shape."""
+    old = msgpack.packb({"v": [1, 0], "type": "heartbeat", "id": "m", "ts": 1.0})
+    with pytest.raises(ProtocolError, match=r"^header\.v: peer speaks protocol 1\.0, this process "
+                                            r"speaks \d+\.\d+; major versions must match"):
+        decode([old, msgpack.packb({"sender_id": "srv", "version": 1})])
+
+
 def test_newer_minor_version_with_unknown_fields_still_decodes():
     s = make_sample()
     frames = encode(RolloutResult(server_id="srv", samples=[s]))
     h = msgpack.unpackb(frames[0])
-    h["v"] = [PROTOCOL_VERSION[0], PROTOCOL_VERSION[1] + 7]
-    h["trace"] = {"span": "abc"}                      # a header field from the future
+    h[1] += 7
+    h.append({"span": "abc"})                         # a header value from the future
     b = msgpack.unpackb(frames[1])
-    b["compression"] = "none"                        # a message field from the future
-    b["samples"][0]["entropy"] = ["<f4", [3], b"\0" * 12]    # a sample field from the future
+    b.append("none")                                  # a message field from the future
+    b[1][0].append(b"\0" * 12)                        # a sample field from the future
+    assert _sample_fast(b[1][0]) is not None          # still the fast path
     out = decode([msgpack.packb(h), msgpack.packb(b)])
     assert out.samples[0].sample_id == s.sample_id
     assert out.samples[0].token_versions.tolist() == [4, 4, 5]
-    assert protocol.decode_header([msgpack.packb(h), b""])["v"][1] == PROTOCOL_VERSION[1] + 7
+    header = protocol.decode_header([msgpack.packb(h), b""])
+    assert header["v"] == [PROTOCOL_VERSION[0], PROTOCOL_VERSION[1] + 7] and set(header) == {
+        "v", "type", "id", "ts"}
+    # A newer Hello with an extra field decodes through the generic path too.
+    hello = encode(protocol.Hello("srv", "hf", "tiny", 3))
+    newer = msgpack.packb(msgpack.unpackb(hello[1]) + ["future"])
+    assert decode([hello[0], newer]) == protocol.Hello("srv", "hf", "tiny", 3)
 
 
 def test_older_minor_version_without_defaulted_fields_decodes():
     frames = encode(protocol.Hello("srv", "hf", "tiny", 3, max_concurrency=4, metadata={"a": 1}))
     b = msgpack.unpackb(frames[1])
-    del b["max_concurrency"], b["metadata"]
+    del b[4:]                                         # max_concurrency, metadata: defaults
     out = decode([frames[0], msgpack.packb(b)])
     assert out == protocol.Hello("srv", "hf", "tiny", 3)
 
@@ -110,7 +160,7 @@ def test_older_minor_version_without_defaulted_fields_decodes():
 def test_required_field_missing_is_refused():
     frames = encode(protocol.Hello("srv", "hf", "tiny", 3))
     b = msgpack.unpackb(frames[1])
-    del b["model"]
+    del b[2:]                                         # model and everything after it
     with pytest.raises(ProtocolError, match=r"^Hello\.model: missing$"):
         decode([frames[0], msgpack.packb(b)])
 
@@ -164,3 +214,21 @@ def test_fast_check_warnings_stay_quiet_in_a_real_process():
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
+
+
+def test_array_dtypes_travel_with_every_sample_and_are_enforced():
+    """Each sample declares its arrays' dtypes (1-D: shape = byte length / item size); a receiver
+    refuses another declaration instead of misreading the bytes (e.g. int64 token ids)."""
+    s = Sample("s", "a", 0, 1, np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32),
+               np.zeros(2, np.float32), np.zeros(2, np.int32), 0.0)
+    header, body = encode(RolloutResult("srv", [s]))
+    wire = msgpack.unpackb(body)
+    sample = wire[1][0]
+    assert sample[SAMPLE_FIELDS.index("array_dtypes")] == "<i4,<i4,<f4,<i4"
+    for name, dtype in zip(("prompt_token_ids", "completion_token_ids", "behavior_logprobs",
+                            "token_versions"), ("<i4", "<i4", "<f4", "<i4")):
+        raw = sample[SAMPLE_FIELDS.index(name)]
+        assert np.frombuffer(raw, dtype).tolist() == getattr(s, name).tolist()
+    sample[SAMPLE_FIELDS.index("array_dtypes")] = "<i8,<i4,<f4,<i4"
+    with pytest.raises(protocol.ProtocolError, match=r"samples\[0\]\.array_dtypes: '<i8"):
+        decode([header, msgpack.packb(wire)])

@@ -12,6 +12,7 @@ from protocol_strategies import MESSAGE_STRATEGIES, assert_same, samples
 import protocol
 from protocol import MESSAGE_TYPES, ProtocolError, RolloutResult, Sample, decode, encode
 from protocol.messages import _sample_fast
+from protocol.schema import wire_field_names
 
 # Generated float32 log-probs above 1.8e19 make the fast x·x finiteness hint overflow. The
 # protocol silences that warning with a module-scoped filter (checked in a real interpreter by
@@ -74,12 +75,60 @@ def test_round_trip_through_generic_path_matches_fast_path(data):
     assert fast_body == generic_body
     body = msgpack.unpackb(fast_body)
     assert_same(RolloutResult.from_wire(body), RolloutResult.from_wire_checked(body))
-    for item in body["samples"]:
+    for item in body[1]:                     # [server_id, samples]
         fast, checked = _sample_fast(item), Sample.from_wire_checked(item)
         if fast is None:   # only where x·x overflows float32: then the exact check decides
             assert np.abs(checked.behavior_logprobs.astype(np.float64)).max() > 1e18
         else:
             assert_same(fast, checked)
+
+
+def test_hot_paths_are_taken(monkeypatch):
+    """A plain result goes through the hand-written paths and the codec's fast decode, never the
+    reference ones (which are correct but several times slower)."""
+    from protocol import codec
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("slow path taken")
+
+    msg = RolloutResult("srv", [Sample(
+        "s", "a", 0, 2, np.arange(3, dtype=np.int32), np.arange(4, dtype=np.int32),
+        -np.ones(4, np.float32), np.full(4, 3, np.int32), 0.5, {"x": 1.0}, "length",
+        {"generate_s": 0.1}, "text", None, {"task": "add", "nested": [1, {"k": None}]})])
+    for cls, name in ((Sample, "to_wire_checked"), (RolloutResult, "to_wire_checked")):
+        monkeypatch.setattr(cls, name, refuse)
+    for cls in (Sample, RolloutResult):
+        monkeypatch.setattr(cls, "from_wire_checked", classmethod(refuse))
+    monkeypatch.setattr(codec, "_decode", refuse)
+    assert_same(decode(encode(msg)), msg)
+
+
+@FAST
+@given(data=st.data())
+def test_codec_fast_and_general_paths_agree(data):
+    """``decode`` has a fast path for [header, body] as bytes; the general one (any sequence of
+    bytes-like frames) must give the same message or the same error."""
+    from protocol import codec
+    msg = data.draw(st.sampled_from(list(MESSAGE_STRATEGIES.values())).flatmap(lambda s: s))
+    frames = encode(msg)
+    out = decode(frames)
+    assert_same(out, codec._decode(frames))
+    assert_same(out, decode(tuple(frames)))
+    assert_same(out, decode([bytearray(f) for f in frames]))
+
+
+def test_size_limits_summed_by_the_fast_path_are_decided_exactly():
+    """The fast path bounds the sum of the string lengths; a sample over the sum but within every
+    limit is still accepted (by the checked path), one over a limit still refused."""
+    half = "x" * (protocol.schema.MAX_STR_CHARS // 2 + 1)
+    s = Sample(half, "a", 0, 1, np.zeros(0, np.int32), np.zeros(1, np.int32),
+               np.zeros(1, np.float32), np.zeros(1, np.int32), 0.0, completion_text=half)
+    body = msgpack.unpackb(msgpack.packb(s.to_wire()))
+    assert _sample_fast(body) is None
+    assert_same(decode(encode(RolloutResult("srv", [s]))).samples[0], s)
+    s.completion_text = half * 2
+    with pytest.raises(ProtocolError, match=r"completion_text: string of \d+ characters exceeds"):
+        decode(encode(RolloutResult("srv", [s])))
 
 
 def test_decoded_arrays_are_read_only_views():
@@ -119,9 +168,9 @@ def test_int_reward_and_missing_defaulted_fields_take_the_checked_path():
     body = msgpack.unpackb(msgpack.packb(Sample(
         "s", "a", 0, 1, np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(2, np.float32),
         np.zeros(2, np.int32), 1.0).to_wire()))
-    body["reward"] = 3                           # an int from a lenient sender
-    for name in ("reward_parts", "finish_reason", "timing", "completion_text", "failed", "metadata"):
-        del body[name]                           # an older minor version without these fields
+    assert wire_field_names(Sample)[8] == "reward"
+    body[8] = 3                                  # an int from a lenient sender
+    del body[9:]                                 # reward_parts ... metadata: an older minor version
     assert _sample_fast(body) is None
     s = Sample.from_wire(body)
     assert s.reward == 3.0 and type(s.reward) is float
