@@ -29,8 +29,9 @@ class LauncherConfig(BaseModel):
 
     num_rollout_servers: int = Field(1, ge=1)
     """Rollout server processes to start next to the learner."""
-    shutdown_timeout_s: float = Field(20.0, gt=0)
-    """Seconds to wait for processes to exit after SIGTERM before killing them."""
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    """Seconds to wait for processes to exit after SIGTERM before killing them (keep it above
+    rollout.drain_timeout_s, so a server finishing its leases is not killed)."""
 
 
 class SlipstreamConfig(BaseModel):

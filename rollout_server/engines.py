@@ -10,7 +10,9 @@ def create_engine(cfg: RolloutConfig, model_path: str) -> Engine:
     if cfg.engine == "hf":
         from rollout_server.engine_hf import HFEngine
 
-        return HFEngine(model_path, dtype=cfg.dtype, seed=cfg.seed)
+        # The service batches queued assignments itself (rollout.batch_wait_s): no engine window.
+        return HFEngine(model_path, dtype=cfg.dtype, seed=cfg.seed,
+                        inflight_update=cfg.inflight_update, batch_wait_s=0.0)
     if cfg.engine == "vllm":
         try:
             from rollout_server.engine_vllm import VLLMEngine

@@ -1,8 +1,42 @@
-"""Prometheus metrics of a rollout server (names ``slipstream_rollout_*`` + the shared version)."""
+"""Prometheus metrics of a rollout server (names ``slipstream_rollout_*`` + the shared version).
+
+The HTTP endpoint is a small WSGI app in a daemon thread: ``/healthz`` answers JSON (200 while the
+server is connected and serving, 503 otherwise), every other path the Prometheus text format.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import json
+import threading
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - no access log on stderr
+        pass
+
+
+def health_app(metrics_app, health: Callable[[], tuple[bool, dict]] | None):
+    """``/healthz`` -> ``health()`` as JSON (200 ok / 503 not ok); anything else -> metrics."""
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/healthz":
+            ok, info = health() if health else (True, {})
+            body = json.dumps({"ok": ok, **info}).encode()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        return metrics_app(environ, start_response)
+
+    return app
 
 
 class RolloutMetrics:
@@ -30,8 +64,21 @@ class RolloutMetrics:
                                        "Messages refused with ProtocolError", registry=r)
         self.send_retries = Counter("slipstream_rollout_send_retries",
                                     "Results re-sent because no ack arrived", registry=r)
+        self.reconnects = Counter("slipstream_rollout_reconnects",
+                                  "Hellos repeated because the learner did not know this server",
+                                  registry=r)
+        self._server: WSGIServer | None = None
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+    def serve(self, host: str, port: int, health: Callable[[], tuple[bool, dict]] | None = None) -> int:
+        """Start the /metrics + /healthz HTTP endpoint in a daemon thread; returns the bound port."""
+        app = health_app(make_wsgi_app(self.registry), health)
+        self._server = make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, daemon=True,
+                         name="rollout-metrics").start()
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,18 +1,37 @@
 """Reward functions: ``reward_fn(prompt, completion, metadata) -> float | dict[str, float]``.
 
-Plug one in with ``rollout.reward: "module:function"`` (sync or async). A dict's parts are summed
-into the total. A reward that raises or returns a non-finite value marks the sample failed with
-the reason; the server keeps running.
+Configuration (``rollout.reward``): one spec or a list of specs, each ``builtin:NAME`` or
+``"module:function"`` (sync or async). Every function contributes *parts*: a float becomes one part
+named after the function (``exact_numeric``, ``format``, ``my_fn``), a dict contributes its keys.
+The total is the sum of the parts, or — when ``rollout.reward_weights`` names parts — the weighted
+sum ``Σ w_k · part_k`` (parts not named there weigh 1.0)::
+
+    total = Σ_k w_k · part_k,   w_k = reward_weights.get(k, 1.0)
+
+A reward that raises or returns a non-finite value marks that sample failed with the reason (the
+server counts it in ``slipstream_rollout_errors_total{kind="reward"}`` and keeps running).
+
+Built-ins: ``exact_numeric`` (GSM8K ``#### 42`` / ``\\boxed{42}`` answer vs ``metadata["answer"]``),
+``format`` (``format_reward`` when ``format_regex`` matches, else 0), ``length_penalty``
+(``-length_penalty_per_token · max(0, tokens - length_free_tokens)``, tokens from
+``metadata["completion_tokens"]``, which the server sets), ``reward_model`` (see
+:class:`RewardModelScorer`). The service adds ``completion_tokens`` and ``finish_reason`` to a
+copy of the assignment's metadata before calling any reward.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
 import re
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from rollout_server.config import RewardOptions
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -38,16 +57,31 @@ def exact_numeric(prompt: str, completion: str, metadata: dict[str, Any]) -> flo
     return 1.0 if math.isclose(float(got), float(want), rel_tol=0, abs_tol=1e-9) else 0.0
 
 
-BUILTIN_REWARDS: dict[str, Callable] = {"builtin:exact_numeric": exact_numeric}
+def make_format_reward(pattern: str, value: float) -> Callable:
+    """``value`` if ``pattern`` matches anywhere in the completion (``re.search``), else 0.0."""
+    rx = re.compile(pattern, re.DOTALL)
+
+    def format(prompt: str, completion: str, metadata: dict[str, Any]) -> float:  # noqa: A001
+        return value if rx.search(completion) else 0.0
+
+    return format
 
 
-def load_reward(spec: str) -> Callable:
-    """``builtin:NAME`` or ``module:function`` -> the callable (raises ValueError with a fix)."""
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
+def make_length_penalty(per_token: float, free_tokens: int) -> Callable:
+    """``-per_token · max(0, completion_tokens - free_tokens)`` (0 for short completions)."""
+
+    def length_penalty(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+        n = int(metadata.get("completion_tokens", len(completion)))
+        return -per_token * max(0, n - free_tokens)
+
+    return length_penalty
+
+
+def _import(spec: str) -> Callable:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward {spec!r}: expected builtin:exact_numeric or 'module:function'")
+        raise ValueError(f"reward {spec!r}: expected builtin:NAME (exact_numeric, format, "
+                         f"length_penalty, reward_model) or 'module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -58,16 +92,204 @@ def load_reward(spec: str) -> Callable:
     return fn
 
 
-async def score(fn: Callable, prompt: str, completion: str, metadata: dict) -> tuple[float, dict[str, float]]:
-    """Call a reward function; returns (total, parts). Raises ValueError for a bad return value."""
-    value = fn(prompt, completion, metadata)
-    if inspect.isawaitable(value):
-        value = await value
+def load_reward(spec: str, options: RewardOptions | None = None) -> Callable:
+    """``builtin:NAME`` or ``module:function`` -> the callable (raises ValueError with a fix)."""
+    o = options or RewardOptions()
+    if spec == "builtin:exact_numeric":
+        return exact_numeric
+    if spec == "builtin:format":
+        return make_format_reward(o.format_regex, o.format_reward)
+    if spec == "builtin:length_penalty":
+        return make_length_penalty(o.length_penalty_per_token, o.length_free_tokens)
+    if spec == "builtin:reward_model":
+        if not o.reward_model:
+            raise ValueError("reward builtin:reward_model needs rollout.reward_options.reward_model "
+                             "(a directory with an AutoModelForSequenceClassification + tokenizer)")
+        return RewardModelScorer(o.reward_model, chat_template=o.rm_chat_template,
+                                 probe_text=o.rm_probe_text, max_length=o.rm_max_length,
+                                 batch_size=o.rm_batch_size)
+    if spec.startswith("builtin:"):
+        raise ValueError(f"reward {spec!r}: unknown built-in; choose builtin:exact_numeric, "
+                         f"builtin:format, builtin:length_penalty or builtin:reward_model")
+    return _import(spec)
+
+
+class RewardModelScorer:
+    """A reward model: any HF ``AutoModelForSequenceClassification`` with one label, batched.
+
+    Input: the *text* of prompt and completion (never the policy's token ids), formatted with the
+    RM's own chat template (user = prompt, assistant = completion) when it has one, tokenized by the
+    RM's own tokenizer. Score: the head's output at the last non-padding token of each row, found
+    from the attention mask (not from ``pad_token_id``, which may equal EOS), so left and right
+    padding give the same score as the unpadded example. Decoder RMs (Llama, Qwen2, Mistral, GPT-2:
+    a per-token ``score`` head) are pooled that way through a hook on the head; encoder RMs (BERT
+    style, CLS pooling) use the model's own pooled logits.
+
+    Refuses to start (``ValueError``) when inputs would be garbled:
+      * the model has more than one label (no scalar reward);
+      * the tokenizer has neither a pad nor an EOS token (cannot batch);
+      * ``probe_text`` does not round-trip ``decode(encode(text)) == text`` or encodes to unknown
+        tokens (a tokenizer that cannot represent ordinary text);
+      * ``chat_template="always"`` and the tokenizer has no chat template.
+    """
+
+    batched = True
+
+    def __init__(self, path: str, chat_template: str = "auto", probe_text: str = "The answer is 42.",
+                 max_length: int = 2048, batch_size: int = 16, dtype: str = "float32"):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.torch = torch
+        tok = AutoTokenizer.from_pretrained(path)
+        if tok.pad_token is None:
+            if tok.eos_token is None:
+                raise ValueError(f"reward model {path}: its tokenizer has neither a pad nor an EOS "
+                                 "token, so inputs cannot be batched; set tokenizer.pad_token and save")
+            tok.pad_token = tok.eos_token
+        ids = tok.encode(probe_text, add_special_tokens=False)
+        back = tok.decode(ids, skip_special_tokens=False)
+        if tok.unk_token_id is not None and tok.unk_token_id in ids or back.strip() != probe_text.strip():
+            raise ValueError(f"reward model {path}: its tokenizer garbles the probe text {probe_text!r} "
+                             f"(decodes to {back!r}); this RM cannot read such completions. Use the "
+                             "RM's own tokenizer files, or set reward_options.rm_probe_text to text "
+                             "this RM is meant to read")
+        has_template = bool(getattr(tok, "chat_template", None))
+        if chat_template == "always" and not has_template:
+            raise ValueError(f"reward model {path}: reward_options.rm_chat_template=always but its "
+                             "tokenizer has no chat template; add one or use rm_chat_template=never")
+        self.use_template = has_template and chat_template != "never"
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+        if model.config.num_labels != 1:
+            raise ValueError(f"reward model {path}: num_labels={model.config.num_labels}; a reward "
+                             "model must output one scalar (num_labels=1)")
+        model.config.pad_token_id = tok.pad_token_id
+        model.eval()
+        tok.truncation_side = "left"          # keep the end of long inputs: it is what gets scored
+        self.tok, self.model = tok, model
+        self.max_length, self.batch_size = max_length, batch_size
+        self.head = getattr(model, "score", None)   # per-token head of decoder RMs
+        self._token_scores = None
+        self._lock = threading.Lock()             # the hook's output is per call: one at a time
+        if self.head is not None:
+            self.head.register_forward_hook(lambda m, i, out: setattr(self, "_token_scores", out))
+
+    def text(self, prompt: str, completion: str) -> str:
+        if self.use_template:
+            return self.tok.apply_chat_template(
+                [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+                tokenize=False)
+        return prompt + completion
+
+    def score_texts(self, texts: list[str]) -> list[float]:
+        torch = self.torch
+        out: list[float] = []
+        add_special = not self.use_template     # a chat template writes its own BOS
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tok(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                           truncation=True, max_length=self.max_length, add_special_tokens=add_special)
+            mask = enc["attention_mask"]                                       # (B, T)
+            with torch.no_grad(), self._lock:
+                logits = self.model(**enc).logits                              # (B, 1)
+                if self.head is not None:
+                    tok_scores = self._token_scores                            # (B, T, 1)
+                    t = torch.arange(mask.shape[1])
+                    last = (t * mask).argmax(dim=1)                            # last mask==1 index
+                    logits = tok_scores[torch.arange(mask.shape[0]), last]     # (B, 1)
+            out.extend(float(x) for x in logits[:, 0].float())
+        return out
+
+    def score_batch(self, prompts: list[str], completions: list[str], metadatas: list[dict]) -> list[float]:
+        return self.score_texts([self.text(p, c) for p, c in zip(prompts, completions)])
+
+    def __call__(self, prompt: str, completion: str, metadata: dict) -> float:
+        return self.score_batch([prompt], [completion], [metadata])[0]
+
+
+def _part_name(spec: str) -> str:
+    return spec.partition(":")[2] or spec
+
+
+@dataclass
+class Scored:
+    """One sample's reward: ``total`` and ``parts``, or ``failed`` with the reason."""
+
+    total: float = 0.0
+    parts: dict[str, float] | None = None
+    failed: str | None = None
+
+
+def _as_parts(name: str, value: Any) -> dict[str, float]:
     if isinstance(value, dict):
         parts = {str(k): float(v) for k, v in value.items()}
     else:
-        parts = {"reward": float(value)}
-    total = sum(parts.values())
-    if not all(math.isfinite(v) for v in parts.values()):
-        raise ValueError(f"reward returned a non-finite value: {parts}")
-    return total, parts
+        parts = {name: float(value)}
+    bad = {k: v for k, v in parts.items() if not math.isfinite(v)}
+    if bad:
+        raise ValueError(f"reward returned a non-finite value: {bad}")
+    return parts
+
+
+class Rewarder:
+    """Several reward functions combined into ``(total, parts)`` per sample, batched where possible.
+
+    A function with ``batched = True`` (the reward-model scorer) is called once per batch as
+    ``fn.score_batch(prompts, completions, metadatas) -> list[float]`` in a worker thread.
+    """
+
+    def __init__(self, specs: str | list[str], weights: dict[str, float] | None = None,
+                 options: RewardOptions | None = None):
+        specs = [specs] if isinstance(specs, str) else list(specs)
+        if not specs:
+            raise ValueError("rollout.reward: name at least one reward function")
+        self.fns = [(_part_name(s), load_reward(s, options)) for s in specs]
+        self.weights = dict(weights or {})
+
+    async def _one(self, name: str, fn: Callable, prompt: str, completion: str, metadata: dict) -> dict:
+        value = fn(prompt, completion, metadata)
+        if inspect.isawaitable(value):
+            value = await value
+        return _as_parts(name, value)
+
+    async def score_many(self, items: list[tuple[str, str, dict]]) -> list[Scored]:
+        """Score ``(prompt, completion, metadata)`` items; failures are per sample."""
+        parts: list[dict[str, float]] = [{} for _ in items]
+        failed: list[str | None] = [None] * len(items)
+        for name, fn in self.fns:
+            if getattr(fn, "batched", False):
+                try:
+                    values = await asyncio.to_thread(fn.score_batch, *map(list, zip(*items)))
+                except Exception as e:  # the whole batch failed: every sample says why
+                    for i in range(len(items)):
+                        failed[i] = failed[i] or f"reward {name}: {type(e).__name__}: {e}"
+                    continue
+                for i, v in enumerate(values):
+                    try:
+                        parts[i].update(_as_parts(name, v))
+                    except Exception as e:
+                        failed[i] = failed[i] or f"reward {name}: {type(e).__name__}: {e}"
+                continue
+            for i, (p, c, m) in enumerate(items):
+                if failed[i]:
+                    continue
+                try:   # a user reward function may raise anything: that sample fails, we go on
+                    parts[i].update(await self._one(name, fn, p, c, m))
+                except Exception as e:
+                    failed[i] = f"reward {name}: {type(e).__name__}: {e}"
+        out = []
+        for i in range(len(items)):
+            if failed[i]:
+                out.append(Scored(failed=failed[i], parts={}))
+            else:
+                total = sum(self.weights.get(k, 1.0) * v for k, v in parts[i].items())
+                out.append(Scored(total=total, parts=parts[i]))
+        return out
+
+
+async def score(fn: Callable, prompt: str, completion: str, metadata: dict) -> tuple[float, dict[str, float]]:
+    """Call one reward function; returns (total, parts). Raises ValueError for a bad return value."""
+    value = fn(prompt, completion, metadata)
+    if inspect.isawaitable(value):
+        value = await value
+    parts = _as_parts("reward", value)
+    return sum(parts.values()), parts

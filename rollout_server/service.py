@@ -12,6 +12,18 @@ Weights: on ``WeightsAvailable`` a separate DEALER fetches the chunks from the l
 socket, verifies every checksum (a corrupted chunk is fetched again), and the engine applies the
 tensors between generate calls. Only then does the server report ``WeightsApplied`` and tag new
 tokens with the new version: a server never reports a version it has not applied.
+
+Reconnects: the DEALER reconnects by itself with exponential backoff (``RECONNECT_IVL`` doubling up
+to ``RECONNECT_IVL_MAX``); messages sent while the learner is away wait in the socket's queue. A
+restarted learner answers the first heartbeat with ``unknown_server``; Hello -> Welcome then
+re-sends every unacknowledged result.
+
+Shutdown (SIGTERM/SIGINT): stop asking for work, finish every queued and generating assignment
+(there is no "return lease" message; finishing is as good and loses nothing), wait for the acks of
+all results — bounded by ``drain_timeout_s``; leases not finished by then expire on the learner and
+are re-issued — then close the engine and exit 0. Acks cannot come from a learner that said
+``learner_finished`` or whose connection is down for ``DRAIN_DISCONNECTED_S`` (a socket monitor
+watches it): then the server stops waiting at once. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -35,12 +47,13 @@ from rollout_server.config import RolloutConfig
 from rollout_server.engine import GenRequest, WeightUpdate
 from rollout_server.engines import create_engine
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.rewards import load_reward, score
+from rollout_server.rewards import Rewarder
 
 HEARTBEAT_S = 2.0
 CHUNK_TIMEOUT_S = 30.0
 CHUNK_WINDOW = 4
 CHUNK_RETRIES = 3
+DRAIN_DISCONNECTED_S = 2.0
 
 
 def log(event: str, **fields) -> None:
@@ -59,7 +72,7 @@ class RolloutService:
     def __init__(self, cfg: RolloutConfig, model_path: str):
         self.cfg = cfg
         self.server_id = cfg.server_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.reward_fn = load_reward(cfg.reward)
+        self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options)
         if cfg.threads:
             import torch
             torch.set_num_threads(cfg.threads)
@@ -71,6 +84,11 @@ class RolloutService:
         self.assigned_samples = 0          # queued + generating (credits the learner has used)
         self.unacked: dict[str, _Pending] = {}
         self.stopping = asyncio.Event()
+        self.abort = asyncio.Event()          # a second signal: do not wait for the drain
+        self.progress = asyncio.Event()       # set whenever generation finishes or an ack arrives
+        self.generating = False
+        self.learner_finished = False
+        self.disconnected_since: float | None = None   # None while the learner connection is up
         self.welcomed = asyncio.Event()
         self.weights_endpoint: str | None = None
         self.latest_manifest: protocol.WeightsAvailable | None = None
@@ -92,31 +110,93 @@ class RolloutService:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(sig, self.on_signal)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, f"{self.server_id}".encode())
+        self.sock.setsockopt(zmq.RECONNECT_IVL, int(self.cfg.reconnect_ivl_s * 1000))
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_ivl_max_s * 1000))
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(self.cfg.learner)
-        port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        self.metrics.policy_version.set(self.engine.version)
+        port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port, self.health)
+        self.metrics_url = f"http://{self.cfg.metrics_host}:{port}"
         log("ready", server_id=self.server_id, learner=self.cfg.learner,
-            metrics=f"http://{self.cfg.metrics_host}:{port}/metrics")
+            metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
         await self.say_hello()
         tasks = [asyncio.create_task(c) for c in
-                 (self.recv_loop(), self.generate_loop(), self.heartbeat_loop(), self.weights_loop())]
+                 (self.recv_loop(), self.generate_loop(), self.heartbeat_loop(), self.weights_loop(),
+                  self.monitor_loop(monitor))]
         stop = asyncio.create_task(self.stopping.wait())
-        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stop and t.exception():
-                log("crashed", error=repr(t.exception()))
-                raise t.exception()
-        log("stopping", unacked=len(self.unacked), queued=len(self.queue))
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.sock.close(0)
-        self.ctx.term()
+        try:
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stop and t.exception():
+                    log("crashed", error=repr(t.exception()))
+                    raise t.exception()
+            log("stopping", unacked=len(self.unacked), queued=len(self.queue),
+                assigned=self.assigned_samples)
+            drained = await self.drain(tasks)
+            log("drained", ok=drained, unacked=len(self.unacked), assigned=self.assigned_samples)
+        finally:
+            for t in [stop, *tasks]:
+                t.cancel()
+            await asyncio.gather(stop, *tasks, return_exceptions=True)
+            await self.engine.close()
+            self.metrics.close()
+            self.sock.disable_monitor()
+            monitor.close(0)
+            self.sock.close(0)
+            self.ctx.term()
         log("stopped")
         return 0
+
+    def on_signal(self) -> None:
+        if self.stopping.is_set():
+            self.abort.set()
+        self.stopping.set()
+
+    def busy(self) -> bool:
+        return bool(self.assigned_samples or self.unacked)
+
+    def learner_gone(self) -> bool:
+        """No ack can come: the run finished, or the connection has been down a while."""
+        return self.learner_finished or (self.disconnected_since is not None and
+                                         time.monotonic() - self.disconnected_since > DRAIN_DISCONNECTED_S)
+
+    async def monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.disconnected_since = None
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.disconnected_since = time.monotonic()
+                log("disconnected", learner=self.cfg.learner)
+            self.progress.set()
+
+    async def drain(self, tasks: list[asyncio.Task]) -> bool:
+        """Finish queued and generating work and wait for its acks, up to ``drain_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while (self.busy() and not self.abort.is_set() and not self.learner_gone()
+               and time.monotonic() < deadline):
+            if any(t.done() for t in tasks):          # a loop crashed: nothing more will finish
+                return False
+            self.progress.clear()
+            waiters = [asyncio.create_task(e.wait()) for e in (self.progress, self.abort)]
+            await asyncio.wait(waiters, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
+                               return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+        return not self.busy()
+
+    def health(self) -> tuple[bool, dict]:
+        """/healthz: 200 while serving, 503 once stopping (or before the learner welcomed us)."""
+        info = {"server_id": self.server_id, "version": self.engine.version,
+                "connected": self.welcomed.is_set(), "stopping": self.stopping.is_set(),
+                "assigned_samples": self.assigned_samples, "unacked_results": len(self.unacked)}
+        return self.welcomed.is_set() and not self.stopping.is_set(), info
 
     async def say_hello(self) -> None:
         self.welcomed.clear()
@@ -161,6 +241,7 @@ class RolloutService:
                     if not pending.sample_ids:
                         del self.unacked[key]
             self.metrics.requests_inflight.set(self.assigned_samples + len(self.unacked))
+            self.progress.set()
         elif isinstance(msg, protocol.WeightsAvailable):
             if msg.version > self.engine.version and (
                     self.latest_manifest is None or msg.version > self.latest_manifest.version):
@@ -168,8 +249,13 @@ class RolloutService:
                 self.weights_event.set()
         elif isinstance(msg, protocol.Error):
             if msg.code == "unknown_server":
+                self.metrics.reconnects.inc()
+                log("rehello", reason=msg.message)
                 await self.say_hello()
             else:
+                if msg.code == "learner_finished":
+                    self.learner_finished = True
+                    self.progress.set()
                 log("learner_error", code=msg.code, message=msg.message)
         else:
             log("unexpected_message", type=type(msg).TYPE)
@@ -188,20 +274,28 @@ class RolloutService:
 
     # ---- generation ------------------------------------------------------------------------
     async def generate_loop(self) -> None:
+        """Queued assignments go to the engine together: one generate call per batch. Keeps going
+        while stopping (the drain finishes leases already granted)."""
         while True:
             await self.queue_event.wait()
+            if self.cfg.batch_wait_s:
+                await asyncio.sleep(self.cfg.batch_wait_s)   # let assignments sent together arrive
             batch, self.queue = self.queue, []
             self.queue_event.clear()
-            if self.stopping.is_set():
-                return
+            if not batch:
+                continue
             await self._wait_for_pending_weights()
             requests = [self._request(a) for a in batch]
             start = time.monotonic()
-            groups = await self.engine.generate(requests)
+            self.generating = True
+            try:
+                groups = await self.engine.generate(requests)
+            finally:
+                self.generating = False
             gen_s = time.monotonic() - start
             self.metrics.generation_seconds.observe(gen_s)
             for a, completions in zip(batch, groups):
-                samples = [await self._make_sample(a, i, c, gen_s) for i, c in enumerate(completions)]
+                samples = await self._make_samples(a, completions, gen_s)
                 frames = protocol.encode(protocol.RolloutResult(server_id=self.server_id, samples=samples))
                 self.unacked[a.assignment_id] = _Pending(frames, [s.sample_id for s in samples],
                                                          time.monotonic())
@@ -209,6 +303,7 @@ class RolloutService:
             done = sum(a.group_size for a in batch)
             self.assigned_samples -= done
             self.metrics.requests_inflight.set(self.assigned_samples + len(self.unacked))
+            self.progress.set()
             if not self.stopping.is_set():
                 await self.send(protocol.WorkRequest(server_id=self.server_id, credits=done))
 
@@ -230,26 +325,33 @@ class RolloutService:
                           temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
                           top_k=int(s.get("top_k", 0)), max_new_tokens=int(s.get("max_new_tokens", 16)))
 
-    async def _make_sample(self, a: protocol.Assignment, i: int, c, gen_s: float) -> protocol.Sample:
-        text = self.engine.decode(c.token_ids)
+    async def _make_samples(self, a: protocol.Assignment, completions: list, gen_s: float) -> list:
+        """Decode and score one group (batched rewards see the whole group at once)."""
+        texts = [self.engine.decode(c.token_ids) for c in completions]
         start = time.monotonic()
-        failed = None
-        try:
-            reward, parts = await score(self.reward_fn, a.prompt_text, text, a.metadata)
-        except Exception as e:  # a user reward function may raise anything: count it, go on
-            reward, parts, failed = 0.0, {}, f"reward: {type(e).__name__}: {e}"
-            self.metrics.errors.labels(kind="reward").inc()
-        self.metrics.generated_tokens.inc(len(c.token_ids))
-        self.metrics.prompt_tokens.inc(len(a.prompt_token_ids))
-        self.metrics.samples.inc()
-        self.metrics.reward.observe(reward)
-        return protocol.Sample(
-            sample_id=f"{a.assignment_id}/{i}", assignment_id=a.assignment_id, group_index=i,
-            group_size=a.group_size, prompt_token_ids=a.prompt_token_ids,
-            completion_token_ids=c.token_ids, behavior_logprobs=c.logprobs, token_versions=c.versions,
-            reward=reward, reward_parts=parts, finish_reason=c.finish_reason,
-            timing={"generate_s": gen_s, "reward_s": time.monotonic() - start}, completion_text=text,
-            failed=failed)
+        items = [(a.prompt_text, t, {**a.metadata, "completion_tokens": len(c.token_ids),
+                                     "finish_reason": c.finish_reason})
+                 for t, c in zip(texts, completions)]
+        scored = await self.rewarder.score_many(items)
+        reward_s = (time.monotonic() - start) / max(1, len(completions))
+        samples = []
+        for i, (c, text, sc) in enumerate(zip(completions, texts, scored)):
+            if sc.failed:     # a reward that raised or returned NaN: the sample says why
+                self.metrics.errors.labels(kind="reward").inc()
+                log("reward_failed", sample_id=f"{a.assignment_id}/{i}", error=sc.failed[:500])
+            else:
+                self.metrics.reward.observe(sc.total)
+            self.metrics.generated_tokens.inc(len(c.token_ids))
+            self.metrics.prompt_tokens.inc(len(a.prompt_token_ids))
+            self.metrics.samples.inc()
+            samples.append(protocol.Sample(
+                sample_id=f"{a.assignment_id}/{i}", assignment_id=a.assignment_id, group_index=i,
+                group_size=a.group_size, prompt_token_ids=a.prompt_token_ids,
+                completion_token_ids=c.token_ids, behavior_logprobs=c.logprobs,
+                token_versions=c.versions, reward=sc.total, reward_parts=sc.parts or {},
+                finish_reason=c.finish_reason, timing={"generate_s": gen_s, "reward_s": reward_s},
+                completion_text=text, failed=sc.failed))
+        return samples
 
     # ---- weights ---------------------------------------------------------------------------
     async def weights_loop(self) -> None:
@@ -270,9 +372,15 @@ class RolloutService:
             tensors = unflatten_tensors(buffer, [
                 {"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset, "nbytes": t.nbytes}
                 for t in manifest.tensors])
-            await self.engine.update_weights(WeightUpdate(version=manifest.version, kind=manifest.kind,
-                                                          tensors=tensors,
-                                                          lora_config=manifest.metadata.get("lora", {})))
+            try:
+                await self.engine.update_weights(WeightUpdate(
+                    version=manifest.version, kind=manifest.kind, tensors=tensors,
+                    lora_config=manifest.metadata.get("lora", {})))
+            except (ValueError, RuntimeError) as e:   # refused: keep serving the old version
+                self.weights_applied.set()
+                self.metrics.errors.labels(kind="weights").inc()
+                log("weights_failed", version=manifest.version, error=str(e))
+                continue
             seconds = time.monotonic() - start
             self.metrics.weight_update_seconds.observe(seconds)
             self.metrics.policy_version.set(manifest.version)
