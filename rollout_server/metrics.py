@@ -12,7 +12,19 @@ from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+
+class _Forward:
+    """A collector that re-exports another registry: the process-wide default one, where vLLM
+    registers its ``vllm:*`` metrics and prometheus-client its ``process_*``/``python_*`` ones,
+    so one scrape of a rollout server sees slipstream's, the engine's and the process's metrics."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        yield from self.registry.collect()
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -67,6 +79,7 @@ class RolloutMetrics:
         self.reconnects = Counter("slipstream_rollout_reconnects",
                                   "Hellos repeated because the learner did not know this server",
                                   registry=r)
+        r.register(_Forward(REGISTRY))
         self._server: WSGIServer | None = None
 
     def serve(self, host: str, port: int, health: Callable[[], tuple[bool, dict]] | None = None) -> int:

@@ -334,3 +334,18 @@ async def test_lora_inflight_finish_continue_resubmit(ctx):
         assert sum(_split(c.versions, old + k - 1, old + k) for c in comps) >= 1, policy
         assert eng.stats["resubmitted"] > resubmitted
     assert len(await eng.llm.list_loras()) <= eng.max_loras
+
+
+@shared_loop
+async def test_vllm_metrics_are_served_with_ours(ctx):
+    """vLLM's own ``vllm:*`` metrics stay reachable on the rollout server's /metrics."""
+    from prometheus_client import generate_latest
+
+    from rollout_server.metrics import RolloutMetrics
+
+    eng = ctx.engine
+    await eng.generate([GenRequest(_prompt(eng, "1+2="), 2, max_new_tokens=3)])
+    text = generate_latest(RolloutMetrics().registry).decode()
+    assert "slipstream_rollout_generated_tokens_total" in text
+    assert "vllm:" in text
+
