@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="run one rollout server process")
     _add_config_args(p, required=True)
     p.add_argument("--learner", metavar="tcp://HOST:PORT", help="the learner's rollout endpoint")
+    p.add_argument("--engine", choices=["hf", "vllm"], help="generation engine (rollout.engine)")
     p = sub.add_parser("run", help="start a learner and N rollout servers, supervise them")
     _add_config_args(p, required=False)
     p = sub.add_parser("ctl", help="talk to a live learner: status, set KEY VALUE, stop")
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             rollout = cfg.rollout
             if args.learner:
                 rollout = rollout.model_copy(update={"learner": args.learner})
+            if args.engine:
+                rollout = rollout.model_copy(update={"engine": args.engine})
             from rollout_server.service import serve
             return serve(rollout, model_path)
     except ConfigError as e:

@@ -72,3 +72,25 @@ def test_ctrl_c_stops_all_processes(tmp_path, subprocess_env):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.vllm
+def test_run_with_the_vllm_engine(tmp_path, subprocess_env):
+    """The whole loop with real vLLM (the CPU build in CI): weights reach the engine every step."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if os.environ.get("SLIPSTREAM_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip("vLLM is not installed")
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS,
+                        "--set", "rollout.engine=vllm", "--set", "learner.total_steps=6",
+                        "--set", f"learner.run_dir={run_dir}"],
+                       env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in log] == list(range(1, 7))
+    assert all(x["token_version_max"] <= x["trained_on_version"] for x in log)
+    # The server applied a recent version: versions reached the vLLM engine.
+    assert max(log[-1]["server_versions"].values()) >= 5
