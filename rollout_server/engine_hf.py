@@ -67,6 +67,7 @@ class HFEngine:
         self._cv = threading.Condition()
         self._updates_waiting = 0                 # updates that want the lock (guarded by _cv)
         self._lora_config: dict | None = None
+        self._adapter = "default"                 # name of the live PEFT adapter
         self._pending: list[tuple[list[GenRequest], asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self.generate_calls = 0                   # decode batches run (tests check batching)
@@ -171,24 +172,16 @@ class HFEngine:
             if not cfg:
                 raise ValueError("HF engine: the first LoRA update needs its lora_config "
                                  "(PEFT LoraConfig fields, e.g. r, lora_alpha, target_modules)")
-            self.model = get_peft_model(self.model, LoraConfig(**cfg), adapter_name="default")
+            self.model = get_peft_model(self.model, LoraConfig(**cfg), adapter_name=self._adapter)
             self._lora_config = cfg
         elif cfg and cfg != self._lora_config:     # a new adapter shape: replace the adapter
-            self.model.add_adapter("next", LoraConfig(**cfg))
-            self.model.set_adapter("next")
-            self.model.delete_adapter("default")
-            self.model.peft_config["default"] = self.model.peft_config.pop("next")
-            for module in self.model.modules():
-                for attr in ("lora_A", "lora_B", "lora_dropout", "scaling", "r", "lora_alpha"):
-                    d = getattr(module, attr, None)
-                    if isinstance(d, (dict, torch.nn.ModuleDict)) and "next" in d:
-                        d["default"] = d.pop("next")
-                if hasattr(module, "_active_adapter") and module._active_adapter == ["next"]:
-                    module._active_adapter = ["default"]
-            self.model.active_adapter = "default"
+            old, self._adapter = self._adapter, f"v{version}"
+            self.model.add_adapter(self._adapter, LoraConfig(**cfg))
+            self.model.set_adapter(self._adapter)
+            self.model.delete_adapter(old)
             self._lora_config = cfg
         self.model.eval()
-        expected = get_peft_model_state_dict(self.model, adapter_name="default")
+        expected = get_peft_model_state_dict(self.model, adapter_name=self._adapter)
         missing = set(expected) - set(tensors)
         unknown = set(tensors) - set(expected)
         if missing or unknown:
@@ -197,7 +190,7 @@ class HFEngine:
         for name, t in expected.items():
             if tensors[name].shape != t.shape:
                 raise ValueError(f"LoRA {name}: shape {tuple(tensors[name].shape)} != {tuple(t.shape)}")
-        set_peft_model_state_dict(self.model, tensors, adapter_name="default")
+        set_peft_model_state_dict(self.model, tensors, adapter_name=self._adapter)
 
     def _step_boundary(self) -> bool:
         """Called by the decoding thread (holding the lock) between steps: let waiting updates in
