@@ -77,6 +77,8 @@ class LearnerConfig(BaseModel):
     """Directory for metrics.jsonl and the learner's endpoint file."""
     seed: int = 0
     """Seed for the prompt order and torch."""
+    exit_on_finish: bool = True
+    """Exit after the last step; false keeps /metrics and control up until SIGTERM or `ctl stop`."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
 

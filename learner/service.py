@@ -118,6 +118,9 @@ class LearnerService:
                 code = 1
         if train in done and code == 0:
             await self.finish()
+            if not self.cfg.exit_on_finish:
+                self.log("idle", reason="finished; serving metrics and control until stopped")
+                await self.stopping.wait()
         for t in [train, stop, *tasks]:
             t.cancel()
         await asyncio.gather(train, stop, *tasks, return_exceptions=True)

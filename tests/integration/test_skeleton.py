@@ -82,7 +82,8 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
         "model": tiny_model_dir,
         "learner": {"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": STEPS, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4,
-                    "max_staleness": 1, "run_dir": str(run_dir), "threads": 1},
+                    "max_staleness": 1, "run_dir": str(run_dir), "threads": 1,
+                    "exit_on_finish": False},                # stays up to be scraped, then ctl stop
         "rollout": {"metrics_port": 0, "max_concurrency": 16, "threads": 1},
     }
     cfg_file = tmp_path / "cfg.yaml"
@@ -124,8 +125,12 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
         assert smetrics["slipstream_policy_version"] == STEPS
         assert metrics[f'slipstream_server_policy_version{{server="{server_ready["server_id"]}"}}'] == STEPS
         assert smetrics["slipstream_rollout_generated_tokens_total"] > 0
+        learner.wait_for("idle", 60)
+        stop = subprocess.run([*cli, "ctl", "--endpoint", ready["control"], "stop"],
+                              env=subprocess_env, capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
         assert learner.wait_for("stopped", 60)["exit_code"] == 0
-        assert learner.proc.wait(timeout=60) == 0         # the learner exits by itself when done
+        assert learner.proc.wait(timeout=60) == 0
         log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in log] == list(range(1, STEPS + 1))
         assert log[-1]["server_versions"]  # per-server versions are recorded
