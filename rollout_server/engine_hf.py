@@ -47,6 +47,16 @@ _CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ e
 INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
 
 
+def _check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse an update whose names or shapes differ from ``expected`` (before anything is copied)."""
+    missing, unknown = set(expected) - set(got), set(got) - set(expected)
+    if missing or unknown:
+        raise ValueError(f"{what}: missing {sorted(missing)[:3]}, unknown {sorted(unknown)[:3]}")
+    for name, t in expected.items():
+        if got[name].shape != t.shape:
+            raise ValueError(f"{what}: {name} has shape {tuple(got[name].shape)}, expected {tuple(t.shape)}")
+
+
 class HFEngine:
     """transformers engine: model work runs in a worker thread (``*_sync`` methods)."""
 
@@ -152,14 +162,7 @@ class HFEngine:
             raise ValueError("HF engine: a full-weight update after LoRA adapters is not supported "
                              "(publish either LoRA adapters or full weights for a run)")
         params = dict(self.model.named_parameters())
-        missing = set(params) - set(tensors)
-        unknown = set(tensors) - set(params)
-        if missing or unknown:
-            raise ValueError(f"weights do not match the model: missing {sorted(missing)[:3]}, "
-                             f"unknown {sorted(unknown)[:3]}")
-        for name, p in params.items():
-            if tensors[name].shape != p.shape:
-                raise ValueError(f"weights {name}: shape {tuple(tensors[name].shape)} != {tuple(p.shape)}")
+        _check_tensors(params, tensors, "weights do not match the model")
         for name, p in params.items():
             p.copy_(tensors[name])
 
@@ -182,14 +185,7 @@ class HFEngine:
             self._lora_config = cfg
         self.model.eval()
         expected = get_peft_model_state_dict(self.model, adapter_name=self._adapter)
-        missing = set(expected) - set(tensors)
-        unknown = set(tensors) - set(expected)
-        if missing or unknown:
-            raise ValueError(f"LoRA version {version}: tensors do not match the adapter: missing "
-                             f"{sorted(missing)[:3]}, unknown {sorted(unknown)[:3]}")
-        for name, t in expected.items():
-            if tensors[name].shape != t.shape:
-                raise ValueError(f"LoRA {name}: shape {tuple(tensors[name].shape)} != {tuple(t.shape)}")
+        _check_tensors(expected, tensors, f"LoRA version {version}: tensors do not match the adapter")
         set_peft_model_state_dict(self.model, tensors, adapter_name=self._adapter)
 
     def _step_boundary(self) -> bool:
