@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from buffer import STALE_POLICIES
+from ops import ADVANTAGE_METHODS, IS_MODES, LOSS_AGG_MODES
+
 
 class LearnerConfig(BaseModel):
     """Everything the learner process needs besides the model path."""
@@ -40,24 +43,24 @@ class LearnerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage: Literal[ADVANTAGE_METHODS] = "grpo"
     """Group advantage estimator."""
     clip_low: float = Field(0.2, ge=0, lt=1)
     """PPO ratio clip below 1 (epsilon_low)."""
     clip_high: float = Field(0.2, ge=0)
     """PPO ratio clip above 1 (epsilon_high)."""
-    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    loss_agg: Literal[LOSS_AGG_MODES] = "token_mean"
     """How token losses are aggregated."""
     recompute_logprobs: bool = True
     """Recompute proximal log-probs with the learner's weights at step start (DESIGN §4)."""
-    is_mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "tis"
+    is_mode: Literal[IS_MODES] = "tis"
     """Behavior importance-weight correction mode."""
     is_cap: float = Field(2.0, gt=1)
     """Cap C of the importance weights (tis: min(w, C); mis: keep 1/C <= w <= C)."""
 
     max_staleness: int = Field(1, ge=0)
     """eta: how many policy steps behind the learner a sample may be (0 = strict on-policy)."""
-    stale_policy: Literal["drop", "correct"] = "drop"
+    stale_policy: Literal[STALE_POLICIES] = "drop"
     """What happens to buffered samples that exceed max_staleness after it shrinks."""
     lease_timeout_s: float = Field(120.0, gt=0)
     """Seconds a rollout server has to return an assignment before it is re-issued."""
@@ -84,7 +87,7 @@ class LearnerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
-        if self.advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
+        if self.advantage in ADVANTAGE_METHODS and self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for advantage={self.advantage} "
                              "(a group of one has no baseline)")
         return self

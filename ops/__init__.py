@@ -22,7 +22,7 @@ from .kl import KL_KINDS, kl_estimate
 from .logprobs import entropy_from_logits, token_logprobs, token_logprobs_from_hidden
 from .losses import dpo_loss, entropy_loss, kl_loss, ppo_policy_loss, value_loss
 from .masked import LOSS_AGG_MODES, aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
-from .rewards import RunningMoments, clip_rewards, last_token_index, length_penalty, shape_token_rewards
+from .rewards import RunningMoments, clip_rewards, last_token_index, shape_token_rewards
 
 __all__ = [
     "ADVANTAGE_METHODS",
@@ -45,7 +45,6 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "last_token_index",
-    "length_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -8,7 +8,7 @@ import torch
 
 from .masked import compute_dtype
 
-__all__ = ["RunningMoments", "clip_rewards", "last_token_index", "length_penalty", "shape_token_rewards"]
+__all__ = ["RunningMoments", "clip_rewards", "last_token_index", "shape_token_rewards"]
 
 
 def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,26 +45,6 @@ def shape_token_rewards(
     idx, has = last_token_index(keep)  # [B]
     bonus = torch.where(has, scores.to(cdt).reshape(-1), 0.0)  # [B]
     return rewards.scatter_add(1, idx.unsqueeze(1), bonus.unsqueeze(1))
-
-
-def length_penalty(
-    scores: torch.Tensor,
-    lengths: torch.Tensor,
-    target_length: float,
-    coef: float,
-    one_sided: bool = False,
-) -> torch.Tensor:
-    """Length-controlled reward r' = r − coef · |L − L_target| (L1 / LCPO, Aggarwal & Welleck 2025,
-    "L1: Controlling how long a reasoning model thinks"): [N] -> [N].
-
-    ``coef`` is per token of deviation (LCPO uses 3e-4). With ``one_sided=True`` only lengths over
-    the target are penalized: r − coef · max(0, L − L_target) (an overlong penalty, cf. DAPO's soft
-    overlong punishment). ``lengths`` are completion lengths in tokens (``mask.sum(-1)``).
-    """
-    cdt = compute_dtype(scores.dtype)
-    dev = lengths.to(cdt) - float(target_length)
-    dev = dev.clamp(min=0.0) if one_sided else dev.abs()
-    return scores.to(cdt) - coef * dev
 
 
 def clip_rewards(scores: torch.Tensor, limit: float | None) -> torch.Tensor:

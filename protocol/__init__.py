@@ -4,7 +4,8 @@ Imports stdlib, msgpack and numpy only — never torch (DESIGN.md §2).
 """
 
 from protocol.codec import PROTOCOL_VERSION, decode, decode_header, encode, message_id, new_message_id
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, StartupError
+from protocol.ids import parse_sample_id, sample_id
 from protocol.messages import (
     ACK_STATUSES,
     FINISH_REASONS,
@@ -19,6 +20,7 @@ from protocol.messages import (
     Message,
     RolloutResult,
     Sample,
+    SamplingParams,
     TensorSpec,
     WeightChunk,
     WeightChunkRequest,
@@ -31,7 +33,7 @@ from protocol.messages import (
 __all__ = [
     "ACK_STATUSES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Ack", "Assignment",
     "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "Message", "ProtocolError",
-    "RolloutResult", "Sample", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
+    "RolloutResult", "Sample", "SamplingParams", "StartupError", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
     "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",
-    "new_message_id",
+    "new_message_id", "parse_sample_id", "sample_id",
 ]

@@ -70,7 +70,7 @@ from protocol.errors import ProtocolError
 from protocol.messages import MESSAGE_TYPES, Message
 from protocol.schema import Frame, Struct, StructList, frame_fields
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+PROTOCOL_VERSION: tuple[int, int] = (3, 0)
 
 MAX_HEADER_BYTES = 4096
 MAX_BODY_BYTES = 256 << 20      # 256 MiB: a result with thousands of long samples still fits

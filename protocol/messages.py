@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from protocol.errors import ProtocolError
+from protocol.weights import DTYPE_BYTES
 from protocol.schema import (
     MAX_ARRAY_ITEMS,
     MAX_LIST_ITEMS,
@@ -49,6 +50,7 @@ from protocol.schema import (
     Frame,
     Int,
     IntList,
+    Nested,
     Optional,
     PlainMap,
     Str,
@@ -69,6 +71,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior log-probs, versions
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 class Message(Struct):
@@ -183,6 +186,35 @@ class TensorSpec(Struct):
     FIELDS: ClassVar = (("name", _STR), ("dtype", _STR), ("shape", IntList()),
                         ("offset", _NAT), ("nbytes", _NAT))
 
+    def cross_check(self, where: str) -> None:
+        itemsize = DTYPE_BYTES.get(self.dtype)
+        if itemsize is None:
+            raise ProtocolError(f"{where}.dtype: {self.dtype!r} not in {tuple(DTYPE_BYTES)}")
+        expect = itemsize * math.prod(self.shape)
+        if self.nbytes != expect:
+            raise ProtocolError(f"{where}.nbytes: {self.nbytes} != {self.dtype} x {self.shape} = "
+                                f"{expect} bytes")
+
+
+MAX_NEW_TOKENS_LIMIT = 1 << 20     # sampling.max_new_tokens above this is refused on the wire
+
+
+@dataclass(slots=True)
+class SamplingParams(Struct):
+    """How to sample an assignment's completions: the one set of defaults, on both sides.
+
+    The learner fills it from its config; the server hands it to its engine unchanged. The
+    learner recomputes log-probs with the same ``temperature``.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 = no top-k truncation
+    max_new_tokens: int = 16
+    FIELDS: ClassVar = (("temperature", Float(min_value=1e-6, max_value=1e6)),
+                        ("top_p", Float(min_value=1e-9, max_value=1.0)), ("top_k", _NAT),
+                        ("max_new_tokens", Int(1, MAX_NEW_TOKENS_LIMIT)))
+
 
 @dataclass(slots=True)
 class Hello(Message):
@@ -203,10 +235,18 @@ class Welcome(Message):
     learner_id: str
     run_id: str
     version: int
+    weights_endpoint: str          # where WeightChunkRequests go ("tcp://host:port")
     weights_kind: str = "full"
     metadata: dict[str, Any] = field(default_factory=dict)
     FIELDS: ClassVar = (("learner_id", _STR), ("run_id", _STR), ("version", _NAT),
-                        ("weights_kind", _STR), ("metadata", _MAP))
+                        ("weights_endpoint", _STR), ("weights_kind", _STR), ("metadata", _MAP))
+
+    def cross_check(self, where: str) -> None:
+        if not self.weights_endpoint.startswith(ENDPOINT_SCHEMES):
+            raise ProtocolError(f"{where}.weights_endpoint: {self.weights_endpoint!r} is not a "
+                                f"ZeroMQ endpoint ({'|'.join(ENDPOINT_SCHEMES)}...)")
+        if self.weights_kind not in WEIGHT_KINDS:
+            raise ProtocolError(f"{where}.weights_kind: {self.weights_kind!r} not in {WEIGHT_KINDS}")
 
 
 @dataclass(slots=True)
@@ -237,13 +277,14 @@ class Assignment(Message):
     group_size: int
     version: int                   # learner version when issued
     prompt_text: str = ""
-    sampling: dict[str, Any] = field(default_factory=dict)   # temperature, top_p, max_new_tokens
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     metadata: dict[str, Any] = field(default_factory=dict)   # task data for the reward (answer)
     deadline_s: float = 600.0      # lease length in seconds from receipt
     attempt: int = 1
     FIELDS: ClassVar = (("assignment_id", _STR), ("prompt_id", _STR), ("prompt_token_ids", _I32),
                         ("group_size", Int(1)), ("version", _NAT), ("prompt_text", _STR),
-                        ("sampling", _MAP), ("metadata", _MAP), ("deadline_s", Float()),
+                        ("sampling", Nested(SamplingParams)), ("metadata", _MAP),
+                        ("deadline_s", Float(min_value=0.0)),
                         ("attempt", Int(1)))
 
 
@@ -323,6 +364,7 @@ class WeightsAvailable(Message):
                                 f"!= num_chunks {self.num_chunks}")
         end = 0
         for i, t in enumerate(self.tensors):
+            t.cross_check(f"{where}.tensors[{i}]")
             if t.offset != end:
                 raise ProtocolError(f"{where}.tensors[{i}].offset: {t.offset}, expected {end}")
             end += t.nbytes

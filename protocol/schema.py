@@ -74,22 +74,28 @@ class Str(Kind):
 class Int(Kind):
     name = "int"
 
-    def __init__(self, min_value: int | None = None):
+    def __init__(self, min_value: int | None = None, max_value: int | None = None):
         self.min_value = min_value
+        self.max_value = max_value
 
     def unpack(self, value: Any, where: str) -> int:
         if type(value) is not int:
             raise _type_error(where, "an integer", value)
         if self.min_value is not None and value < self.min_value:
             raise ProtocolError(f"{where}: {value} is below the minimum {self.min_value}")
+        if self.max_value is not None and value > self.max_value:
+            raise ProtocolError(f"{where}: {value} is above the maximum {self.max_value}")
         return value
 
 
 class Float(Kind):
     name = "float"
 
-    def __init__(self, finite: bool = True):
+    def __init__(self, finite: bool = True, min_value: float | None = None,
+                 max_value: float | None = None):
         self.finite = finite
+        self.min_value = min_value
+        self.max_value = max_value
 
     def pack(self, value: Any) -> float:
         return float(value)
@@ -102,6 +108,10 @@ class Float(Kind):
                 raise _type_error(where, "a float", value)
         if self.finite and not math.isfinite(value):
             raise ProtocolError(f"{where}: must be finite, got {value}")
+        if self.min_value is not None and not value >= self.min_value:
+            raise ProtocolError(f"{where}: {value} is below the minimum {self.min_value}")
+        if self.max_value is not None and not value <= self.max_value:
+            raise ProtocolError(f"{where}: {value} is above the maximum {self.max_value}")
         return value
 
 
@@ -365,6 +375,22 @@ class Frame(Kind):
     name = "raw frame"
 
 
+class Nested(Kind):
+    """One nested record (a struct) as its own field array."""
+
+    def __init__(self, struct: type):
+        self.struct = struct
+        self.name = struct.__name__
+
+    def pack(self, value: Any, where: str | None = None) -> list:
+        if not isinstance(value, self.struct):
+            raise _type_error(where or self.name, f"a {self.name}", value)
+        return value.to_wire_checked(where)
+
+    def unpack(self, value: Any, where: str):
+        return self.struct.from_wire(value, where)
+
+
 class StructList(Kind):
     def __init__(self, struct: type):
         self.struct = struct
@@ -418,7 +444,7 @@ class Struct:
         out = []
         for name, kind in _wire_fields(type(self)):
             value = getattr(self, name)
-            if type(kind) is StructList:
+            if type(kind) is StructList or type(kind) is Nested:
                 out.append(kind.pack(value, f"{where}.{name}"))
                 continue
             try:

@@ -9,7 +9,31 @@ report one checksum that proves which bytes it applied.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
+
+# Bytes per element of every dtype a weights manifest may name (torch dtype names).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+               "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def tensor_layout(items: Iterable[tuple[str, str, Sequence[int]]]):
+    """The byte layout of a publish: ``(name, dtype, shape)`` laid end to end in order.
+
+    Returns the manifest's ``TensorSpec`` list (offsets and byte sizes). The one definition of the
+    layout: the learner flattens into it, a server unflattens from it.
+    """
+    from protocol.messages import TensorSpec
+
+    specs, offset = [], 0
+    for name, dtype, shape in items:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} cannot be published")
+        nbytes = DTYPE_BYTES[dtype] * math.prod(shape)
+        specs.append(TensorSpec(name=name, dtype=dtype, shape=[int(d) for d in shape],
+                                offset=offset, nbytes=nbytes))
+        offset += nbytes
+    return specs
 
 
 def chunk_checksum(data: bytes | memoryview) -> str:

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout_server.engine import INFLIGHT_POLICIES, WEIGHT_TRANSFERS
+
 
 class VLLMOptions(BaseModel):
     """Options of the vLLM engine (``rollout.engine: vllm``)."""
@@ -26,8 +28,8 @@ class VLLMOptions(BaseModel):
     """Largest LoRA rank the engine accepts."""
     max_loras: int = Field(2, ge=1)
     """Adapter versions kept loaded, so requests that started on version k can finish on k."""
-    weight_transfer: Literal["zmq", "nccl"] = "zmq"
-    """How full weights arrive: chunks over ZeroMQ (any machine) or NCCL (GPU clusters)."""
+    weight_transfer: Literal[WEIGHT_TRANSFERS] = "zmq"
+    """How full weights arrive: chunks over ZeroMQ (the one transport until a GPU one is tested)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor parallelism (GPUs per server)."""
 
@@ -70,7 +72,7 @@ class RolloutConfig(BaseModel):
     """Stable name of this server (default: hostname-pid)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (transformers, CPU or GPU) or vllm."""
-    inflight_update: Literal["continue", "finish", "resubmit"] = "finish"
+    inflight_update: Literal[INFLIGHT_POLICIES] = "finish"
     """Weights arriving while a request generates: continue (new tokens use the new weights),
     finish (the request finishes on its version), resubmit (abort, regenerate the rest)."""
     vllm: VLLMOptions = Field(default_factory=VLLMOptions)

@@ -14,6 +14,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
+"""What an engine does with a request that is generating when new weights arrive (DESIGN.md §3)."""
+WEIGHT_TRANSFERS = ("zmq",)
+"""How full weights reach an engine. ZeroMQ is the one transport until a GPU one is tested."""
+
 
 @dataclass
 class GenRequest:

@@ -15,7 +15,6 @@ from ops import (
     RunningMoments,
     clip_rewards,
     last_token_index,
-    length_penalty,
     pf_ppo_resample,
     pf_ppo_weights,
     shape_token_rewards,
@@ -62,11 +61,7 @@ def test_shape_token_rewards_left_right_examples():
     assert idx.tolist() == [1, 2, 0] and has.tolist() == [True, True, False]
 
 
-def test_length_penalty_and_clip():
-    s = torch.tensor([1.0, 1.0, 0.0])
-    lengths = torch.tensor([100, 150, 50])
-    torch.testing.assert_close(length_penalty(s, lengths, 100, 0.01), torch.tensor([1.0, 0.5, -0.5]))
-    torch.testing.assert_close(length_penalty(s, lengths, 100, 0.01, one_sided=True), torch.tensor([1.0, 0.5, 0.0]))
+def test_clip_rewards():
     torch.testing.assert_close(clip_rewards(torch.tensor([-5.0, 0.5, 7.0]), 2.0), torch.tensor([-2.0, 0.5, 2.0]))
     x = torch.tensor([-5.0, 7.0])
     assert clip_rewards(x, None) is x

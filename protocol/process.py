@@ -1,0 +1,69 @@
+"""Process plumbing shared by the learner and the rollout server: event log and task supervision.
+
+Every process writes one JSON object per line on stdout for each event (the launcher and log
+collectors read these): ``{"proc", "event", "run_id", "version", ...fields}``. ``run_id`` and
+``version`` come from callables, so a line always carries the values at the time of the event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+class EventLog:
+    """One-line JSON events: ``log("step", loss=0.1)``."""
+
+    def __init__(self, proc: str, run_id: Callable[[], str | None] = lambda: None,
+                 version: Callable[[], int | None] = lambda: None, stream=None):
+        self.proc = proc
+        self.run_id = run_id
+        self.version = version
+        self.stream = stream
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        record = {"proc": self.proc, "event": event}
+        run_id, version = self.run_id(), self.version()
+        if run_id is not None:
+            record["run_id"] = run_id
+        if version is not None:
+            record["version"] = version
+        record.update(fields)
+        out = self.stream or sys.stdout
+        out.write(json.dumps(record, default=str) + "\n")
+        out.flush()
+
+
+async def supervise(tasks: Iterable[asyncio.Task], stop: asyncio.Event,
+                    log: Callable[..., None]) -> tuple[set[asyncio.Task], BaseException | None]:
+    """Wait until ``stop`` is set or any task ends; return the finished tasks and the first error.
+
+    A task that ended with an exception is logged as ``crashed`` (its ``get_name()`` and error).
+    The caller decides what to do next (drain, finish, exit code); :func:`cancel_all` cleans up.
+    """
+    tasks = list(tasks)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    error = None
+    for t in done:
+        if t is waiter or t.cancelled():
+            continue
+        exc = t.exception()
+        if exc is not None:
+            log("crashed", task=t.get_name(), error=repr(exc))
+            error = error or exc
+    return {t for t in done if t is not waiter}, error
+
+
+async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended (errors swallowed: already logged)."""
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
