@@ -3,7 +3,14 @@
 Imports stdlib, msgpack and numpy only — never torch (DESIGN.md §2).
 """
 
-from protocol.codec import PROTOCOL_VERSION, decode, decode_header, encode, message_id, new_message_id
+from protocol.codec import (
+    PROTOCOL_VERSION,
+    decode,
+    decode_header,
+    encode,
+    message_id,
+    new_message_id,
+)
 from protocol.errors import ProtocolError, StartupError
 from protocol.ids import parse_sample_id, sample_id
 from protocol.messages import (

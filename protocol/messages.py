@@ -16,8 +16,10 @@ Flow (rollout server = DEALER, learner = ROUTER):
     ctl -> learner      ControlRequest / ControlReply  (control socket)
     either              Error            a refused message, with the id it refers to
 
-All fields are required unless they have a default. On the wire a message is an array of its
-field values in ``FIELDS`` order (``protocol.codec``), so that order is part of the protocol:
+All fields are required unless they have a default. Each field is declared once, with its wire
+kind (``name: type = wire(kind, default=...)``, see ``schema.record``); on the wire a message is an
+array of its field values in declaration (``FIELDS``) order (``protocol.codec``), so that order is
+part of the protocol:
 append new fields at the end, with a default, and never reorder, remove or retype one within a
 major version (tests/protocol pins it). Field kinds (see ``schema``) define the wire form and the
 validation applied on decode (``Struct.to_wire_checked`` / ``from_wire_checked``, the reference
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -58,6 +59,8 @@ from protocol.schema import (
     Struct,
     StructList,
     is_plain,
+    record,
+    wire,
 )
 
 _STR, _INT, _NAT, _FLOAT, _BOOL = Str(), Int(), Int(min_value=0), Float(), Bool()
@@ -80,38 +83,30 @@ class Message(Struct):
     TYPE: ClassVar[str] = ""
 
 
-@dataclass(slots=True)
+@record
 class Sample(Struct):
     """One scored completion. Groups (the n completions of one prompt) share ``assignment_id``."""
 
-    sample_id: str
-    assignment_id: str
-    group_index: int
-    group_size: int
-    prompt_token_ids: np.ndarray           # int32 [P]
-    completion_token_ids: np.ndarray       # int32 [T]
-    behavior_logprobs: np.ndarray          # float32 [T], log-prob of each sampled token (finite)
-    token_versions: np.ndarray             # int32 [T], policy version that produced each token
-    reward: float
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    finish_reason: str = "stop"
-    timing: dict[str, float] = field(default_factory=dict)   # seconds: generate_s, reward_s, ...
-    completion_text: str = ""
-    failed: str | None = None              # reason, when generation or the reward failed
-    metadata: dict[str, Any] = field(default_factory=dict)
+    sample_id: str = wire(_STR)
+    assignment_id: str = wire(_STR)
+    group_index: int = wire(_NAT)
+    group_size: int = wire(Int(1))
+    prompt_token_ids: np.ndarray = wire(_I32)  # int32 [P]
+    completion_token_ids: np.ndarray = wire(_I32)  # int32 [T]
+    behavior_logprobs: np.ndarray = wire(_F32_FINITE)  # float32 [T], log-prob of each sampled token (finite)
+    token_versions: np.ndarray = wire(_I32_NON_NEGATIVE)  # int32 [T], policy version that produced each token
+    reward: float = wire(_FLOAT)
+    reward_parts: dict[str, float] = wire(_FMAP, default_factory=dict)
+    finish_reason: str = wire(_STR, default="stop")
+    timing: dict[str, float] = wire(_FMAP, default_factory=dict)  # seconds: generate_s, reward_s, ...
+    completion_text: str = wire(_STR, default="")
+    failed: str | None = wire(Optional(_STR), default=None)  # reason, when generation or the reward failed
+    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
     # The dtypes of the four arrays, in field order, as they travel (numpy dtype strings). Each
     # array is 1-D, so its shape is its byte length / item size. Fixed by this protocol version;
     # a receiver refuses any other value instead of misreading the bytes.
-    array_dtypes: str = "<i4,<i4,<f4,<i4"
+    array_dtypes: str = wire(_STR, default="<i4,<i4,<f4,<i4")
 
-    FIELDS: ClassVar = (
-        ("sample_id", _STR), ("assignment_id", _STR), ("group_index", _NAT), ("group_size", Int(1)),
-        ("prompt_token_ids", _I32), ("completion_token_ids", _I32),
-        ("behavior_logprobs", _F32_FINITE), ("token_versions", _I32_NON_NEGATIVE),
-        ("reward", _FLOAT), ("reward_parts", _FMAP), ("finish_reason", _STR), ("timing", _FMAP),
-        ("completion_text", _STR), ("failed", Optional(_STR)), ("metadata", _MAP),
-        ("array_dtypes", _STR),
-    )
 
     def cross_check(self, where: str) -> None:
         if self.array_dtypes != SAMPLE_ARRAY_DTYPES:
@@ -173,18 +168,16 @@ class Sample(Struct):
         return int(self.token_versions.min()) if len(self.token_versions) else -1
 
 
-@dataclass(slots=True)
+@record
 class TensorSpec(Struct):
     """One tensor of a weights manifest; its bytes start at ``offset`` of the version's stream."""
 
-    name: str
-    dtype: str            # torch dtype name without prefix: "float32", "bfloat16", ...
-    shape: list[int]
-    offset: int
-    nbytes: int
+    name: str = wire(_STR)
+    dtype: str = wire(_STR)  # torch dtype name without prefix: "float32", "bfloat16", ...
+    shape: list[int] = wire(IntList())
+    offset: int = wire(_NAT)
+    nbytes: int = wire(_NAT)
 
-    FIELDS: ClassVar = (("name", _STR), ("dtype", _STR), ("shape", IntList()),
-                        ("offset", _NAT), ("nbytes", _NAT))
 
     def cross_check(self, where: str) -> None:
         itemsize = DTYPE_BYTES.get(self.dtype)
@@ -199,7 +192,7 @@ class TensorSpec(Struct):
 MAX_NEW_TOKENS_LIMIT = 1 << 20     # sampling.max_new_tokens above this is refused on the wire
 
 
-@dataclass(slots=True)
+@record
 class SamplingParams(Struct):
     """How to sample an assignment's completions: the one set of defaults, on both sides.
 
@@ -207,39 +200,32 @@ class SamplingParams(Struct):
     learner recomputes log-probs with the same ``temperature``.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                 # 0 = no top-k truncation
-    max_new_tokens: int = 16
-    FIELDS: ClassVar = (("temperature", Float(min_value=1e-6, max_value=1e6)),
-                        ("top_p", Float(min_value=1e-9, max_value=1.0)), ("top_k", _NAT),
-                        ("max_new_tokens", Int(1, MAX_NEW_TOKENS_LIMIT)))
+    temperature: float = wire(Float(min_value=1e-6, max_value=1e6), default=1.0)
+    top_p: float = wire(Float(min_value=1e-9, max_value=1.0), default=1.0)
+    top_k: int = wire(_NAT, default=0)  # 0 = no top-k truncation
+    max_new_tokens: int = wire(Int(1, MAX_NEW_TOKENS_LIMIT), default=16)
 
 
-@dataclass(slots=True)
+@record
 class Hello(Message):
     TYPE: ClassVar[str] = "hello"
-    server_id: str
-    engine: str
-    model: str
-    version: int                  # weights version the server currently serves
-    max_concurrency: int = 1
-    metadata: dict[str, Any] = field(default_factory=dict)
-    FIELDS: ClassVar = (("server_id", _STR), ("engine", _STR), ("model", _STR), ("version", _NAT),
-                        ("max_concurrency", Int(1)), ("metadata", _MAP))
+    server_id: str = wire(_STR)
+    engine: str = wire(_STR)
+    model: str = wire(_STR)
+    version: int = wire(_NAT)  # weights version the server currently serves
+    max_concurrency: int = wire(Int(1), default=1)
+    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
 
 
-@dataclass(slots=True)
+@record
 class Welcome(Message):
     TYPE: ClassVar[str] = "welcome"
-    learner_id: str
-    run_id: str
-    version: int
-    weights_endpoint: str          # where WeightChunkRequests go ("tcp://host:port")
-    weights_kind: str = "full"
-    metadata: dict[str, Any] = field(default_factory=dict)
-    FIELDS: ClassVar = (("learner_id", _STR), ("run_id", _STR), ("version", _NAT),
-                        ("weights_endpoint", _STR), ("weights_kind", _STR), ("metadata", _MAP))
+    learner_id: str = wire(_STR)
+    run_id: str = wire(_STR)
+    version: int = wire(_NAT)
+    weights_endpoint: str = wire(_STR)  # where WeightChunkRequests go ("tcp://host:port")
+    weights_kind: str = wire(_STR, default="full")
+    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
 
     def cross_check(self, where: str) -> None:
         if not self.weights_endpoint.startswith(ENDPOINT_SCHEMES):
@@ -249,51 +235,43 @@ class Welcome(Message):
             raise ProtocolError(f"{where}.weights_kind: {self.weights_kind!r} not in {WEIGHT_KINDS}")
 
 
-@dataclass(slots=True)
+@record
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
-    sender_id: str
-    version: int
-    inflight: int = 0
-    FIELDS: ClassVar = (("sender_id", _STR), ("version", _NAT), ("inflight", _NAT))
+    sender_id: str = wire(_STR)
+    version: int = wire(_NAT)
+    inflight: int = wire(_NAT, default=0)
 
 
-@dataclass(slots=True)
+@record
 class WorkRequest(Message):
     TYPE: ClassVar[str] = "work_request"
-    server_id: str
-    credits: int                  # samples the server can take on now
-    FIELDS: ClassVar = (("server_id", _STR), ("credits", Int(1)))
+    server_id: str = wire(_STR)
+    credits: int = wire(Int(1))  # samples the server can take on now
 
 
-@dataclass(slots=True)
+@record
 class Assignment(Message):
     """A lease on one prompt: generate ``group_size`` completions before ``deadline_s`` passes."""
 
     TYPE: ClassVar[str] = "assignment"
-    assignment_id: str
-    prompt_id: str
-    prompt_token_ids: np.ndarray   # int32 [P]
-    group_size: int
-    version: int                   # learner version when issued
-    prompt_text: str = ""
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    metadata: dict[str, Any] = field(default_factory=dict)   # task data for the reward (answer)
-    deadline_s: float = 600.0      # lease length in seconds from receipt
-    attempt: int = 1
-    FIELDS: ClassVar = (("assignment_id", _STR), ("prompt_id", _STR), ("prompt_token_ids", _I32),
-                        ("group_size", Int(1)), ("version", _NAT), ("prompt_text", _STR),
-                        ("sampling", Nested(SamplingParams)), ("metadata", _MAP),
-                        ("deadline_s", Float(min_value=0.0)),
-                        ("attempt", Int(1)))
+    assignment_id: str = wire(_STR)
+    prompt_id: str = wire(_STR)
+    prompt_token_ids: np.ndarray = wire(_I32)  # int32 [P]
+    group_size: int = wire(Int(1))
+    version: int = wire(_NAT)  # learner version when issued
+    prompt_text: str = wire(_STR, default="")
+    sampling: SamplingParams = wire(Nested(SamplingParams), default_factory=SamplingParams)
+    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)  # task data for the reward (answer)
+    deadline_s: float = wire(Float(min_value=0.0), default=600.0)  # lease length in seconds from receipt
+    attempt: int = wire(Int(1), default=1)
 
 
-@dataclass(slots=True)
+@record
 class RolloutResult(Message):
     TYPE: ClassVar[str] = "rollout_result"
-    server_id: str
-    samples: list[Sample]
-    FIELDS: ClassVar = (("server_id", _STR), ("samples", StructList(Sample)))
+    server_id: str = wire(_STR)
+    samples: list[Sample] = wire(StructList(Sample))
 
     def to_wire(self) -> list:
         samples = []
@@ -318,12 +296,11 @@ class RolloutResult(Message):
         return cls.from_wire_checked(body, where)
 
 
-@dataclass(slots=True)
+@record
 class Ack(Message):
     TYPE: ClassVar[str] = "ack"
-    sample_ids: list[str]
-    statuses: list[str]
-    FIELDS: ClassVar = (("sample_ids", StrList()), ("statuses", StrList()))
+    sample_ids: list[str] = wire(StrList())
+    statuses: list[str] = wire(StrList())
 
     def cross_check(self, where: str) -> None:
         if len(self.sample_ids) != len(self.statuses):
@@ -334,23 +311,20 @@ class Ack(Message):
                 raise ProtocolError(f"{where}.statuses[{i}]: {st!r} not in {ACK_STATUSES}")
 
 
-@dataclass(slots=True)
+@record
 class WeightsAvailable(Message):
     """Manifest of a published version: tensors laid end to end, cut into ``num_chunks`` chunks."""
 
     TYPE: ClassVar[str] = "weights_available"
-    version: int
-    kind: str                      # "full" or "lora"
-    tensors: list[TensorSpec]
-    total_bytes: int
-    chunk_bytes: int
-    num_chunks: int
-    checksum: str                  # over the chunk checksums, see protocol.weights
-    chunk_checksums: list[str] = field(default_factory=list)
-    metadata: dict[str, Any] = field(default_factory=dict)   # e.g. the LoRA config
-    FIELDS: ClassVar = (("version", _NAT), ("kind", _STR), ("tensors", StructList(TensorSpec)),
-                        ("total_bytes", _NAT), ("chunk_bytes", Int(1)), ("num_chunks", _NAT),
-                        ("checksum", _STR), ("chunk_checksums", StrList()), ("metadata", _MAP))
+    version: int = wire(_NAT)
+    kind: str = wire(_STR)  # "full" or "lora"
+    tensors: list[TensorSpec] = wire(StructList(TensorSpec))
+    total_bytes: int = wire(_NAT)
+    chunk_bytes: int = wire(Int(1))
+    num_chunks: int = wire(_NAT)
+    checksum: str = wire(_STR)  # over the chunk checksums, see protocol.weights
+    chunk_checksums: list[str] = wire(StrList(), default_factory=list)
+    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)  # e.g. the LoRA config
 
     def cross_check(self, where: str) -> None:
         if self.kind not in WEIGHT_KINDS:
@@ -373,61 +347,54 @@ class WeightsAvailable(Message):
                                 f"sizes {end}")
 
 
-@dataclass(slots=True)
+@record
 class WeightChunkRequest(Message):
     TYPE: ClassVar[str] = "weight_chunk_request"
-    version: int
-    index: int
-    FIELDS: ClassVar = (("version", _NAT), ("index", _NAT))
+    version: int = wire(_NAT)
+    index: int = wire(_NAT)
 
 
-@dataclass(slots=True)
+@record
 class WeightChunk(Message):
     """Chunk ``index`` of ``version``; ``data`` travels as its own frame (zero-copy)."""
 
     TYPE: ClassVar[str] = "weight_chunk"
-    version: int
-    index: int
-    checksum: str
-    data: bytes | memoryview = b""
-    FIELDS: ClassVar = (("version", _NAT), ("index", _NAT), ("checksum", _STR), ("data", Frame()))
+    version: int = wire(_NAT)
+    index: int = wire(_NAT)
+    checksum: str = wire(_STR)
+    data: bytes | memoryview = wire(Frame(), default=b"")
 
 
-@dataclass(slots=True)
+@record
 class WeightsApplied(Message):
     TYPE: ClassVar[str] = "weights_applied"
-    server_id: str
-    version: int
-    checksum: str
-    seconds: float
-    FIELDS: ClassVar = (("server_id", _STR), ("version", _NAT), ("checksum", _STR),
-                        ("seconds", Float()))
+    server_id: str = wire(_STR)
+    version: int = wire(_NAT)
+    checksum: str = wire(_STR)
+    seconds: float = wire(Float())
 
 
-@dataclass(slots=True)
+@record
 class ControlRequest(Message):
     TYPE: ClassVar[str] = "control_request"
-    command: str                   # "get", "set", "status", "stop"
-    args: dict[str, Any] = field(default_factory=dict)
-    FIELDS: ClassVar = (("command", _STR), ("args", _MAP))
+    command: str = wire(_STR)  # "get", "set", "status", "stop"
+    args: dict[str, Any] = wire(_MAP, default_factory=dict)
 
 
-@dataclass(slots=True)
+@record
 class ControlReply(Message):
     TYPE: ClassVar[str] = "control_reply"
-    ok: bool
-    result: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    FIELDS: ClassVar = (("ok", _BOOL), ("result", _MAP), ("error", _STR))
+    ok: bool = wire(_BOOL)
+    result: dict[str, Any] = wire(_MAP, default_factory=dict)
+    error: str = wire(_STR, default="")
 
 
-@dataclass(slots=True)
+@record
 class Error(Message):
     TYPE: ClassVar[str] = "error"
-    code: str
-    message: str
-    ref_id: str = ""               # id of the message this refers to
-    FIELDS: ClassVar = (("code", _STR), ("message", _STR), ("ref_id", _STR))
+    code: str = wire(_STR)
+    message: str = wire(_STR)
+    ref_id: str = wire(_STR, default="")  # id of the message this refers to
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -498,6 +465,7 @@ def _sample_fast(w: Any) -> Sample | None:
     for k, x in timing.items():
         if type(k) is not str or type(x) is not float or x - x:
             return None
+    # schema.is_plain(metadata), inlined: one call per sample instead of one per value (hot path).
     for k, x in metadata.items():
         if type(k) is not str:
             return None

@@ -219,8 +219,20 @@ PLAIN_TYPES = frozenset((str, int, float, bool, type(None), bytes))
 _PLAIN = PLAIN_TYPES
 
 
+def _plain_values(values, depth: int) -> bool:
+    for v in values:
+        t = type(v)
+        if t is str:
+            if len(v) > MAX_STR_CHARS:
+                return False
+        elif t not in _PLAIN and not is_plain(v, depth + 1):
+            return False
+    return True
+
+
 def is_plain(value: Any, depth: int = 0) -> bool:
-    """True if ``value`` is a plain msgpack value within the limits (the fast check)."""
+    """True if ``value`` is a plain msgpack value within the limits (the fast check; its
+    error-naming twin is :func:`check_plain`)."""
     t = type(value)
     if t in _PLAIN:
         return t is not str or len(value) <= MAX_STR_CHARS
@@ -229,27 +241,12 @@ def is_plain(value: Any, depth: int = 0) -> bool:
     if t is dict:
         if len(value) > MAX_MAP_ITEMS:
             return False
-        for k, v in value.items():
+        for k in value:
             if type(k) is not str:
                 return False
-            t = type(v)
-            if t is str:
-                if len(v) > MAX_STR_CHARS:
-                    return False
-            elif t not in _PLAIN and not is_plain(v, depth + 1):
-                return False
-        return True
+        return _plain_values(value.values(), depth)
     if t is list:
-        if len(value) > MAX_LIST_ITEMS:
-            return False
-        for v in value:
-            t = type(v)
-            if t is str:
-                if len(v) > MAX_STR_CHARS:
-                    return False
-            elif t not in _PLAIN and not is_plain(v, depth + 1):
-                return False
-        return True
+        return len(value) <= MAX_LIST_ITEMS and _plain_values(value, depth)
     return False
 
 
@@ -418,6 +415,20 @@ class StructList(Kind):
 
 # ---------------------------------------------------------------------------------------------
 # Structs
+
+
+def wire(kind: Kind, **field_args: Any) -> Any:
+    """A struct field with its wire kind: ``version: int = wire(Int(0))``; ``default=`` or
+    ``default_factory=`` as for ``dataclasses.field``."""
+    return dataclasses.field(metadata={"kind": kind}, **field_args)
+
+
+def record(cls: type) -> type:
+    """Declare a struct once: a slotted dataclass whose ``FIELDS`` (wire order, kinds) are read
+    from its field declarations, so names are never written twice."""
+    cls = dataclasses.dataclass(slots=True)(cls)
+    cls.FIELDS = tuple((f.name, f.metadata["kind"]) for f in dataclasses.fields(cls))
+    return cls
 
 
 class Struct:

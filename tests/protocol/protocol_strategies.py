@@ -25,6 +25,7 @@ from protocol import (
     Hello,
     RolloutResult,
     Sample,
+    SamplingParams,
     TensorSpec,
     WeightChunk,
     WeightChunkRequest,
@@ -33,7 +34,8 @@ from protocol import (
     Welcome,
     WorkRequest,
 )
-from protocol.weights import chunk_checksum, combine_checksums
+from protocol.messages import MAX_NEW_TOKENS_LIMIT
+from protocol.weights import DTYPE_BYTES, chunk_checksum, combine_checksums
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -85,12 +87,13 @@ def samples(draw, max_tokens: int = 40) -> Sample:
 
 @st.composite
 def weights_available(draw) -> WeightsAvailable:
-    sizes = draw(st.lists(st.integers(0, 4096), max_size=6))
+    shapes = draw(st.lists(st.lists(st.integers(0, 16), max_size=3), max_size=6))
     tensors, offset = [], 0
-    for i, nbytes in enumerate(sizes):
-        shape = draw(st.lists(st.integers(0, 64), max_size=4))
-        tensors.append(TensorSpec(name=f"layers.{i}.weight", dtype=draw(st.sampled_from(
-            ["float32", "bfloat16", "float16"])), shape=shape, offset=offset, nbytes=nbytes))
+    for i, shape in enumerate(shapes):
+        dtype = draw(st.sampled_from(["float32", "bfloat16", "float16", "int64"]))
+        nbytes = DTYPE_BYTES[dtype] * int(np.prod(shape, dtype=np.int64))
+        tensors.append(TensorSpec(name=f"layers.{i}.weight", dtype=dtype, shape=shape,
+                                  offset=offset, nbytes=nbytes))
         offset += nbytes
     chunk_bytes = draw(st.integers(max(1, offset // 16), max(1, offset) + 10))
     num_chunks = -(-offset // chunk_bytes)
@@ -116,18 +119,24 @@ def acks(draw) -> Ack:
                statuses=draw(st.lists(st.sampled_from(ACK_STATUSES), min_size=n, max_size=n)))
 
 
+sampling_params = st.builds(
+    SamplingParams, temperature=st.floats(1e-6, 1e6), top_p=st.floats(1e-9, 1.0),
+    top_k=nats, max_new_tokens=st.integers(1, MAX_NEW_TOKENS_LIMIT))
+
 MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
     Hello: st.builds(Hello, server_id=ids, engine=texts, model=texts, version=nats,
                      max_concurrency=positives, metadata=plain_maps),
     Welcome: st.builds(Welcome, learner_id=ids, run_id=ids, version=nats,
+                       weights_endpoint=st.sampled_from(["tcp://127.0.0.1:5556", "ipc:///tmp/w",
+                                                         "tcp://[::1]:7"]),
                        weights_kind=st.sampled_from(["full", "lora"]), metadata=plain_maps),
     Heartbeat: st.builds(Heartbeat, sender_id=ids, version=nats, inflight=nats),
     WorkRequest: st.builds(WorkRequest, server_id=ids, credits=positives),
     Assignment: st.builds(
         Assignment, assignment_id=ids, prompt_id=ids,
         prompt_token_ids=st.integers(0, 64).flatmap(int32_arrays), group_size=positives,
-        version=nats, prompt_text=texts, sampling=plain_maps, metadata=plain_maps,
-        deadline_s=finite_floats, attempt=positives),
+        version=nats, prompt_text=texts, sampling=sampling_params, metadata=plain_maps,
+        deadline_s=st.floats(0, 1e9), attempt=positives),
     RolloutResult: st.builds(RolloutResult, server_id=ids, samples=st.lists(samples(), max_size=4)),
     Ack: acks(),
     WeightsAvailable: weights_available(),

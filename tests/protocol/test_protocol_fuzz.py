@@ -394,7 +394,43 @@ NAMED_ERRORS = [
      r"WeightChunk\.data: frame is float, not bytes"),
     ("control args", lambda: _control_case({"x": {b"k": 2}}),
      r"ControlRequest\.args\['x'\] key: expected a string, got bytes"),
+    # protocol 3.0: typed sampling, the weights endpoint, tensor sizes
+    ("sampling not a record", lambda: _assignment_case(lambda s: {"temperature": "hot"}),
+     r"Assignment\.sampling: expected an array of fields, got dict"),
+    ("sampling temperature text", lambda: _assignment_case(lambda s: s.__setitem__(0, "hot")),
+     r"Assignment\.sampling\.temperature: expected a float, got str"),
+    ("sampling temperature zero", lambda: _assignment_case(lambda s: s.__setitem__(0, 0.0)),
+     r"Assignment\.sampling\.temperature: 0\.0 is below the minimum"),
+    ("sampling top_p above 1", lambda: _assignment_case(lambda s: s.__setitem__(1, 1.5)),
+     r"Assignment\.sampling\.top_p: 1\.5 is above the maximum 1\.0"),
+    ("sampling top_k negative", lambda: _assignment_case(lambda s: s.__setitem__(2, -1)),
+     r"Assignment\.sampling\.top_k: -1 is below the minimum 0"),
+    ("sampling huge max_new_tokens", lambda: _assignment_case(lambda s: s.__setitem__(3, 10**12)),
+     r"Assignment\.sampling\.max_new_tokens: 1000000000000 is above the maximum 1048576"),
+    ("welcome without scheme", lambda: _welcome_case("localhost:5556"),
+     r"Welcome\.weights_endpoint: 'localhost:5556' is not a ZeroMQ endpoint"),
+    ("tensor nbytes", lambda: _weights_case(lambda b: b[2][0].__setitem__(4, 12)),
+     r"WeightsAvailable\.tensors\[0\]\.nbytes: 12 != float32 x \[4\] = 16 bytes"),
+    ("tensor dtype", lambda: _weights_case(lambda b: b[2][0].__setitem__(1, "complex512")),
+     r"WeightsAvailable\.tensors\[0\]\.dtype: 'complex512' not in"),
 ]
+
+
+def _assignment_case(mutate_sampling) -> list[bytes]:
+    frames = encode(protocol.Assignment("a1", "p1", np.arange(3, dtype=np.int32), 4, 0))
+    body = msgpack.unpackb(frames[1])
+    i = wire_field_names(protocol.Assignment).index("sampling")
+    out = mutate_sampling(body[i])
+    if out is not None:
+        body[i] = out
+    return [frames[0], msgpack.packb(body)]
+
+
+def _welcome_case(endpoint: str) -> list[bytes]:
+    frames = encode(protocol.Welcome("l", "r", 0, "tcp://127.0.0.1:1"))
+    body = msgpack.unpackb(frames[1])
+    body[wire_field_names(protocol.Welcome).index("weights_endpoint")] = endpoint
+    return [frames[0], msgpack.packb(body)]
 
 
 def _weights_case(mutate: Callable[[list], None]) -> list[bytes]:

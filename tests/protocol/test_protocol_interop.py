@@ -35,7 +35,8 @@ def test_wire_field_order_is_pinned():
     version fields may only be appended (with a default). Extend this table when you append one."""
     expected = {
         "hello": ("server_id", "engine", "model", "version", "max_concurrency", "metadata"),
-        "welcome": ("learner_id", "run_id", "version", "weights_kind", "metadata"),
+        "welcome": ("learner_id", "run_id", "version", "weights_endpoint", "weights_kind",
+                    "metadata"),
         "heartbeat": ("sender_id", "version", "inflight"),
         "work_request": ("server_id", "credits"),
         "assignment": ("assignment_id", "prompt_id", "prompt_token_ids", "group_size", "version",
@@ -52,6 +53,10 @@ def test_wire_field_order_is_pinned():
         "error": ("code", "message", "ref_id"),
     }
     assert {name: wire_field_names(cls) for name, cls in protocol.MESSAGE_TYPES.items()} == expected
+    # nested records are positional too
+    assert wire_field_names(protocol.SamplingParams) == ("temperature", "top_p", "top_k",
+                                                         "max_new_tokens")
+    assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
     assert SAMPLE_FIELDS == (
         "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
         "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
