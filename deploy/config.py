@@ -1,7 +1,11 @@
 """Config composition: YAML file + ``--set a.b=value`` overrides -> validated pydantic models.
 
 Every config error becomes :class:`ConfigError` with one line that says what to fix; the CLI prints
-it and exits with code 2 (no traceback).
+it and exits with code 2 (no traceback), like every other :class:`protocol.StartupError`.
+
+A built-in task names the reward it is scored with (:attr:`learner.tasks.Task.reward`): unless the
+config sets ``rollout.reward``, the servers use the task's reward, so the task stays the one place
+that says how it is scored.
 """
 
 from __future__ import annotations
@@ -10,15 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from learner.config import LearnerConfig
+from learner.tasks import get_task, is_builtin
+from protocol.errors import StartupError
 from rollout_server.config import RolloutConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 
 
-class ConfigError(Exception):
+class ConfigError(StartupError):
     """A config problem, phrased as what to fix (one line)."""
 
 
@@ -47,6 +53,17 @@ class SlipstreamConfig(BaseModel):
     """Rollout server processes (see rollout_server/config.py)."""
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     """`slipstream run` only."""
+
+    @model_validator(mode="after")
+    def _task_reward(self) -> SlipstreamConfig:
+        if is_builtin(self.learner.dataset):
+            try:
+                task = get_task(self.learner.dataset)
+            except StartupError as e:
+                raise ValueError(str(e)) from None
+            if "reward" not in self.rollout.model_fields_set:
+                self.rollout = self.rollout.model_copy(update={"reward": task.reward})
+        return self
 
 
 def _parse_scalar(text: str) -> Any:

@@ -75,3 +75,14 @@ def test_unknown_model_path_is_config_error(tmp_path, capsys):
     f.write_text(f"model: {tmp_path / 'no-such-model'}\n")
     assert main(["learner", "--config", str(f)]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_the_task_names_the_reward_unless_the_config_does(tmp_path):
+    assert load_config().rollout.reward == "builtin:exact_numeric"        # from learner/tasks/arith.py
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  reward: [builtin:exact_numeric, builtin:format]\n")
+    assert load_config(f).rollout.reward == ["builtin:exact_numeric", "builtin:format"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["learner.dataset=builtin:arithmetic"])
+    assert "unknown built-in task 'builtin:arithmetic'; known: builtin:arith" in str(e.value)
+    assert "\n" not in str(e.value)

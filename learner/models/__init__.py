@@ -1,0 +1,1 @@
+"""Models the learner builds itself (no download): see :mod:`learner.models.builtin`."""

@@ -1,0 +1,161 @@
+"""Built-in demo models: a tiny Llama-style model and a character tokenizer, built in code.
+
+``builtin:tiny-arith`` needs no download. A random-init model does not learn arithmetic from RL
+alone (the policy collapses before any group sees a reward difference), so the recipe starts the
+way RLHF starts from an SFT model: a short supervised warm-up on the recipe's task (a module of
+:mod:`learner.tasks`), then RL on the same task. The result is cached under ``$SLIPSTREAM_CACHE``
+(default ``~/.cache/slipstream``) keyed by the recipe and the task's parameters, built once under a
+file lock so concurrent processes wait for one builder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from learner.tasks import Task, get_task
+from protocol.errors import StartupError
+
+RECIPES: dict[str, dict] = {
+    "builtin:tiny-arith": {
+        "name": "tiny-arith",
+        "task": "arith",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 384,
+        "warmup_steps": 60,
+        "warmup_batch": 64,
+        "warmup_lr": 3e-3,
+        "seed": 1234,
+        "revision": 3,
+    },
+}
+BUILTIN_MODELS = tuple(RECIPES)
+
+CHARS = list("0123456789+-*=?.,: ") + list("abcdefghijklmnopqrstuvwxyz")
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream"))
+
+
+def build_tokenizer():
+    """A character-level tokenizer (one token per character) wrapped for transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>", padding_side="left")
+
+
+def build_model(tokenizer, recipe: dict = RECIPES["builtin:tiny-arith"]):
+    """The recipe's random-init Llama (seeded: the same recipe gives the same weights)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(recipe["seed"])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=recipe["hidden_size"],
+        num_hidden_layers=recipe["num_hidden_layers"],
+        num_attention_heads=recipe["num_attention_heads"],
+        num_key_value_heads=recipe["num_attention_heads"],
+        intermediate_size=recipe["intermediate_size"], max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def warm_up(model, tokenizer, task: Task, steps: int, batch: int, lr: float, seed: int) -> list[float]:
+    """Supervised warm-up on ``task``: cross-entropy on the answer tokens and EOS only.
+
+    Prompts are encoded as the learner encodes them (BOS + characters), so the warm-up teaches
+    exactly the continuation RL later rewards. Returns the loss of every step.
+    """
+    import torch
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        ids, labels = [], []
+        for _ in range(batch):
+            ex = task.example(rng)
+            p = [tokenizer.bos_token_id] + tokenizer.encode(ex.prompt, add_special_tokens=False)
+            a = tokenizer.encode(ex.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            ids.append(p + a)
+            labels.append([-100] * len(p) + a)
+        width = max(map(len, ids))
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])              # (B, T)
+        label_t = torch.tensor([[-100] * (width - len(x)) + x for x in labels])           # (B, T)
+        attn = (torch.arange(width)[None, :] >= torch.tensor([width - len(x) for x in ids])[:, None]).long()
+        out = model(input_ids=input_ids, attention_mask=attn, labels=label_t)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(out.loss.detach()))
+    model.eval()
+    return losses
+
+
+def recipe_key(recipe: dict) -> str:
+    """Cache key: the recipe and its task's parameters (changing either rebuilds the model)."""
+    task = get_task(recipe["task"])
+    blob = json.dumps({"recipe": recipe, "task": task.params}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def ensure_builtin_model(name: str, log=print) -> Path:
+    """Return the directory of built-in model ``name``, building (and caching) it if needed."""
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        raise StartupError(f"model: unknown built-in model {name!r}; known: {', '.join(BUILTIN_MODELS)}")
+    root = cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"cannot create the model cache {root} ({e.strerror}); "
+                           f"set SLIPSTREAM_CACHE to a writable directory") from None
+    target = root / f"{recipe['name']}-{recipe_key(recipe)}"
+    if (target / "done").exists():
+        return target
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # other processes wait here for one builder
+        if (target / "done").exists():
+            return target
+        import torch
+
+        start = time.monotonic()
+        log(f"building {name}: tiny Llama + supervised warm-up on builtin:{recipe['task']} "
+            f"({recipe['warmup_steps']} steps; cached in {target})")
+        threads = torch.get_num_threads()
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer, recipe)
+        losses = warm_up(model, tokenizer, get_task(recipe["task"]), recipe["warmup_steps"],
+                         recipe["warmup_batch"], recipe["warmup_lr"], recipe["seed"])
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warmup.json").write_text(json.dumps(
+            {"recipe": recipe, "final_loss": losses[-1], "seconds": time.monotonic() - start,
+             "threads": threads}))
+        (tmp / "done").write_text("ok\n")
+        tmp.rename(target)
+        log(f"built {name} in {time.monotonic() - start:.0f}s (final warm-up loss {losses[-1]:.3f})")
+        return target
