@@ -1,6 +1,11 @@
 """The ``slipstream`` command: learner, rollout, run, ctl.
 
-Config errors print one line saying what to fix and exit with code 2 (no traceback).
+Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
+is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
+are found before the model loads where they can be: the dataset, the learner endpoint. Anything
+else is a bug or a runtime failure and keeps its traceback (exit 1).
+
+Imports are lazy: ``slipstream ctl`` needs only ``protocol`` and pyzmq, never torch.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ import argparse
 import json
 import sys
 
-from deploy.config import ConfigError, load_config
+from protocol.errors import StartupError
 
 EXIT_CONFIG = 2
 
@@ -54,33 +59,57 @@ def _resolve_model(name: str) -> str:
     return resolve_model(name, log=lambda m: print(json.dumps({"proc": "setup", "event": m}), flush=True))
 
 
+def _ctl(args) -> int:
+    from deploy.ctl import ctl
+
+    return ctl(args)
+
+
+def _run(args) -> int:
+    from deploy.config import load_config
+    from deploy.launcher import launch
+
+    return launch(load_config(args.config, args.overrides), args.config, args.overrides)
+
+
+def _learner(args) -> int:
+    from deploy.config import load_config
+    from learner.data import PromptSource
+
+    cfg = load_config(args.config, args.overrides)
+    PromptSource(cfg.learner.dataset, cfg.learner.seed)     # the dataset is checked before the model
+    model_path = _resolve_model(cfg.model)
+    from learner.service import serve
+
+    return serve(cfg.learner, model_path)
+
+
+def _rollout(args) -> int:
+    from deploy.config import load_config
+    from protocol.sockets import check_endpoint
+
+    cfg = load_config(args.config, args.overrides)
+    rollout = cfg.rollout
+    if args.learner:
+        rollout = rollout.model_copy(update={"learner": args.learner})
+    if args.engine:
+        rollout = rollout.model_copy(update={"engine": args.engine})
+    check_endpoint(rollout.learner, "--learner" if args.learner else "rollout.learner")
+    model_path = _resolve_model(cfg.model)
+    from rollout_server.service import serve
+
+    return serve(rollout, model_path)
+
+
+COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "ctl":
-            from deploy.ctl import ctl
-            return ctl(args)
-        cfg = load_config(args.config, args.overrides)
-        if args.command == "run":
-            from deploy.launcher import launch
-            return launch(cfg, args.config, args.overrides)
-        model_path = _resolve_model(cfg.model)
-        if args.command == "learner":
-            from learner.service import serve
-            return serve(cfg.learner, model_path)
-        if args.command == "rollout":
-            rollout = cfg.rollout
-            if args.learner:
-                rollout = rollout.model_copy(update={"learner": args.learner})
-            if args.engine:
-                rollout = rollout.model_copy(update={"engine": args.engine})
-            from rollout_server.service import serve
-            return serve(rollout, model_path)
-    except ConfigError as e:
+        return COMMANDS[args.command](args)
+    except StartupError as e:
         return _fail(str(e))
-    except (FileNotFoundError, ValueError) as e:
-        return _fail(f"config error: {e}")
-    return 0
 
 
 if __name__ == "__main__":

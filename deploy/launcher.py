@@ -1,14 +1,19 @@
 """``slipstream run``: one learner and N rollout servers as separate OS processes, supervised.
 
-The launcher builds/resolves the model once, writes the resolved config into the run directory,
-starts the learner, waits for its ``ready`` line (endpoints), starts the servers pointed at it,
-and prints a live table of the learner's steps. It stops everything — SIGTERM, then SIGKILL after
+The launcher checks the dataset, builds/resolves the model once, shares the cores among the
+processes (:mod:`deploy.cores`), writes the resolved config into the run directory, starts the
+learner, waits for its ``ready`` line (endpoints), starts the servers pointed at it, and prints a
+live table of the learner's steps. It stops everything — SIGTERM, then SIGKILL after
 ``launcher.shutdown_timeout_s`` — when the learner exits, when any process fails, or on Ctrl-C.
 Each child is signalled by its own pid.
+
+A child's stderr is not lost: its one-line startup error (``slipstream: ...``, exit code 2) is
+printed as it comes, and when a child crashes the last lines of its stderr (the traceback) are.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -22,10 +27,19 @@ from pathlib import Path
 import yaml
 
 from deploy.config import SlipstreamConfig
+from deploy.cores import available_cores, share_cores
 
 TABLE_COLUMNS = (("step", "{:>5}"), ("reward_mean", "{:>7.3f}"), ("entropy", "{:>7.3f}"),
                  ("mismatch_kl", "{:>11.2e}"), ("staleness_mean", "{:>6.2f}"), ("step_s", "{:>6.2f}"))
 TABLE_HEADER = "  step  reward  entropy  mismatch_kl  stale  step_s  server versions"
+SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
+                "control_set", "protocol_error")
+STDERR_TAIL_LINES = 30
+"""Lines of a crashed child's stderr shown (enough for a Python traceback)."""
+STDERR_DRAIN_S = 5.0
+"""After a child's stdout closes, how long to wait for the rest of its stderr."""
+EXIT_STARTUP = 2
+"""A child's exit code for a startup/config error (its one line on stderr says it all)."""
 
 
 def _format_step(ev: dict) -> str:
@@ -38,17 +52,30 @@ def _format_step(ev: dict) -> str:
 
 
 class Child:
+    """A child process whose stdout and stderr lines are pumped into one queue.
+
+    Queue items are ``(name, "out" | "err", line)``, then ``(name, "exit", None)`` once both
+    streams are done (stderr is drained first, so an error line comes before the exit).
+    """
+
     def __init__(self, name: str, cmd: list[str], events: queue.Queue, env: dict):
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      bufsize=1, env=env)
-        self.thread = threading.Thread(target=self._pump, args=(events,), daemon=True)
-        self.thread.start()
+        self._err = threading.Thread(target=self._pump, args=(self.proc.stderr, "err", events),
+                                     daemon=True)
+        self._err.start()
+        threading.Thread(target=self._pump_out, args=(events,), daemon=True).start()
 
-    def _pump(self, events: queue.Queue) -> None:
-        for line in self.proc.stdout:
-            events.put((self.name, line.rstrip("\n")))
-        events.put((self.name, None))
+    def _pump(self, stream, kind: str, events: queue.Queue) -> None:
+        for line in stream:
+            events.put((self.name, kind, line.rstrip("\n")))
+
+    def _pump_out(self, events: queue.Queue) -> None:
+        self._pump(self.proc.stdout, "out", events)
+        self._err.join(timeout=STDERR_DRAIN_S)
+        events.put((self.name, "exit", None))
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -60,6 +87,7 @@ class Child:
 
 
 def _print_line(name: str, line: str, verbose: bool) -> dict | None:
+    """Show one stdout line of a child (the step table, notable events); its JSON event or None."""
     try:
         ev = json.loads(line)
     except ValueError:
@@ -70,85 +98,112 @@ def _print_line(name: str, line: str, verbose: bool) -> dict | None:
         return None
     if ev.get("event") == "step":
         print(_format_step(ev), flush=True)
-    elif ev.get("event") in ("ready", "finished", "crashed", "server_joined", "server_lost",
-                             "stopped", "control_set", "protocol_error") or verbose:
+    elif ev.get("event") in SHOWN_EVENTS or verbose:
         rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
         print(f"[{name}] {ev.get('event')} {json.dumps(rest)}", flush=True)
     return ev
 
 
+def _on_stderr(child: Child, line: str, verbose: bool) -> None:
+    """A ``slipstream: ...`` line (the CLI's one-line error) is shown now; the rest is kept."""
+    if verbose or line.startswith("slipstream"):
+        print(f"[{child.name}] {line}", flush=True)
+    else:
+        child.stderr_tail.append(line)
+
+
+def _report_exit(child: Child, code: int) -> None:
+    print(f"[run] {child.name} exited with code {code}", flush=True)
+    if code not in (0, EXIT_STARTUP) and child.stderr_tail:
+        print(f"[run] last {len(child.stderr_tail)} lines of {child.name}'s stderr:", flush=True)
+        for line in child.stderr_tail:
+            print(f"[{child.name}] {line}", flush=True)
+
+
+def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int]:
+    """Threads for the learner and each server (:func:`deploy.cores.share_cores`), printed."""
+    cores = available_cores()
+    n = cfg.launcher.num_rollout_servers
+    learner, rollout = share_cores(cores, n, cfg.learner.threads, cfg.rollout.threads)
+    servers = ", ".join(f"rollout-{i} {rollout}" for i in range(n))
+    print(f"[run] threads: learner {learner}, {servers} ({cores} cores)", flush=True)
+    return learner, rollout
+
+
 def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str]) -> int:
     from deploy.builtin import resolve_model
+    from learner.data import PromptSource
 
     verbose = bool(os.environ.get("SLIPSTREAM_VERBOSE"))
+    PromptSource(cfg.learner.dataset, cfg.learner.seed)   # a bad dataset stops us before any process
     model_path = resolve_model(cfg.model, log=lambda m: print(f"[setup] {m}", flush=True))
+    learner_threads, rollout_threads = _thread_split(cfg)
     run_dir = Path(cfg.learner.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_dump(mode="json")
     resolved["model"] = model_path
+    resolved["learner"]["threads"] = learner_threads
+    resolved["rollout"]["threads"] = rollout_threads
     cfg_file = run_dir / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(resolved, sort_keys=False))
-    for stale in ("learner.json",):
-        (run_dir / stale).unlink(missing_ok=True)
+    (run_dir / "learner.json").unlink(missing_ok=True)      # a stale endpoint file misleads ctl
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     base = [sys.executable, "-m", "deploy.cli"]
     events: queue.Queue = queue.Queue()
-    children: list[Child] = []
+    children: dict[str, Child] = {}
     interrupted = threading.Event()
 
     def on_signal(signum, frame):
         interrupted.set()
 
+    def start_servers(endpoint: str) -> None:
+        print(TABLE_HEADER, flush=True)
+        for i in range(cfg.launcher.num_rollout_servers):
+            port = cfg.rollout.metrics_port + i if cfg.rollout.metrics_port else 0
+            cmd = [*base, "rollout", "--config", str(cfg_file), "--learner", endpoint,
+                   "--set", f"rollout.server_id=rollout-{i}",
+                   "--set", f"rollout.metrics_port={port}",
+                   "--set", f"rollout.seed={cfg.rollout.seed + i}"]
+            child = children[f"rollout-{i}"] = Child(f"rollout-{i}", cmd, events, env)
+            print(f"[run] rollout-{i} pid {child.proc.pid}", flush=True)
+
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     exit_code = 0
     try:
-        learner = Child("learner", [*base, "learner", "--config", str(cfg_file)], events, env)
-        children.append(learner)
-        endpoint = None
-        started_servers = False
+        learner = children["learner"] = Child(
+            "learner", [*base, "learner", "--config", str(cfg_file)], events, env)
         print(f"[run] learner pid {learner.proc.pid}; run dir {run_dir}", flush=True)
-        finished = set()
         while True:
             if interrupted.is_set():
                 print("[run] interrupted: stopping all processes", flush=True)
                 exit_code = 130
                 break
             try:
-                name, line = events.get(timeout=0.2)
+                name, kind, line = events.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if line is None:
-                finished.add(name)
-                child = next(c for c in children if c.name == name)
+            child = children[name]
+            if kind == "err":
+                _on_stderr(child, line, verbose)
+            elif kind == "exit":
                 code = child.proc.wait()
-                if name == "learner":
-                    exit_code = code
-                    print(f"[run] learner exited with code {code}", flush=True)
+                if interrupted.is_set():
+                    continue                   # stopped by our Ctrl-C: reported at the top
+                _report_exit(child, code)
+                if name == "learner" or code != 0:
+                    exit_code = code if name == "learner" else (code or 1)
+                    if name != "learner":
+                        print(f"[run] stopping the run: {name} failed", flush=True)
                     break
-                if code != 0 and not interrupted.is_set():
-                    print(f"[run] {name} exited with code {code}: stopping the run", flush=True)
-                    exit_code = code or 1
-                    break
-                continue
-            ev = _print_line(name, line, verbose)
-            if ev and name == "learner" and ev.get("event") == "ready" and not started_servers:
-                endpoint = ev["rollout"]
-                if started_servers is False:
-                    print(TABLE_HEADER, flush=True)
-                for i in range(cfg.launcher.num_rollout_servers):
-                    port = cfg.rollout.metrics_port + i if cfg.rollout.metrics_port else 0
-                    cmd = [*base, "rollout", "--config", str(cfg_file), "--learner", endpoint,
-                           "--set", f"rollout.server_id=rollout-{i}",
-                           "--set", f"rollout.metrics_port={port}",
-                           "--set", f"rollout.seed={cfg.rollout.seed + i}"]
-                    child = Child(f"rollout-{i}", cmd, events, env)
-                    children.append(child)
-                    print(f"[run] rollout-{i} pid {child.proc.pid}", flush=True)
-                started_servers = True
+            else:
+                ev = _print_line(name, line, verbose)
+                if (ev and name == "learner" and ev.get("event") == "ready"
+                        and "rollout-0" not in children):
+                    start_servers(ev["rollout"])
     finally:
-        _stop_all(children, cfg.launcher.shutdown_timeout_s)
+        _stop_all(list(children.values()), cfg.launcher.shutdown_timeout_s)
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
     final = run_dir / "final"

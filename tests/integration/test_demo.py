@@ -6,9 +6,7 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -17,24 +15,18 @@ pytestmark = pytest.mark.slow
 FREE_PORTS = ["--set", "learner.rollout_port=0", "--set", "learner.weights_port=0",
               "--set", "learner.control_port=0", "--set", "learner.metrics_port=0",
               "--set", "rollout.metrics_port=0"]
+RUN = [sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def test_default_demo_reward_rises(tmp_path, subprocess_env):
+def test_default_demo_reward_rises(tmp_path, subprocess_env, process_groups):
     run_dir = tmp_path / "run"
     steps = 160
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS,
-                        "--set", f"learner.total_steps={steps}", "--set", f"learner.run_dir={run_dir}"],
-                       env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    r = process_groups.run([*RUN, "--set", f"learner.total_steps={steps}",
+                            "--set", f"learner.run_dir={run_dir}"],
+                           timeout=900, env=subprocess_env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "step  reward" in r.stdout                      # the live table
+    assert re.search(r"\[run\] threads: learner \d+, rollout-0 \d+ \(\d+ cores\)", r.stdout)
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(log) == steps
     first = sum(x["reward_mean"] for x in log[:30]) / 30
@@ -44,38 +36,28 @@ def test_default_demo_reward_rises(tmp_path, subprocess_env):
     assert (run_dir / "final" / "model.safetensors").exists()
 
 
-def test_ctrl_c_stops_all_processes(tmp_path, subprocess_env):
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS,
-                             "--set", "learner.total_steps=100000", "--set", f"learner.run_dir={tmp_path}/r",
-                             "--set", "launcher.num_rollout_servers=2"],
-                            env=subprocess_env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    pids, lines = [], []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"pid (\d+)", line)
-            if m:
-                pids.append(int(m.group(1)))
-            if re.match(r"\s+3\s", line):               # third step row of the live table
-                break
-        assert len(pids) == 3, "".join(lines)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130, out
-        assert "interrupted" in out
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in pids)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_ctrl_c_stops_all_processes(tmp_path, subprocess_env, process_groups):
+    run = process_groups.watch([*RUN, "--set", "learner.total_steps=100000",
+                                "--set", f"learner.run_dir={tmp_path}/r",
+                                "--set", "launcher.num_rollout_servers=2"],
+                               env=subprocess_env, cwd=tmp_path)
+    pids = [int(run.wait_for_line(rf"\[run\] {name} pid (\d+)", 300).group(1))
+            for name in ("learner", "rollout-0", "rollout-1")]
+    run.wait_for_line(r"^\s+3\s", 300)                       # third step row of the live table
+    run.proc.send_signal(signal.SIGINT)                      # the launcher only, as a test can
+    assert run.proc.wait(timeout=60) == 130, run.output()
+    run.wait_for_line("interrupted", 5)
+    # The launcher waited for (reaped) every child before it exited, so nothing of its process
+    # group is left: not the learner, not the servers, nor anything they started.
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(run.proc.pid, 0)
 
 
 @pytest.mark.vllm
-def test_run_with_the_vllm_engine(tmp_path, subprocess_env):
+def test_run_with_the_vllm_engine(tmp_path, subprocess_env, process_groups):
     """The whole loop with real vLLM (the CPU build in CI): weights reach the engine every step."""
     try:
         import vllm  # noqa: F401
@@ -84,10 +66,9 @@ def test_run_with_the_vllm_engine(tmp_path, subprocess_env):
             raise
         pytest.skip("vLLM is not installed")
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS,
-                        "--set", "rollout.engine=vllm", "--set", "learner.total_steps=6",
-                        "--set", f"learner.run_dir={run_dir}"],
-                       env=subprocess_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    r = process_groups.run([*RUN, "--set", "rollout.engine=vllm", "--set", "learner.total_steps=6",
+                            "--set", f"learner.run_dir={run_dir}"],
+                           timeout=600, env=subprocess_env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == list(range(1, 7))

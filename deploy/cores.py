@@ -1,0 +1,64 @@
+"""How ``slipstream run`` shares the machine's cores among the processes it starts.
+
+Every process left at torch's default takes one intra-op thread per core, so a learner and S
+servers on N cores run (S + 1) * N threads that preempt each other in the middle of every matmul.
+Measured on 2 cores with the demo: 560 trained samples/s with default threads, 773-824/s with
+learner 1 + server 1. The rule, for N cores and S servers, P = S + 1 processes:
+
+- nothing set: each process gets ``max(1, N // P)`` threads and the learner also gets the
+  remainder ``N - P * (N // P)`` (training is the heavier job);
+- ``learner.threads`` set (nonzero): it is kept; each server gets ``max(1, (N - learner) // S)``;
+- ``rollout.threads`` set (nonzero): it is kept; the learner gets ``max(1, N - S * rollout)``;
+- both set: both are kept.
+
+Nobody gets fewer than one thread, so more processes than cores oversubscribe by design (the
+alternative is not starting them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def quota_cores(cpu_max: str) -> int | None:
+    """Cores allowed by a cgroup v2 ``cpu.max`` line (``"200000 100000"`` -> 2; ``"max ..."`` -> None)."""
+    parts = cpu_max.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
+
+
+def available_cores(cpu_max_file: Path = CGROUP_CPU_MAX) -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup CPU quota (containers)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota = quota_cores(cpu_max_file.read_text())
+    except OSError:
+        quota = None
+    return max(1, min(cores, quota) if quota else cores)
+
+
+def share_cores(cores: int, servers: int, learner_threads: int = 0,
+                rollout_threads: int = 0) -> tuple[int, int]:
+    """``(learner threads, threads of each server)`` by the rule above (0 = not set)."""
+    if cores < 1 or servers < 1:
+        raise ValueError(f"share_cores needs cores >= 1 and servers >= 1 (got {cores}, {servers})")
+    if learner_threads and rollout_threads:
+        return learner_threads, rollout_threads
+    if learner_threads:
+        return learner_threads, max(1, (cores - learner_threads) // servers)
+    if rollout_threads:
+        return max(1, cores - servers * rollout_threads), rollout_threads
+    each = max(1, cores // (servers + 1))
+    return each + max(0, cores - each * (servers + 1)), each

@@ -1,0 +1,143 @@
+"""The import rules of DESIGN.md §2, for every pair of packages, read from the source (AST).
+
+Every ``import``/``from ... import`` of every ``.py`` file of the six packages is checked, at
+module level and inside functions, ``try`` blocks and ``if TYPE_CHECKING`` alike, and so is
+``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. A package may import
+the standard library, itself, the first-party packages its row names, and the third-party
+packages its row allows:
+
+| package          | first party                      | third party                          |
+|------------------|----------------------------------|--------------------------------------|
+| protocol         | -                                | msgpack, numpy, zmq (never torch)    |
+| ops              | -                                | torch                                |
+| buffer           | protocol                         | numpy                                |
+| rollout_server   | protocol, ops                    | any (engines, rewards, metrics)      |
+| learner          | protocol, buffer, ops            | any                                  |
+| deploy           | all                              | any                                  |
+
+Nothing imports ``deploy`` (only tests do). ``tests/test_imports.py`` checks the runtime side
+(importing ``protocol``/``buffer`` never loads torch) in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_PARTY = ("protocol", "ops", "buffer", "rollout_server", "learner", "deploy", "tests")
+STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
+ANY = None   # any third-party package
+
+
+@dataclass(frozen=True)
+class Rule:
+    first_party: frozenset[str]
+    """First-party packages it may import (itself included)."""
+    third_party: frozenset[str] | None
+    """Third-party top-level packages it may import (None: any)."""
+
+
+RULES = {
+    "protocol": Rule(frozenset({"protocol"}), frozenset({"msgpack", "numpy", "zmq"})),
+    "ops": Rule(frozenset({"ops"}), frozenset({"torch"})),
+    "buffer": Rule(frozenset({"buffer", "protocol"}), frozenset({"numpy"})),
+    "rollout_server": Rule(frozenset({"rollout_server", "protocol", "ops"}), ANY),
+    "learner": Rule(frozenset({"learner", "protocol", "buffer", "ops"}), ANY),
+    "deploy": Rule(frozenset(FIRST_PARTY) - {"tests"}, ANY),
+}
+
+
+def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """``(line, absolute module name)`` of every import in ``tree`` (relative ones resolve into
+    ``package``; dynamic imports count when their name is a string literal)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:                       # from . import x / from ..a import b
+                found.append((node.lineno, package + ("." + node.module if node.module else "")))
+            elif node.module:
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return sorted(found)
+
+
+def violations(package: str, path: Path, rule: Rule) -> list[str]:
+    """What ``path`` (a file of ``package``) imports against ``rule``, one line per import."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for line, module in imported_modules(tree, package):
+        top = module.split(".")[0]
+        if top in STDLIB:
+            continue
+        if top in FIRST_PARTY:
+            allowed = top in rule.first_party
+        else:
+            allowed = rule.third_party is ANY or top in rule.third_party
+        if not allowed:
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            out.append(f"{shown}:{line}: {package} imports {module}")
+    return out
+
+
+def package_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", list(RULES))
+def test_package_keeps_the_import_rules(package):
+    files = package_files(package)
+    assert files, f"no .py files under {package}/"       # the walk really reads something
+    found = [v for f in files for v in violations(package, f, RULES[package])]
+    assert not found, "DESIGN.md §2 import rules broken:\n" + "\n".join(found)
+
+
+def test_every_package_has_a_rule():
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(RULES), "a new top-level package needs a row in RULES (and DESIGN.md §2)"
+
+
+BAD = '''
+import json
+from . import sibling
+from protocol import encode          # not allowed in ops
+import numpy as np                   # not allowed in ops
+
+def later():
+    import torch.nn                  # allowed in ops
+    from rollout_server.engine import x
+    try:
+        import vllm
+    except ImportError:
+        pass
+    importlib.import_module("deploy.cli")
+    importlib.import_module(name)    # not a literal: not checked
+'''
+
+
+def test_the_check_catches_bad_imports_anywhere_in_a_file(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text(BAD)
+    assert violations("ops", f, RULES["ops"]) == [
+        "bad.py:4: ops imports protocol", "bad.py:5: ops imports numpy",
+        "bad.py:9: ops imports rollout_server.engine", "bad.py:11: ops imports vllm",
+        "bad.py:14: ops imports deploy.cli"]
+    # The same file read as learner code: only the rollout_server and deploy imports are wrong.
+    assert violations("learner", f, RULES["learner"]) == [
+        "bad.py:9: learner imports rollout_server.engine", "bad.py:14: learner imports deploy.cli"]
+
+
+def test_protocol_may_not_import_torch_even_inside_a_function(tmp_path):
+    f = tmp_path / "codec.py"
+    f.write_text("import msgpack\n\ndef fast():\n    import torch\n    return torch\n")
+    assert violations("protocol", f, RULES["protocol"]) == ["codec.py:4: protocol imports torch"]
