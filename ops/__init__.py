@@ -3,7 +3,8 @@ no globals, no device assumptions).
 
 Conventions: per-token tensors are ``[B, T]``; ``mask`` is ``[B, T]`` bool/float, 1 for a completion
 token that counts — padding never changes a result. Losses return ``(loss, stats)`` with a 0-dim loss
-that carries grad and a dict of plain floats. Low-precision inputs are reduced in float32.
+that carries grad and a dict of plain floats (``merge_stats`` combines the dicts of micro-batches).
+Low-precision inputs are reduced in float32.
 """
 
 from .advantages import (
@@ -21,8 +22,17 @@ from .importance import IS_MODES, importance_weights
 from .kl import KL_KINDS, kl_estimate
 from .logprobs import entropy_from_logits, token_logprobs, token_logprobs_from_hidden
 from .losses import dpo_loss, entropy_loss, kl_loss, ppo_policy_loss, value_loss
-from .masked import LOSS_AGG_MODES, aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from .masked import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    loss_normalizer,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from .rewards import RunningMoments, clip_rewards, last_token_index, shape_token_rewards
+from .stats import STAT_REDUCTIONS, merge_stats
 
 __all__ = [
     "ADVANTAGE_METHODS",
@@ -30,6 +40,7 @@ __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "PF_PPO_METHODS",
+    "STAT_REDUCTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "RunningMoments",
@@ -45,10 +56,12 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "last_token_index",
+    "loss_normalizer",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "merge_stats",
     "pf_ppo_resample",
     "pf_ppo_weights",
     "ppo_policy_loss",

@@ -47,7 +47,9 @@ def importance_weights(
     ``is_weight_mean``, ``is_weight_max``, ``is_weight_min``, ``is_ess_ratio`` = (Σw)²/(n·Σw²) ∈ (0, 1]
     (1 when on-policy; Kish's effective sample size over n), ``is_masked_fraction`` (counted tokens
     removed by mis/seq_mis), ``is_truncated_fraction`` (tokens whose weight the cap lowered),
-    ``mismatch_kl`` = mean k3 estimate of KL(μ ‖ π_prox) (samples come from μ).
+    ``mismatch_kl`` = mean k3 estimate of KL(μ ‖ π_prox) (samples come from μ). The stats of
+    several row parts of a batch (micro-batches) combine into the whole batch's with
+    ``ops.merge_stats``.
     """
     if mode not in IS_MODES:
         raise ValueError(f"unknown importance-weight mode {mode!r}; expected one of {IS_MODES}")

@@ -52,7 +52,8 @@ def ppo_policy_loss(
     Gradients flow into ``logprobs`` only (proximal log-probs, advantages and weights are detached).
     Stats: ``clip_fraction`` (tokens where the clipped term is active), ``dual_clip_fraction``,
     ``approx_kl`` = mean((r − 1) − log r) (k3 estimate of KL(π_prox ‖ π_θ)), ``ratio_mean``,
-    ``ratio_min``, ``ratio_max`` (over counted tokens).
+    ``ratio_min``, ``ratio_max`` (over counted tokens; ``ops.merge_stats`` combines the stats of
+    micro-batches into the whole batch's).
     """
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")

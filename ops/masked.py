@@ -20,6 +20,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "aggregate_loss",
     "compute_dtype",
+    "loss_normalizer",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -112,6 +113,16 @@ def masked_whiten(
     return torch.where(keep, whitened, torch.zeros_like(whitened))
 
 
+def _denominator(mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """What ``aggregate_loss`` divides by: Σ m (``token_mean``) or the count of rows with Σ_t m ≠ 0."""
+    if agg not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {LOSS_AGG_MODES}")
+    m = mask.to(compute_dtype(mask.dtype) if mask.is_floating_point() else torch.float32)
+    if agg == "token_mean":
+        return m.sum()
+    return (m.sum(dim=-1) != 0).to(m.dtype).sum()
+
+
 def aggregate_loss(
     loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", normalizer: float | None = None
 ) -> torch.Tensor:
@@ -125,22 +136,36 @@ def aggregate_loss(
     contributes nothing (neither to the numerator nor to the denominator).
 
     ``normalizer`` replaces the denominator (the local token count, or the local count of non-empty
-    sequences) with a given number: pass the *global* count of the whole batch when it is split into
-    micro-batches for gradient accumulation, so that summing the micro-batch losses gives exactly the
-    full-batch loss (token weights do not depend on how the batch was split).
+    sequences) with a given number: pass ``loss_normalizer(mask_of_the_whole_batch, agg)`` when the
+    batch is split into micro-batches (by rows) for gradient accumulation, so that summing the
+    micro-batch losses gives exactly the full-batch loss (token weights do not depend on how the
+    batch was split).
     """
-    if agg not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {LOSS_AGG_MODES}")
-    if agg == "token_mean":
-        if normalizer is None:
-            return masked_mean(loss_mat, mask)
-        return masked_sum(loss_mat, mask) / normalizer
     _, m, _ = _weights(loss_mat, mask)
-    row_counted = (m.sum(dim=-1) != 0).to(m.dtype)  # [B]
-    if agg == "seq_mean_token_sum":
-        per_row = masked_sum(loss_mat, m, dim=-1)  # [B]
+    den = _denominator(m, agg)
+    if agg == "token_mean":
+        num = masked_sum(loss_mat, m)
     else:
-        per_row = masked_mean(loss_mat, m, dim=-1)  # [B]
+        row_counted = (m.sum(dim=-1) != 0).to(m.dtype)  # [B]
+        if agg == "seq_mean_token_sum":
+            per_row = masked_sum(loss_mat, m, dim=-1)  # [B]
+        else:
+            per_row = masked_mean(loss_mat, m, dim=-1)  # [B]
+        num = masked_sum(per_row, row_counted)
     if normalizer is None:
-        return masked_mean(per_row, row_counted)
-    return masked_sum(per_row, row_counted) / normalizer
+        return _safe_div(num, den.to(num.dtype))
+    return num / normalizer
+
+
+def loss_normalizer(mask: torch.Tensor, agg: str = "token_mean") -> float:
+    """The denominator ``aggregate_loss(·, mask, agg)`` divides by, as a plain number -> float.
+
+    ``token_mean``: Σ_{b,t} m (the counted tokens, mask values as weights); the ``seq_mean_*`` modes:
+    the rows with at least one counted token. Computed once over the whole batch and passed as
+    ``normalizer`` to every micro-batch's ``aggregate_loss`` (or ``ppo_policy_loss``), the
+    micro-batch losses add up to the full-batch loss. An empty mask gives 1.0: its numerator is 0,
+    so the loss is 0, as ``aggregate_loss`` gives without a normalizer (never 0/0).
+    mask: [B, T], the full shape of the loss (no broadcasting here).
+    """
+    den = float(_denominator(mask, agg))
+    return den if den != 0 else 1.0

@@ -68,6 +68,16 @@ def aggregate_loop(loss, mask, agg) -> float:
     return sum(per_row) / len(per_row) if per_row else 0.0
 
 
+def loss_normalizer_loop(mask, agg) -> float:
+    """What the aggregation divides by, counted by hand: the mask weights (token_mean) or the rows
+    with a counted token (the seq_mean modes); 1.0 when nothing is counted."""
+    if agg == "token_mean":
+        n = sum(float(mask[b, t]) for b, ts in enumerate(_rows(mask)) for t in ts)
+    else:
+        n = float(sum(1 for ts in _rows(mask) if ts))
+    return n if n != 0 else 1.0
+
+
 # --- advantages --------------------------------------------------------------------------------------
 
 def gae_loop(rewards, values, mask, gamma, lam):

@@ -8,9 +8,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_twins import aggregate_loop, masked_mean_loop, masked_var_loop
+from ops_twins import aggregate_loop, loss_normalizer_loop, masked_mean_loop, masked_var_loop
 
-from ops import aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from ops import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    loss_normalizer,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 
 
 def _data(B=4, T=7, seed=0, p=0.7):
@@ -121,12 +129,39 @@ def test_aggregate_rejects_unknown_mode():
         aggregate_loss(x, mask, "sum")
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
-def test_aggregate_with_global_normalizer_sums_over_micro_batches(agg):
-    """Micro-batch losses with the global count as normalizer add up to the full-batch loss."""
-    x, mask = _data(B=6, T=5, seed=3)
-    mask[2] = False  # an empty row
+@settings(max_examples=40, deadline=None)
+@given(batches(), st.sampled_from(LOSS_AGG_MODES), st.booleans())
+def test_loss_normalizer_matches_loop_and_aggregate(batch, agg, float_mask):
+    """The normalizer is what aggregate_loss divides by: passing it changes nothing."""
+    x, mask = batch
+    if float_mask:  # mask values are weights
+        mask = mask.float() * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    n = loss_normalizer(mask, agg)
+    assert isinstance(n, float)
+    assert n == pytest.approx(loss_normalizer_loop(mask, agg), rel=1e-6)
+    assert aggregate_loss(x, mask, agg, normalizer=n).item() == pytest.approx(
+        aggregate_loss(x, mask, agg).item(), abs=1e-5)
+
+
+def test_loss_normalizer_of_an_empty_mask_is_one():
+    x = torch.randn(2, 3)
+    for agg in LOSS_AGG_MODES:
+        empty = torch.zeros(2, 3, dtype=torch.bool)
+        assert loss_normalizer(empty, agg) == 1.0
+        assert aggregate_loss(x, empty, agg, normalizer=loss_normalizer(empty, agg)).item() == 0.0
+    with pytest.raises(ValueError):
+        loss_normalizer(torch.ones(2, 3), "sum")
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(min_b=2, max_b=7), st.sampled_from(LOSS_AGG_MODES), st.integers(1, 3))
+def test_aggregate_with_global_normalizer_sums_over_micro_batches(batch, agg, micro):
+    """Micro-batch losses with loss_normalizer(whole batch) add up to the full-batch loss."""
+    x, mask = batch
+    mask[0] = False  # an empty row
     full = aggregate_loss(x, mask, agg)
-    n = mask.sum().item() if agg == "token_mean" else (mask.sum(-1) > 0).sum().item()
-    parts = sum(aggregate_loss(x[i : i + 2], mask[i : i + 2], agg, normalizer=n) for i in range(0, 6, 2))
-    assert parts.item() == pytest.approx(full.item(), abs=1e-6)
+    n = loss_normalizer(mask, agg)
+    B = x.shape[0]
+    parts = sum(aggregate_loss(x[i : i + micro], mask[i : i + micro], agg, normalizer=n)
+                for i in range(0, B, micro))
+    assert parts.item() == pytest.approx(full.item(), abs=1e-5)
