@@ -7,7 +7,8 @@ row i sits at column ``P_i - 1 + j``; ``mask`` marks those columns.
 With one optimizer step per batch (the default) the proximal policy *is* the current weights, so
 the proximal log-probs are the detached log-probs of the gradient forward — the same numbers a
 separate no-grad recompute pass would give, for half the forwards. ``recompute_logprobs: false``
-uses the behavior log-probs instead (w = 1).
+uses the behavior log-probs instead (w = 1), except for samples flagged ``needs_correction``, which
+are always weighed against the current weights (see :meth:`Trainer.step`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import torch
 
 import ops
 import protocol
+from buffer import Batch
 from learner.config import LearnerConfig
+
+FLAGGED_IS_MODE = "tis"
+"""Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
 
 
 @dataclass
@@ -72,6 +77,9 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
+        # Rows of the input embedding: every token id of a trained sample must be below it (the
+        # learner validates results against it before accepting them).
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
 
     def encode_prompt(self, text: str) -> np.ndarray:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -89,58 +97,117 @@ class Trainer:
                          use_cache=False)
         return out.logits[:, :-1]                                                  # (b, L-1, V)
 
-    def step(self, samples: list[protocol.Sample], staleness: list[int]) -> dict[str, float]:
-        """One policy step on a batch whose groups are contiguous and complete."""
+    def _importance(self, proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
+                    flagged: torch.Tensor) -> tuple[torch.Tensor, list[tuple[dict, int]]]:
+        """Behavior weights of one micro-batch -> (weights (b, L-1), [(is_stats, tokens), ...]).
+
+        Rows flagged ``needs_correction`` under ``is_mode: none`` get ``FLAGGED_IS_MODE`` with
+        ``is_cap``; every other row gets ``is_mode``. Each row is weighed once; every mode is
+        row-local, so weighing the two sets of rows apart gives each row what the whole micro-batch
+        would. Tokens that ``mis`` / ``seq_mis`` reject have weight 0.
+        """
+        cfg = self.cfg
+        if cfg.is_mode != "none" or not bool(flagged.any()):
+            w, _, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.is_mode, cap=cfg.is_cap)
+            return w, [(st, int((mask != 0).sum()))]
+        weights = torch.zeros_like(proximal)                                       # (b, L-1)
+        parts = []
+        for rows, mode in ((~flagged, "none"), (flagged, FLAGGED_IS_MODE)):
+            if not bool(rows.any()):
+                continue
+            w, _, st = ops.importance_weights(proximal[rows], behavior[rows], mask[rows], mode=mode,
+                                              cap=cfg.is_cap)
+            weights[rows] = w.to(weights.dtype)
+            parts.append((st, int((mask[rows] != 0).sum())))
+        return weights, parts
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One policy step (one optimizer step) on a batch whose groups are contiguous and complete.
+
+        Micro-batches of ``micro_batch_samples`` rows accumulate gradients; each micro-batch loss is
+        divided by ``ops.loss_normalizer`` of the whole batch's mask, so their sum is the
+        full-batch loss and the gradients do not depend on the split. Tokens that ``mis`` /
+        ``seq_mis`` reject get weight 0 and keep their place in every denominator (the token count,
+        the per-row means), as in AReaL's decoupled loss: a rejected token is not trained, and does
+        not raise the weight of the others. (The denominator is thus known before the forwards
+        whose log-probs decide the rejections.) The step is one ``ops.ppo_policy_loss`` over the
+        whole batch, with the completion mask and these weights.
+
+        Correction of samples flagged ``needs_correction`` (over ``max_staleness`` under
+        ``stale_policy: correct``): they always get behavior importance weights w = π_prox/μ —
+        ``is_mode`` when it is not ``none``, and ``tis`` capped at ``is_cap`` when it is (a sample the
+        operator asked to correct is corrected; truncation rather than masking keeps every one of
+        its tokens in the batch, as the flag promises to train it). Their proximal log-probs are
+        always the current weights' (the detached gradient-forward log-probs), even under
+        ``recompute_logprobs: false``, since π_prox := μ would make every weight 1. Unflagged
+        samples train exactly as without the flag.
+
+        Importance weights are computed once per micro-batch; every statistic (``pg_*``,
+        ``is_*``, ``mismatch_kl``, entropy) is that of the whole batch, combined over the
+        micro-batches by ``ops.merge_stats`` (token-weighted means, max of maxima, ...).
+        """
         cfg = self.cfg
         start = time.monotonic()
-        bt = collate(samples, self.pad_id)
+        samples = batch.samples
         B = len(samples)
+        if B == 0:
+            raise ValueError("Trainer.step: empty batch")
+        flags = list(batch.needs_correction) or [False] * B
+        if len(flags) != B:
+            raise ValueError(f"Trainer.step: {len(flags)} needs_correction flags for {B} samples")
+        bt = collate(samples, self.pad_id)
+        low, top = int(bt.input_ids.min()), int(bt.input_ids.max())
+        if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
+            bad = low if low < 0 else top
+            raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        flagged = torch.tensor(flags, dtype=torch.bool)                             # (B,)
         adv = ops.group_advantages(bt.rewards, cfg.group_size, cfg.advantage)       # (B,)
         advantages = adv[:, None] * bt.mask                                        # (B, L-1)
-        proximal_all = torch.zeros_like(bt.mask)
-        entropy_all = torch.zeros_like(bt.mask)
-        # Global denominator, so that the micro-batch losses add up to the full-batch loss.
-        if cfg.loss_agg == "token_mean":
-            normalizer = max(1.0, float(bt.mask.sum()))
-        else:
-            normalizer = max(1.0, float((bt.mask.sum(dim=1) > 0).sum()))
+        normalizer = ops.loss_normalizer(bt.mask, cfg.loss_agg)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, pg_stats = 0.0, {}
+        loss_sum, entropy_sum = 0.0, 0.0
+        pg_parts: list[tuple[dict, int]] = []
+        is_parts: list[tuple[dict, int]] = []
         for lo in range(0, B, cfg.micro_batch_samples):
             rows = slice(lo, min(B, lo + cfg.micro_batch_samples))
             logits = self._logits(bt, rows)
             logprobs = ops.token_logprobs(logits, bt.targets[rows], temperature=cfg.temperature)
-            with torch.no_grad():
-                entropy_all[rows] = ops.entropy_from_logits(logits.detach(), temperature=cfg.temperature)
             mask = bt.mask[rows]
+            with torch.no_grad():
+                entropy = ops.entropy_from_logits(logits.detach(), temperature=cfg.temperature)
+                entropy_sum += float(ops.masked_sum(entropy, mask))
             behavior = bt.behavior_logprobs[rows]
-            proximal = logprobs.detach() if cfg.recompute_logprobs else behavior
-            proximal_all[rows] = proximal
-            weights, loss_mask, _ = ops.importance_weights(proximal, behavior, mask, mode=cfg.is_mode,
-                                                           cap=cfg.is_cap)
+            current = logprobs.detach()
+            if cfg.recompute_logprobs:
+                proximal = current
+            else:
+                proximal = torch.where(flagged[rows, None], current, behavior)
+            weights, parts = self._importance(proximal, behavior, mask, flagged[rows])
             loss, pg_stats = ops.ppo_policy_loss(
-                logprobs, proximal, advantages[rows], loss_mask, clip_low=cfg.clip_low,
+                logprobs, proximal, advantages[rows], mask, clip_low=cfg.clip_low,
                 clip_high=cfg.clip_high, is_weights=weights, agg=cfg.loss_agg, normalizer=normalizer)
             loss.backward()
             loss_sum += float(loss.detach())
+            pg_parts.append((pg_stats, int((mask != 0).sum())))
+            is_parts.extend(parts)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
         self.optimizer.step()
-        _, _, is_stats = ops.importance_weights(proximal_all, bt.behavior_logprobs, bt.mask,
-                                                mode=cfg.is_mode, cap=cfg.is_cap)
+        staleness = batch.staleness
         lengths = bt.mask.sum(dim=1)
         stats = {
             "loss": loss_sum,
             "reward_mean": float(bt.rewards.mean()),
             "reward_std": float(bt.rewards.std()) if B > 1 else 0.0,
             "advantage_abs_mean": float(adv.abs().mean()),
-            "entropy": float(ops.masked_mean(entropy_all, bt.mask)),
+            "entropy": entropy_sum / max(1.0, float(bt.mask.sum())),
             "grad_norm": grad_norm,
             "completion_tokens_mean": float(lengths.mean()),
             "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
             "staleness_max": float(max(staleness)) if staleness else 0.0,
+            "corrected_samples": float(flagged.sum()),
             "samples": float(B),
             "step_s": time.monotonic() - start,
         }
-        stats.update({f"pg_{k}": float(v) for k, v in pg_stats.items()})
-        stats.update({k: float(v) for k, v in is_stats.items()})      # is_weight_*, mismatch_kl, ...
+        stats.update({f"pg_{k}": v for k, v in ops.merge_stats(pg_parts).items()})
+        stats.update(ops.merge_stats(is_parts))       # is_weight_*, is_ess_ratio, mismatch_kl, ...
         return stats
