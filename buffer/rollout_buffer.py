@@ -113,6 +113,18 @@ class _Group:
     def staleness(self, version: int) -> int:
         return 0 if self.min_version == _NO_TOKENS else version - self.min_version
 
+    def fill(self, gi: int, s: Sample, mv: int) -> None:
+        """Put sample ``s`` (min token version ``mv``, -1 without tokens) in the empty slot ``gi``."""
+        self.slots[gi] = s
+        self.mins[gi] = mv
+        if 0 <= mv < self.min_version:
+            self.min_version = mv
+        length = len(s.prompt_token_ids) + len(s.token_versions)
+        self.tokens += length
+        if length > self.max_len:
+            self.max_len = length
+        self.filled += 1
+
 
 class RolloutBuffer:
     """Staleness gate + leases + group assembly + batching, for one learner (see module doc).
@@ -411,14 +423,7 @@ class RolloutBuffer:
             self._close(g, "stale")
             return _STALE, False
         # Accepted: fill the slot.
-        g.slots[gi] = s
-        g.mins[gi] = mv
-        g.min_version = gmin
-        length = len(s.prompt_token_ids) + len(tv)
-        g.tokens += length
-        if length > g.max_len:
-            g.max_len = length
-        g.filled += 1
+        g.fill(gi, s, mv)
         g.resolved += 1
         self._pending += 1
         self._seen.add(s.sample_id)
@@ -428,11 +433,15 @@ class RolloutBuffer:
             self.leases.extend(aid)
             return _ACCEPTED, False
         self.leases.complete(aid)
+        self._set_ready(g)
+        return _ACCEPTED, True
+
+    def _set_ready(self, g: _Group) -> None:
+        """``g`` has all its samples: queue it for a batch."""
         g.ready = True
         self._ready.append(g)
         self._ready_samples += g.size
         self._ready_tokens += g.tokens
-        return _ACCEPTED, True
 
     def _close(self, g: _Group, reason: str, unlink: bool = True) -> None:
         """Remove a group that will not be trained; return its capacity.
@@ -568,7 +577,7 @@ class RolloutBuffer:
         after ``max_wait_s`` seconds without one. Cancellation-safe: a batch is taken from the
         buffer in the same step that returns it, so a cancelled or timed-out call takes nothing.
         Training counts as done when the batch is returned (``consumed``, the histogram and the
-        gate's ``consumed_total`` move here; there is no separate on_consumed call).
+        gate's ``consumed_total`` move here).
         """
         batch = self.poll_batch(version)
         if batch is not None:
@@ -579,10 +588,6 @@ class RolloutBuffer:
             async with asyncio.timeout(max_wait_s):
                 return await self._wait_batch(version)
         return await asyncio.wait_for(self._wait_batch(version), max_wait_s)  # pragma: no cover
-
-    def on_consumed(self, batch: Batch) -> None:
-        """Nothing to do: a batch counts as consumed when :meth:`next_batch` returns it. Kept for
-        callers written against the optional form of the API."""
 
     async def _wait_batch(self, version: int) -> Batch:
         async with self._cond:
@@ -650,23 +655,12 @@ class RolloutBuffer:
             for w in gd["samples"]:
                 s = Sample.from_wire(_from_plain(w), "buffer state sample")
                 tv = s.token_versions
-                mv = int(tv.min()) if len(tv) else -1
-                g.slots[s.group_index] = s
-                g.mins[s.group_index] = mv
-                if 0 <= mv < g.min_version:
-                    g.min_version = mv
-                length = len(s.prompt_token_ids) + len(tv)
-                g.tokens += length
-                g.max_len = max(g.max_len, length)
-                g.filled += 1
+                g.fill(s.group_index, s, int(tv.min()) if len(tv) else -1)
             g.resolved = g.filled
             self._groups[g.assignment_id] = g
             self._pending += g.filled
             if g.filled == g.size:
-                g.ready = True
-                self._ready.append(g)
-                self._ready_samples += g.size
-                self._ready_tokens += g.tokens
+                self._set_ready(g)
             else:
                 if g.assignment_id not in self.leases:
                     raise ValueError(f"buffer state: open group {g.assignment_id!r} has no lease")

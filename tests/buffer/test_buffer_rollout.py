@@ -10,7 +10,7 @@ import pytest
 from buffer_testkit import FakeClock, fill, group, make_sample
 
 from buffer import AckStatus, Batch, RolloutBuffer
-from protocol import ACK_STATUSES, Assignment
+from protocol import ACK_STATUSES, Assignment, SamplingParams
 
 A, D, S, INV = AckStatus.ACCEPTED, AckStatus.DUPLICATE, AckStatus.STALE, AckStatus.INVALID
 
@@ -358,16 +358,6 @@ async def test_token_budget_with_length_bucketing():
     assert buf.poll_batch(0) is None           # "long" alone: 46 < 60
 
 
-async def test_on_consumed_is_a_no_op():
-    buf = make_buffer()
-    await fill(buf, "a", 0)
-    await fill(buf, "b", 0)
-    batch = await buf.next_batch(0)
-    before = (buf.counters, buf.gate.consumed_total)
-    buf.on_consumed(batch)
-    assert (buf.counters, buf.gate.consumed_total) == before
-
-
 async def test_dedupe_window_is_bounded():
     buf = make_buffer(batch_samples=4, max_staleness=100, dedupe_window=8)
     for i in range(6):
@@ -394,9 +384,10 @@ async def test_state_dict_round_trip_resumes_exactly(binary):
     clock = FakeClock(0.0)
     buf = make_buffer(batch_samples=8, max_staleness=2, clock=clock, max_attempts=2)
     await fill(buf, "ready", 0)                               # complete, buffered
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=9)
     buf.issue("partial", "s0", 4, payload=Assignment(
         assignment_id="partial", prompt_id="p1", prompt_token_ids=np.arange(5, dtype=np.int32),
-        group_size=4, version=0))
+        group_size=4, version=0, sampling=sampling))
     await buf.put(make_sample("partial", 2, 4), 0)            # 1 of 4 back
     last = buf.issue("last-try", "s1", 4, payload={"prompt": "2+2", "answer": "4"})
     last.attempt = 2
@@ -423,6 +414,7 @@ async def test_state_dict_round_trip_resumes_exactly(binary):
     retry = new.expire()
     assert [le.assignment_id for le in retry] == ["partial"]
     assert isinstance(retry[0].payload, Assignment) and retry[0].payload.prompt_id == "p1"
+    assert retry[0].payload.sampling == sampling               # typed sampling survives the checkpoint
     # "last-try" was on its last attempt: given up, capacity back
     # in flight 7 - 4 = 3: (0 + 1 + 1) * 8 - (13 + 3) = 0
     assert new.inflight_samples == 3 and new.counters["failed"] == 4 and new.capacity(0) == 0
