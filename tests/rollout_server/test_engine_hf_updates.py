@@ -148,8 +148,10 @@ def test_lora_update_mid_generation_under_continue(tiny_model_dir):
 
 
 async def test_concurrent_requests_share_one_decode(tiny_model_dir):
-    eng = HFEngine(tiny_model_dir, seed=5, batch_wait_s=0.05)
+    eng = HFEngine(tiny_model_dir, seed=5)
     prompts = [_prompt(eng, t) for t in ("1+2=", "30+4=", "5+66=")]
+    # gather starts the three calls in one turn of the loop, before the decode task first runs:
+    # all three are queued when it takes its batch (no timing involved).
     outs = await asyncio.gather(*[eng.generate([GenRequest(p, 2, max_new_tokens=4)]) for p in prompts])
     assert eng.generate_calls == 1
     assert [len(o) for o in outs] == [1, 1, 1] and all(len(o[0]) == 2 for o in outs)
