@@ -11,6 +11,14 @@ sum ``Σ w_k · part_k`` (parts not named there weigh 1.0)::
 A reward that raises or returns a non-finite value marks that sample failed with the reason (the
 server counts it in ``slipstream_rollout_errors_total{kind="reward"}`` and keeps running).
 
+Where they run: a user's synchronous function (and the reward model) runs in a bounded pool of
+worker threads (``rollout.reward_threads``), never on the event loop, so a slow reward cannot stall
+heartbeats, acks or weight fetches; an async function runs on the loop (it must not block). Every
+call has ``rollout.reward_timeout_s``: a slower call marks its sample failed
+(``kind="reward_timeout"``). A thread cannot be stopped, so a call that never returns keeps its
+worker; once every worker is stuck, later calls time out too (each counted) instead of queueing
+forever. The built-ins are pure and take microseconds: they run inline.
+
 Built-ins: ``exact_numeric`` (GSM8K ``#### 42`` / ``\\boxed{42}`` answer vs ``metadata["answer"]``),
 ``format`` (``format_reward`` when ``format_regex`` matches, else 0), ``length_penalty``
 (``-length_penalty_per_token · max(0, tokens - length_free_tokens)``, tokens from
@@ -22,9 +30,11 @@ copy of the assignment's metadata before calling any reward.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import inspect
 import math
+import queue
 import re
 import threading
 from collections.abc import Callable
@@ -77,6 +87,12 @@ def make_length_penalty(per_token: float, free_tokens: int) -> Callable:
     return length_penalty
 
 
+def _inline(fn: Callable) -> Callable:
+    """Mark a built-in as cheap and pure: called on the event loop (a thread hop costs more)."""
+    fn.inline = True
+    return fn
+
+
 def _import(spec: str) -> Callable:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -96,11 +112,11 @@ def load_reward(spec: str, options: RewardOptions | None = None) -> Callable:
     """``builtin:NAME`` or ``module:function`` -> the callable (raises ValueError with a fix)."""
     o = options or RewardOptions()
     if spec == "builtin:exact_numeric":
-        return exact_numeric
+        return _inline(exact_numeric)
     if spec == "builtin:format":
-        return make_format_reward(o.format_regex, o.format_reward)
+        return _inline(make_format_reward(o.format_regex, o.format_reward))
     if spec == "builtin:length_penalty":
-        return make_length_penalty(o.length_penalty_per_token, o.length_free_tokens)
+        return _inline(make_length_penalty(o.length_penalty_per_token, o.length_free_tokens))
     if spec == "builtin:reward_model":
         if not o.reward_model:
             raise ValueError("reward builtin:reward_model needs rollout.reward_options.reward_model "
@@ -217,6 +233,7 @@ class Scored:
     total: float = 0.0
     parts: dict[str, float] | None = None
     failed: str | None = None
+    timed_out: bool = False       # failed because a call exceeded reward_timeout_s
 
 
 def _as_parts(name: str, value: Any) -> dict[str, float]:
@@ -230,66 +247,128 @@ def _as_parts(name: str, value: Any) -> dict[str, float]:
     return parts
 
 
+class RewardPool:
+    """A bounded pool of *daemon* worker threads for synchronous reward calls.
+
+    Not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined at interpreter exit, so
+    one reward call that never returns would keep a stopping server from exiting. Threads start
+    on first use.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():      # timed out while queued
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                fut.set_exception(e)
+
+    async def call(self, timeout_s: float, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` in a worker; ``TimeoutError`` after ``timeout_s`` (queueing included)."""
+        with self._lock:
+            if len(self._threads) < self.size:
+                t = threading.Thread(target=self._worker, daemon=True,
+                                     name=f"reward-{len(self._threads)}")
+                t.start()
+                self._threads.append(t)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn, args))
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+
+    def close(self) -> None:
+        """Let idle workers exit (a stuck one is a daemon: it does not hold the process)."""
+        with self._lock:
+            for _ in self._threads:
+                self._queue.put(None)
+            self._threads.clear()
+
+
 class Rewarder:
     """Several reward functions combined into ``(total, parts)`` per sample, batched where possible.
 
     A function with ``batched = True`` (the reward-model scorer) is called once per batch as
-    ``fn.score_batch(prompts, completions, metadatas) -> list[float]`` in a worker thread.
+    ``fn.score_batch(prompts, completions, metadatas) -> list[float]``; any other function once
+    per sample, the samples of a batch concurrently. Functions run in the order configured; a
+    sample that failed one is not given to the next.
     """
 
     def __init__(self, specs: str | list[str], weights: dict[str, float] | None = None,
-                 options: RewardOptions | None = None):
+                 options: RewardOptions | None = None, threads: int = 4, timeout_s: float = 60.0):
         specs = [specs] if isinstance(specs, str) else list(specs)
         if not specs:
             raise ValueError("rollout.reward: name at least one reward function")
         self.fns = [(_part_name(s), load_reward(s, options)) for s in specs]
         self.weights = dict(weights or {})
+        self.timeout_s = timeout_s
+        self.pool = RewardPool(threads)
 
-    async def _one(self, name: str, fn: Callable, prompt: str, completion: str, metadata: dict) -> dict:
-        value = fn(prompt, completion, metadata)
-        if inspect.isawaitable(value):
-            value = await value
-        return _as_parts(name, value)
+    async def _call(self, fn: Callable, *args: Any) -> Any:
+        """One reward call, off the event loop unless it is an inline built-in or a coroutine."""
+        if getattr(fn, "inline", False):
+            return fn(*args)
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(*args), self.timeout_s)
+        value = await self.pool.call(self.timeout_s, fn, *args)
+        if inspect.isawaitable(value):       # e.g. an object whose __call__ is async
+            value = await asyncio.wait_for(value, self.timeout_s)
+        return value
+
+    def _failure(self, name: str, e: BaseException) -> tuple[str, bool]:
+        if isinstance(e, TimeoutError):
+            return f"reward {name}: timed out after {self.timeout_s:g}s", True
+        return f"reward {name}: {type(e).__name__}: {e}", False
 
     async def score_many(self, items: list[tuple[str, str, dict]]) -> list[Scored]:
         """Score ``(prompt, completion, metadata)`` items; failures are per sample."""
         parts: list[dict[str, float]] = [{} for _ in items]
         failed: list[str | None] = [None] * len(items)
+        timed_out = [False] * len(items)
+
+        async def one(i: int, name: str, fn: Callable) -> None:
+            try:   # a user reward function may raise anything: that sample fails, we go on
+                parts[i].update(_as_parts(name, await self._call(fn, *items[i])))
+            except Exception as e:
+                failed[i], timed_out[i] = self._failure(name, e)
+
         for name, fn in self.fns:
-            if getattr(fn, "batched", False):
-                try:
-                    values = await asyncio.to_thread(fn.score_batch, *map(list, zip(*items)))
-                except Exception as e:  # the whole batch failed: every sample says why
-                    for i in range(len(items)):
-                        failed[i] = failed[i] or f"reward {name}: {type(e).__name__}: {e}"
-                    continue
-                for i, v in enumerate(values):
-                    try:
-                        parts[i].update(_as_parts(name, v))
-                    except Exception as e:
-                        failed[i] = failed[i] or f"reward {name}: {type(e).__name__}: {e}"
+            live = [i for i in range(len(items)) if not failed[i]]
+            if not live:
+                break
+            if not getattr(fn, "batched", False):
+                await asyncio.gather(*(one(i, name, fn) for i in live))
                 continue
-            for i, (p, c, m) in enumerate(items):
-                if failed[i]:
-                    continue
-                try:   # a user reward function may raise anything: that sample fails, we go on
-                    parts[i].update(await self._one(name, fn, p, c, m))
+            columns = [list(c) for c in zip(*(items[i] for i in live))]
+            try:
+                values = await self._call(fn.score_batch, *columns)
+            except Exception as e:  # the whole batch failed: every sample says why
+                reason, slow = self._failure(name, e)
+                for i in live:
+                    failed[i], timed_out[i] = reason, slow
+                continue
+            for i, v in zip(live, values):
+                try:
+                    parts[i].update(_as_parts(name, v))
                 except Exception as e:
-                    failed[i] = f"reward {name}: {type(e).__name__}: {e}"
+                    failed[i], timed_out[i] = self._failure(name, e)
         out = []
         for i in range(len(items)):
             if failed[i]:
-                out.append(Scored(failed=failed[i], parts={}))
+                out.append(Scored(failed=failed[i], parts={}, timed_out=timed_out[i]))
             else:
                 total = sum(self.weights.get(k, 1.0) * v for k, v in parts[i].items())
                 out.append(Scored(total=total, parts=parts[i]))
         return out
 
-
-async def score(fn: Callable, prompt: str, completion: str, metadata: dict) -> tuple[float, dict[str, float]]:
-    """Call one reward function; returns (total, parts). Raises ValueError for a bad return value."""
-    value = fn(prompt, completion, metadata)
-    if inspect.isawaitable(value):
-        value = await value
-    parts = _as_parts("reward", value)
-    return sum(parts.values()), parts
+    def close(self) -> None:
+        self.pool.close()

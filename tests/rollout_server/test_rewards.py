@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 import types
 
 import pytest
 import torch
+from fake_learner import wait_until
 
 from rollout_server.config import RewardOptions, RolloutConfig
 from rollout_server.rewards import Rewarder, RewardModelScorer, exact_numeric, load_reward
@@ -156,3 +158,42 @@ def test_rm_refuses_tokenizer_mismatch(rm_dir, tmp_path):
         RewardModelScorer(no_template, probe_text=PROBE, chat_template="always")
     plain = RewardModelScorer(no_template, probe_text=PROBE)
     assert not plain.use_template and plain.text("q", "c") == "qc"
+
+
+# ---- where rewards run -------------------------------------------------------------------------
+
+async def test_sync_rewards_run_in_a_bounded_pool_builtins_inline():
+    import threading
+
+    loop_thread = threading.current_thread()
+    lock = threading.Lock()
+    seen = {"threads": set(), "running": 0, "most": 0}
+    gate = threading.Event()
+
+    def user(prompt, completion, metadata):
+        with lock:
+            seen["threads"].add(threading.current_thread().name)
+            seen["running"] += 1
+            seen["most"] = max(seen["most"], seen["running"])
+        gate.wait(10)
+        with lock:
+            seen["running"] -= 1
+        return 1.0
+
+    mod = types.ModuleType("slipstream_pool_rewards")
+    mod.user = user
+    sys.modules[mod.__name__] = mod
+    try:
+        r = Rewarder([f"{mod.__name__}:user", "builtin:exact_numeric"], threads=2, timeout_s=30)
+        assert getattr(r.fns[1][1], "inline", False) and not getattr(r.fns[0][1], "inline", False)
+        task = asyncio.ensure_future(r.score_many([("q", "#### 3", {"answer": "3"})] * 5))
+        # Both workers busy (set by their threads), and the loop is still free to notice.
+        await wait_until(lambda: seen["running"] == 2, timeout_s=30, what="two rewards running")
+        gate.set()
+        out = await asyncio.wait_for(task, 30)
+        assert [s.total for s in out] == [2.0] * 5
+        assert seen["most"] == 2 and len(seen["threads"]) == 2
+        assert loop_thread.name not in seen["threads"]
+        r.close()
+    finally:
+        del sys.modules[mod.__name__]
