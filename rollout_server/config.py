@@ -100,8 +100,32 @@ class RolloutConfig(BaseModel):
     """Wait this long after work arrives for more to join the same generate call (batching)."""
     ack_timeout_s: float = Field(30.0, gt=0)
     """Seconds to wait for an Ack before re-sending a result."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    """Seconds between Heartbeats to the learner (also the ZeroMQ ping interval on that link)."""
+    learner_timeout_s: float = Field(10.0, gt=0)
+    """The learner counts as lost (/healthz 503, connected: false) when its link is down, or when
+    it has sent nothing for this long once it is known to answer heartbeats."""
+    drain_disconnected_s: float = Field(2.0, ge=0)
+    """On SIGTERM: stop waiting for acks once the learner link has been down this long."""
     weights_wait_s: float = Field(10.0, ge=0)
     """Before starting new work, wait up to this long for announced newer weights to be applied."""
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    """A weights fetch fails (counted, old weights kept) when no chunk arrives for this long."""
+    chunk_window: int = Field(4, ge=1)
+    """Weight chunk requests in flight at once during a fetch."""
+    chunk_retries: int = Field(3, ge=1)
+    """Requests per chunk (a corrupted or wrong reply is fetched again) before the fetch fails."""
+    max_weights_bytes: int = Field(0, ge=0)
+    """Largest weights version accepted, in bytes; a bigger manifest is refused before anything is
+    allocated (0 = twice the size of the model's weight files)."""
+    max_new_tokens_limit: int = Field(4096, ge=1)
+    """Longest completion this server generates; an assignment asking for more is refused."""
+    max_prompt_tokens: int = Field(8192, ge=1)
+    """Longest prompt this server accepts; an assignment with a longer one is refused."""
+    reward_threads: int = Field(4, ge=1)
+    """Worker threads for synchronous reward functions (they never run on the event loop)."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Seconds one reward call may take; a slower one marks its sample failed (counted)."""
     seed: int = 0
     """Sampling seed (offset by the server's index in `slipstream run`)."""
     threads: int = Field(0, ge=0)

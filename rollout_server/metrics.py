@@ -1,18 +1,47 @@
 """Prometheus metrics of a rollout server (names ``slipstream_rollout_*`` + the shared version).
 
-The HTTP endpoint is a small WSGI app in a daemon thread: ``/healthz`` answers JSON (200 while the
-server is connected and serving, 503 otherwise), every other path the Prometheus text format.
+Served by :class:`protocol.http.HttpEndpoint` (``/metrics`` and ``/healthz``) through
+:meth:`RolloutMetrics.render`. The registry also re-exports the process-wide default registry, so
+vLLM's ``vllm:*`` metrics and prometheus-client's ``process_*`` ones stay reachable.
+
+``slipstream_rollout_errors_total{kind}`` counts every refusal and failure, one bounded label:
+
+======================== =========================================================================
+kind                     counted when
+======================== =========================================================================
+reward                   a reward function raised or returned a non-finite value (sample failed)
+reward_timeout           a reward call took longer than ``reward_timeout_s`` (sample failed)
+generate                 the engine raised for a batch (its samples are reported failed)
+assignment_group_size    an assignment wants more completions than ``max_concurrency``
+assignment_over_credit   an assignment beyond the credits this server granted
+assignment_max_new_tokens  ``sampling.max_new_tokens`` above ``max_new_tokens_limit``
+assignment_prompt        an empty or too long prompt, or token ids outside the vocabulary
+unknown_ack              an Ack naming a sample this server never sent (or not a sample id)
+unexpected_message       a message type the learner should not send to a server
+weights_manifest         a manifest refused (too large, no weights endpoint, chunks too big)
+weights_version          a manifest older than the version served or announced
+weights_chunk            a chunk reply that is not the chunk asked for (index, version, size)
+weights_checksum         a chunk whose bytes fail their checksum (fetched again)
+weights_timeout          no chunk within ``chunk_timeout_s`` (the fetch fails)
+weights                  a fetch that failed for another reason, or an update the engine refused
+======================== =========================================================================
+
+Messages that do not decode at all are ``slipstream_protocol_errors_total``.
 """
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Callable
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+import protocol
 
 
 class _Forward:
@@ -25,30 +54,6 @@ class _Forward:
 
     def collect(self):
         yield from self.registry.collect()
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - no access log on stderr
-        pass
-
-
-def health_app(metrics_app, health: Callable[[], tuple[bool, dict]] | None):
-    """``/healthz`` -> ``health()`` as JSON (200 ok / 503 not ok); anything else -> metrics."""
-
-    def app(environ, start_response):
-        if environ.get("PATH_INFO") == "/healthz":
-            ok, info = health() if health else (True, {})
-            body = json.dumps({"ok": ok, **info}).encode()
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            return [body]
-        return metrics_app(environ, start_response)
-
-    return app
 
 
 class RolloutMetrics:
@@ -71,27 +76,32 @@ class RolloutMetrics:
             registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.reward = Histogram("slipstream_rollout_reward", "Total reward per sample", registry=r,
                                 buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5))
-        self.errors = Counter("slipstream_rollout_errors", "Errors by kind", ["kind"], registry=r)
+        self.errors = Counter("slipstream_rollout_errors", "Refusals and failures by kind", ["kind"],
+                              registry=r)
         self.protocol_errors = Counter("slipstream_protocol_errors",
                                        "Messages refused with ProtocolError", registry=r)
         self.send_retries = Counter("slipstream_rollout_send_retries",
                                     "Results re-sent because no ack arrived", registry=r)
         self.reconnects = Counter("slipstream_rollout_reconnects",
-                                  "Hellos repeated because the learner did not know this server",
+                                  "Hellos repeated (learner restarted or link re-established)",
                                   registry=r)
+        self.acks = Counter("slipstream_rollout_acks", "Acknowledged samples by status", ["status"],
+                            registry=r)
+        for status in protocol.ACK_STATUSES:
+            self.acks.labels(status=status)
+        self.learner_connected = Gauge("slipstream_rollout_learner_connected",
+                                       "1 while the learner link is up and welcomed (as /healthz)",
+                                       registry=r)
         r.register(_Forward(REGISTRY))
-        self._server: WSGIServer | None = None
 
-    def serve(self, host: str, port: int, health: Callable[[], tuple[bool, dict]] | None = None) -> int:
-        """Start the /metrics + /healthz HTTP endpoint in a daemon thread; returns the bound port."""
-        app = health_app(make_wsgi_app(self.registry), health)
-        self._server = make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)
-        threading.Thread(target=self._server.serve_forever, daemon=True,
-                         name="rollout-metrics").start()
-        return self._server.server_port
+    def count(self, kind: str, n: int = 1) -> None:
+        """``slipstream_rollout_errors_total{kind}`` += n (kinds: the module docstring)."""
+        self.errors.labels(kind=kind).inc(n)
 
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+    def error_count(self, kind: str) -> float:
+        """Current value of one error kind (0 when never counted)."""
+        return self.registry.get_sample_value("slipstream_rollout_errors_total", {"kind": kind}) or 0.0
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus exposition for :class:`protocol.http.HttpEndpoint`."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

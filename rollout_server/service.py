@@ -1,102 +1,157 @@
-"""The rollout server process: ask for work, generate, score, stream results, apply new weights.
+"""The rollout server process: sockets and loops around three components.
+
+* :class:`rollout_server.pipeline.Pipeline`: assignment -> engine -> samples -> rewards;
+* :class:`rollout_server.outbox.Outbox`: results until acknowledged, re-sent after reconnects;
+* :class:`rollout_server.receiver.WeightsReceiver`: fetch, verify, apply, report new weights.
+
+This module owns the learner link, the credits, health and shutdown; each component is handed the
+few functions it needs (a send, a clock, the engine's generate) and is tested without sockets.
 
 Delivery (DESIGN.md §6): the server is a DEALER connected to the learner's ROUTER. It grants
 *credits* (free generation slots, counted in samples) with ``WorkRequest``; the learner answers
-with ``Assignment`` leases. Every ``RolloutResult`` stays in ``unacked`` until the learner's
-``Ack`` names its samples; results are re-sent after ``ack_timeout_s`` and after every
-(re)connect (``Welcome``), and the learner de-duplicates by sample id — so nothing is lost and
-nothing is trained twice. A learner that does not know this server (it restarted) answers a
-heartbeat with ``Error(code="unknown_server")`` and the server says Hello again.
+with ``Assignment`` leases. On each ``Welcome`` the server grants every free slot
+(``max_concurrency`` minus the samples it holds) and re-sends every unacknowledged result; after
+that, the credits of each finished batch. Credits are held back while the outbox holds more than
+``UNACKED_CREDIT_FACTOR x max_concurrency`` samples (a learner that never acks cannot make this
+server buffer without bound); the next Ack releases them.
 
-Weights: on ``WeightsAvailable`` a separate DEALER fetches the chunks from the learner's weights
-socket, verifies every checksum (a corrupted chunk is fetched again), and the engine applies the
-tensors between generate calls. Only then does the server report ``WeightsApplied`` and tag new
-tokens with the new version: a server never reports a version it has not applied.
+Hello: sent at start, after the link comes back (socket monitor: DISCONNECTED, then CONNECTED),
+and when the learner answers ``Error(code="unknown_server")`` (it restarted). Only one Hello is
+outstanding at a time: further ``unknown_server`` answers (to heartbeats queued while the learner
+was away) are ignored until its Welcome, or until ``learner_timeout_s`` passes with the link up.
+Only the first Welcome after a Hello counts; another one changes nothing (no second grant).
 
-Reconnects: the DEALER reconnects by itself with exponential backoff (``RECONNECT_IVL`` doubling up
-to ``RECONNECT_IVL_MAX``); messages sent while the learner is away wait in the socket's queue. A
-restarted learner answers the first heartbeat with ``unknown_server``; Hello -> Welcome then
-re-sends every unacknowledged result.
+Hostile input: every message from the learner is decoded and validated by ``protocol``; what does
+not decode is counted (``slipstream_protocol_errors_total``) and answered with
+``Error(code="protocol_error")``. What decodes but cannot be honoured is refused and counted in
+``slipstream_rollout_errors_total{kind}`` (kinds: :mod:`rollout_server.metrics`): an assignment is
+answered with ``Error(code="assignment_refused", ref_id=<its message id>)``; its lease expires on
+the learner and is re-issued (or released at once by a learner that reads the Error).
+
+Health (``/healthz``): 200 while welcomed, the link is up and not stopping. ZeroMQ heartbeats
+(``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT``, answered by the learner's libzmq) take the link down within
+``learner_timeout_s`` even when no TCP reset arrives. A learner that sends Heartbeats back is
+also required to have sent something within ``learner_timeout_s``.
 
 Shutdown (SIGTERM/SIGINT): stop asking for work, finish every queued and generating assignment
 (there is no "return lease" message; finishing is as good and loses nothing), wait for the acks of
 all results — bounded by ``drain_timeout_s``; leases not finished by then expire on the learner and
 are re-issued — then close the engine and exit 0. Acks cannot come from a learner that said
-``learner_finished`` or whose connection is down for ``DRAIN_DISCONNECTED_S`` (a socket monitor
-watches it): then the server stops waiting at once. A second signal skips the wait.
+``learner_finished`` or whose link is down for ``drain_disconnected_s``: then the server stops
+waiting at once. A second signal skips the wait.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 import protocol
-from ops.tensor_bytes import unflatten_tensors
-from protocol.weights import chunk_checksum, combine_checksums
+from protocol.codec import MAX_BODY_BYTES, MAX_HEADER_BYTES
+from protocol.http import HttpEndpoint
+from protocol.process import EventLog, cancel_all, supervise
+from protocol.sockets import check_endpoint, make_socket
 from rollout_server.config import RolloutConfig
-from rollout_server.engine import GenRequest, WeightUpdate
+from rollout_server.engine import Engine
 from rollout_server.engines import create_engine
 from rollout_server.metrics import RolloutMetrics
+from rollout_server.outbox import Outbox
+from rollout_server.pipeline import Limits, Pipeline, Refused
+from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
 from rollout_server.rewards import Rewarder
+from rollout_server.weights import default_weights_limit
 
-HEARTBEAT_S = 2.0
-CHUNK_TIMEOUT_S = 30.0
-CHUNK_WINDOW = 4
-CHUNK_RETRIES = 3
-DRAIN_DISCONNECTED_S = 2.0
-
-
-def log(event: str, **fields) -> None:
-    """One JSON line per event on stdout (the launcher and log collectors read these)."""
-    print(json.dumps({"proc": "rollout", "event": event, **fields}), flush=True)
-
-
-@dataclass
-class _Pending:
-    frames: list
-    sample_ids: list[str]
-    sent_at: float
+LEARNER_MAX_FRAME_BYTES = MAX_BODY_BYTES + MAX_HEADER_BYTES   # the largest frame the codec accepts
+UNACKED_CREDIT_FACTOR = 4
 
 
 class RolloutService:
+    """One rollout server. The constructor checks the config, binds ``/metrics`` and then loads
+    the model (so a taken port or a bad endpoint fails in a second, not after a model load);
+    :meth:`run` connects to the learner and serves until stopped."""
+
     def __init__(self, cfg: RolloutConfig, model_path: str):
         self.cfg = cfg
+        check_endpoint(cfg.learner, "rollout.learner")
         self.server_id = cfg.server_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options)
-        if cfg.threads:
-            import torch
-            torch.set_num_threads(cfg.threads)
-        self.engine = create_engine(cfg, model_path)
-        self.model_name = os.path.basename(os.path.normpath(model_path))
+        self.engine: Engine | None = None
+        self.run_id: str | None = None
         self.metrics = RolloutMetrics()
-        self.queue: list[protocol.Assignment] = []
-        self.queue_event = asyncio.Event()
-        self.assigned_samples = 0          # queued + generating (credits the learner has used)
-        self.unacked: dict[str, _Pending] = {}
+        self.log = EventLog("rollout", run_id=lambda: self.run_id,
+                            version=lambda: self.engine.version if self.engine is not None else None)
+        self.clock = time.monotonic
         self.stopping = asyncio.Event()
         self.abort = asyncio.Event()          # a second signal: do not wait for the drain
         self.progress = asyncio.Event()       # set whenever generation finishes or an ack arrives
-        self.generating = False
-        self.learner_finished = False
-        self.disconnected_since: float | None = None   # None while the learner connection is up
         self.welcomed = asyncio.Event()
-        self.weights_endpoint: str | None = None
-        self.latest_manifest: protocol.WeightsAvailable | None = None
-        self.weights_event = asyncio.Event()
-        self.weights_applied = asyncio.Event()
-        self.send_lock = asyncio.Lock()
+        self.hello_sent_at: float | None = None    # a Hello not yet answered by a Welcome
+        self.learner_finished = False
+        self.link_up = False                  # the socket monitor's view of the learner link
+        self.link_down_since: float | None = None
+        self.had_link = False
+        self.last_learner_message: float | None = None
+        self.learner_echoes = False           # the learner sends Heartbeats (then silence is loss)
+        self.withheld = 0                     # credits not granted yet (outbox full, see docstring)
+        self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
+                                 threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
+        self.http = HttpEndpoint(self.metrics.render, self.health)
+        try:
+            port = self._serve_metrics()
+            self.metrics_url = f"http://{cfg.metrics_host}:{port}"
+            if cfg.threads:
+                import torch
+                torch.set_num_threads(cfg.threads)
+            self.engine = create_engine(cfg, model_path)
+        except BaseException:
+            self.http.close()
+            self.rewarder.close()
+            raise
+        self.model_name = os.path.basename(os.path.normpath(model_path))
+        self.metrics.policy_version.set(self.engine.version)
+        self.metrics.learner_connected.set_function(lambda: float(self.connected()))
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
+        self.send_lock = asyncio.Lock()
+        self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
+                             on_change=self.progress.set)
+        self.pipeline = Pipeline(
+            server_id=self.server_id,
+            limits=Limits(max_concurrency=cfg.max_concurrency, max_new_tokens=cfg.max_new_tokens_limit,
+                          max_prompt_tokens=cfg.max_prompt_tokens, vocab_size=self.engine.vocab_size,
+                          max_model_len=self.engine.max_model_len),
+            generate=self.engine.generate, decode=self.engine.decode,
+            score=self.rewarder.score_many, emit=self.outbox.put, release=self.release,
+            before_batch=lambda: self.receiver.wait_settled(cfg.weights_wait_s),
+            metrics=self.metrics, log=self.log, on_change=self.progress.set,
+            batch_wait_s=cfg.batch_wait_s, clock=self.clock)
+        self.receiver = WeightsReceiver(
+            connect=lambda endpoint, max_bytes: ZmqChunkChannel(self.ctx, endpoint, max_bytes),
+            apply=self.engine.update_weights, report=self.send, version=lambda: self.engine.version,
+            server_id=self.server_id, metrics=self.metrics, log=self.log,
+            max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
+            chunk_timeout_s=cfg.chunk_timeout_s, chunk_window=cfg.chunk_window,
+            chunk_retries=cfg.chunk_retries, clock=self.clock)
+
+    def _serve_metrics(self) -> int:
+        """Bind /metrics. The default port, when taken (a second server on this machine), gives
+        way to a free one, said in an event; a port the user chose is a StartupError."""
+        cfg, what = self.cfg, "rollout.metrics_port"
+        try:
+            return self.http.serve(cfg.metrics_host, cfg.metrics_port, what)
+        except protocol.StartupError:
+            if "metrics_port" in cfg.model_fields_set or cfg.metrics_port == 0:
+                raise
+        port = self.http.serve(cfg.metrics_host, 0, what)
+        self.log("metrics_port_in_use", wanted=cfg.metrics_port, port=port,
+                 hint=f"the default port is taken; serving on {port} (set {what} to choose)")
+        return port
 
     # ---- transport -------------------------------------------------------------------------
     async def send(self, message: protocol.Message) -> None:
@@ -106,50 +161,59 @@ class RolloutService:
         async with self.send_lock:
             await self.sock.send_multipart(frames, copy=False)
 
+    def _learner_socket(self) -> zmq.asyncio.Socket:
+        cfg = self.cfg
+        sock = make_socket(self.ctx, zmq.DEALER, max_message_bytes=LEARNER_MAX_FRAME_BYTES,
+                           identity=self.server_id.encode())
+        sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.reconnect_ivl_s * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_ivl_max_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.heartbeat_interval_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(cfg.learner_timeout_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(cfg.learner_timeout_s * 1000)))
+        return sock
+
     # ---- main ------------------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_signal)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, f"{self.server_id}".encode())
-        self.sock.setsockopt(zmq.RECONNECT_IVL, int(self.cfg.reconnect_ivl_s * 1000))
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_ivl_max_s * 1000))
+        self.sock = self._learner_socket()
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.sock.connect(self.cfg.learner)
-        self.metrics.policy_version.set(self.engine.version)
-        port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port, self.health)
-        self.metrics_url = f"http://{self.cfg.metrics_host}:{port}"
-        log("ready", server_id=self.server_id, learner=self.cfg.learner,
-            metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
-        await self.say_hello()
-        tasks = [asyncio.create_task(c) for c in
-                 (self.recv_loop(), self.generate_loop(), self.heartbeat_loop(), self.weights_loop(),
-                  self.monitor_loop(monitor))]
-        stop = asyncio.create_task(self.stopping.wait())
+        self.log("ready", server_id=self.server_id, learner=self.cfg.learner,
+                 metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
+        tasks = []
         try:
-            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not stop and t.exception():
-                    log("crashed", error=repr(t.exception()))
-                    raise t.exception()
-            log("stopping", unacked=len(self.unacked), queued=len(self.queue),
-                assigned=self.assigned_samples)
+            await self.say_hello()
+            tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+                ("recv", self.recv_loop()), ("pipeline", self.pipeline.run()),
+                ("heartbeat", self.heartbeat_loop()), ("weights", self.receiver.run()),
+                ("monitor", self.monitor_loop(monitor)))]
+            _, error = await supervise(tasks, self.stopping, self.log)
+            if error is not None:
+                raise error
+            self.log("stopping", unacked=len(self.outbox), queued=len(self.pipeline.queue),
+                     assigned=self.pipeline.assigned)
             drained = await self.drain(tasks)
-            log("drained", ok=drained, unacked=len(self.unacked), assigned=self.assigned_samples)
+            self.log("drained", ok=drained, unacked=len(self.outbox), assigned=self.pipeline.assigned)
         finally:
-            for t in [stop, *tasks]:
-                t.cancel()
-            await asyncio.gather(stop, *tasks, return_exceptions=True)
-            await self.engine.close()
-            self.metrics.close()
+            await cancel_all(tasks)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
             self.sock.disable_monitor()
             monitor.close(0)
             self.sock.close(0)
-            self.ctx.term()
-        log("stopped")
+            await self.close()
+        self.log("stopped")
         return 0
+
+    async def close(self) -> None:
+        """Release the engine, the HTTP endpoint, the reward threads and the ZeroMQ context
+        (:meth:`run` does this on its way out; call it for a service that never ran)."""
+        await self.engine.close()
+        self.http.close()
+        self.rewarder.close()
+        self.ctx.term()
 
     def on_signal(self) -> None:
         if self.stopping.is_set():
@@ -157,12 +221,69 @@ class RolloutService:
         self.stopping.set()
 
     def busy(self) -> bool:
-        return bool(self.assigned_samples or self.unacked)
+        return bool(self.pipeline.assigned or len(self.outbox))
 
     def learner_gone(self) -> bool:
-        """No ack can come: the run finished, or the connection has been down a while."""
-        return self.learner_finished or (self.disconnected_since is not None and
-                                         time.monotonic() - self.disconnected_since > DRAIN_DISCONNECTED_S)
+        """No ack can come: the run finished, or the link has been down a while."""
+        return self.learner_finished or (
+            self.link_down_since is not None
+            and self.clock() - self.link_down_since > self.cfg.drain_disconnected_s)
+
+    async def drain(self, tasks: list[asyncio.Task]) -> bool:
+        """Finish queued and generating work and wait for its acks, up to ``drain_timeout_s``."""
+        deadline = self.clock() + self.cfg.drain_timeout_s
+        while (self.busy() and not self.abort.is_set() and not self.learner_gone()
+               and self.clock() < deadline):
+            if any(t.done() for t in tasks):          # a loop crashed: nothing more will finish
+                return False
+            self.progress.clear()
+            waiters = [asyncio.create_task(e.wait()) for e in (self.progress, self.abort)]
+            # Bounded: the link-down time is checked by polling learner_gone() at least this often.
+            await asyncio.wait(waiters, timeout=min(0.5, max(0.0, deadline - self.clock())),
+                               return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+        return not self.busy()
+
+    # ---- learner link ----------------------------------------------------------------------
+    def connected(self) -> bool:
+        """Welcomed, link up, and — for a learner that answers heartbeats — heard from lately."""
+        if not (self.welcomed.is_set() and self.link_up):
+            return False
+        if not self.learner_echoes:
+            return True
+        last = self.last_learner_message
+        return last is not None and self.clock() - last <= self.cfg.learner_timeout_s
+
+    def health(self) -> tuple[bool, dict]:
+        """/healthz: 200 while connected and serving; 503 before the Welcome, once the learner is
+        lost (see :meth:`connected`), and once stopping."""
+        connected = self.connected()
+        last = self.last_learner_message
+        info = {"server_id": self.server_id, "run_id": self.run_id,
+                "version": self.engine.version if self.engine is not None else None,
+                "connected": connected, "link_up": self.link_up, "stopping": self.stopping.is_set(),
+                "last_learner_message_s": None if last is None else round(self.clock() - last, 3),
+                "assigned_samples": self.pipeline.assigned if self.engine is not None else 0,
+                "unacked_results": len(self.outbox) if self.engine is not None else 0}
+        return connected and not self.stopping.is_set(), info
+
+    async def say_hello(self) -> None:
+        self.welcomed.clear()
+        self.hello_sent_at = self.clock()
+        await self.send(protocol.Hello(server_id=self.server_id, engine=self.engine.name,
+                                       model=self.model_name, version=self.engine.version,
+                                       max_concurrency=self.cfg.max_concurrency))
+
+    def hello_outstanding(self) -> bool:
+        """A Hello is waiting for its Welcome, and not for longer than ``learner_timeout_s``."""
+        return (self.hello_sent_at is not None
+                and self.clock() - self.hello_sent_at < self.cfg.learner_timeout_s)
+
+    async def rehello(self, reason: str) -> None:
+        self.metrics.reconnects.inc()
+        self.log("rehello", reason=reason)
+        await self.say_hello()
 
     async def monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -170,268 +291,100 @@ class RolloutService:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
-                self.disconnected_since = None
-            elif event == zmq.EVENT_DISCONNECTED:
-                self.disconnected_since = time.monotonic()
-                log("disconnected", learner=self.cfg.learner)
+                again = self.had_link and not self.link_up
+                self.link_up, self.had_link, self.link_down_since = True, True, None
+                if again:
+                    await self.rehello("link re-established")
+            elif event == zmq.EVENT_DISCONNECTED and self.link_up:
+                self.link_up, self.link_down_since = False, self.clock()
+                self.log("disconnected", learner=self.cfg.learner)
             self.progress.set()
 
-    async def drain(self, tasks: list[asyncio.Task]) -> bool:
-        """Finish queued and generating work and wait for its acks, up to ``drain_timeout_s``."""
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while (self.busy() and not self.abort.is_set() and not self.learner_gone()
-               and time.monotonic() < deadline):
-            if any(t.done() for t in tasks):          # a loop crashed: nothing more will finish
-                return False
-            self.progress.clear()
-            waiters = [asyncio.create_task(e.wait()) for e in (self.progress, self.abort)]
-            await asyncio.wait(waiters, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
-                               return_when=asyncio.FIRST_COMPLETED)
-            for w in waiters:
-                w.cancel()
-        return not self.busy()
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)      # a period, not a sync point
+            await self.send(protocol.Heartbeat(sender_id=self.server_id, version=self.engine.version,
+                                               inflight=self.pipeline.assigned))
+            await self.outbox.resend_due()
+            if self.hello_sent_at is not None and self.link_up and not self.hello_outstanding():
+                await self.rehello("no Welcome within learner_timeout_s")
 
-    def health(self) -> tuple[bool, dict]:
-        """/healthz: 200 while serving, 503 once stopping (or before the learner welcomed us)."""
-        info = {"server_id": self.server_id, "version": self.engine.version,
-                "connected": self.welcomed.is_set(), "stopping": self.stopping.is_set(),
-                "assigned_samples": self.assigned_samples, "unacked_results": len(self.unacked)}
-        return self.welcomed.is_set() and not self.stopping.is_set(), info
+    async def release(self, n: int) -> None:
+        """Credits of finished work go back to the learner (unless stopping or not welcomed:
+        the next Welcome grants every free slot)."""
+        if self.stopping.is_set() or not self.welcomed.is_set():
+            return
+        self.withheld += n
+        await self.grant()
 
-    async def say_hello(self) -> None:
-        self.welcomed.clear()
-        await self.send(protocol.Hello(server_id=self.server_id, engine=self.engine.name,
-                                       model=self.model_name, version=self.engine.version,
-                                       max_concurrency=self.cfg.max_concurrency))
+    async def grant(self) -> None:
+        if self.withheld and self.outbox.samples < UNACKED_CREDIT_FACTOR * self.cfg.max_concurrency:
+            n, self.withheld = self.withheld, 0
+            await self.send(protocol.WorkRequest(server_id=self.server_id, credits=n))
 
+    # ---- messages from the learner ---------------------------------------------------------
     async def recv_loop(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=True)
+            self.last_learner_message = self.clock()
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as e:
                 self.metrics.protocol_errors.inc()
-                log("protocol_error", error=str(e))
+                self.log("protocol_error", error=str(e)[:500])
+                await self.send(protocol.Error(code="protocol_error", message=str(e)[:1000],
+                                               ref_id=protocol.message_id(frames)))
                 continue
-            await self.handle(msg)
+            await self.handle(msg, frames)
 
-    async def handle(self, msg: protocol.Message) -> None:
-        if isinstance(msg, protocol.Welcome):
-            host = self.cfg.learner.rsplit(":", 1)[0]
-            self.weights_endpoint = f"{host}:{msg.metadata['weights_port']}"
-            log("welcome", run_id=msg.run_id, learner_version=msg.version, version=self.engine.version)
-            self.welcomed.set()
-            credits = self.cfg.max_concurrency - self.assigned_samples
-            if credits > 0 and not self.stopping.is_set():
-                await self.send(protocol.WorkRequest(server_id=self.server_id, credits=credits))
-            for pending in list(self.unacked.values()):       # re-send after (re)connect
-                self.metrics.send_retries.inc()
-                pending.sent_at = time.monotonic()
-                await self.send_frames(pending.frames)
-        elif isinstance(msg, protocol.Assignment):
-            self.queue.append(msg)
-            self.assigned_samples += msg.group_size
-            self.queue_event.set()
+    async def handle(self, msg: protocol.Message, frames: list) -> None:
+        if isinstance(msg, protocol.Assignment):
+            try:
+                self.pipeline.admit(msg)
+            except Refused as r:
+                self.metrics.count(r.kind)
+                self.log("assignment_refused", assignment_id=msg.assignment_id[:200], kind=r.kind,
+                         reason=str(r))
+                await self.send(protocol.Error(
+                    code="assignment_refused", ref_id=protocol.message_id(frames),
+                    message=f"assignment {msg.assignment_id[:200]!r} refused: {r}"))
+                return
+            self.metrics.requests_inflight.set(self.pipeline.assigned + self.outbox.samples)
         elif isinstance(msg, protocol.Ack):
-            for sid in msg.sample_ids:
-                key = sid.rpartition("/")[0]            # sample ids are "<assignment_id>/<index>"
-                pending = self.unacked.get(key)
-                if pending is not None and sid in pending.sample_ids:
-                    pending.sample_ids.remove(sid)
-                    if not pending.sample_ids:
-                        del self.unacked[key]
-            self.metrics.requests_inflight.set(self.assigned_samples + len(self.unacked))
-            self.progress.set()
+            self.outbox.ack(msg)
+            self.metrics.requests_inflight.set(self.pipeline.assigned + self.outbox.samples)
+            await self.grant()
         elif isinstance(msg, protocol.WeightsAvailable):
-            if msg.version > self.engine.version and (
-                    self.latest_manifest is None or msg.version > self.latest_manifest.version):
-                self.latest_manifest = msg
-                self.weights_event.set()
+            self.receiver.offer(msg)
+        elif isinstance(msg, protocol.Heartbeat):
+            self.learner_echoes = True
+        elif isinstance(msg, protocol.Welcome):
+            await self.on_welcome(msg)
         elif isinstance(msg, protocol.Error):
             if msg.code == "unknown_server":
-                self.metrics.reconnects.inc()
-                log("rehello", reason=msg.message)
-                await self.say_hello()
+                if not self.hello_outstanding():
+                    await self.rehello(msg.message[:200])
             else:
                 if msg.code == "learner_finished":
                     self.learner_finished = True
                     self.progress.set()
-                log("learner_error", code=msg.code, message=msg.message)
+                self.log("learner_error", code=msg.code[:100], message=msg.message[:500])
         else:
-            log("unexpected_message", type=type(msg).TYPE)
+            self.metrics.count("unexpected_message")
+            self.log("unexpected_message", type=type(msg).TYPE)
 
-    async def heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            await self.send(protocol.Heartbeat(sender_id=self.server_id, version=self.engine.version,
-                                               inflight=self.assigned_samples))
-            now = time.monotonic()
-            for pending in list(self.unacked.values()):
-                if now - pending.sent_at > self.cfg.ack_timeout_s:
-                    self.metrics.send_retries.inc()
-                    pending.sent_at = now
-                    await self.send_frames(pending.frames)
-
-    # ---- generation ------------------------------------------------------------------------
-    async def generate_loop(self) -> None:
-        """Queued assignments go to the engine together: one generate call per batch. Keeps going
-        while stopping (the drain finishes leases already granted)."""
-        while True:
-            await self.queue_event.wait()
-            if self.cfg.batch_wait_s:
-                await asyncio.sleep(self.cfg.batch_wait_s)   # let assignments sent together arrive
-            batch, self.queue = self.queue, []
-            self.queue_event.clear()
-            if not batch:
-                continue
-            await self._wait_for_pending_weights()
-            requests = [self._request(a) for a in batch]
-            start = time.monotonic()
-            self.generating = True
-            try:
-                groups = await self.engine.generate(requests)
-            finally:
-                self.generating = False
-            gen_s = time.monotonic() - start
-            self.metrics.generation_seconds.observe(gen_s)
-            for a, completions in zip(batch, groups):
-                samples = await self._make_samples(a, completions, gen_s)
-                frames = protocol.encode(protocol.RolloutResult(server_id=self.server_id, samples=samples))
-                self.unacked[a.assignment_id] = _Pending(frames, [s.sample_id for s in samples],
-                                                         time.monotonic())
-                await self.send_frames(frames)
-            done = sum(a.group_size for a in batch)
-            self.assigned_samples -= done
-            self.metrics.requests_inflight.set(self.assigned_samples + len(self.unacked))
-            self.progress.set()
-            if not self.stopping.is_set():
-                await self.send(protocol.WorkRequest(server_id=self.server_id, credits=done))
-
-    async def _wait_for_pending_weights(self) -> None:
-        """Newer weights announced? Let them land before starting new work (bounded wait), so
-        fresh assignments are not generated on a version the learner has already left behind."""
-        deadline = time.monotonic() + self.cfg.weights_wait_s
-        while (self.latest_manifest is not None and self.latest_manifest.version > self.engine.version
-               and time.monotonic() < deadline):
-            self.weights_applied.clear()
-            try:
-                await asyncio.wait_for(self.weights_applied.wait(), deadline - time.monotonic())
-            except TimeoutError:
-                return
-
-    def _request(self, a: protocol.Assignment) -> GenRequest:
-        s = a.sampling
-        return GenRequest(prompt_token_ids=a.prompt_token_ids, n=a.group_size,
-                          temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
-                          top_k=int(s.get("top_k", 0)), max_new_tokens=int(s.get("max_new_tokens", 16)))
-
-    async def _make_samples(self, a: protocol.Assignment, completions: list, gen_s: float) -> list:
-        """Decode and score one group (batched rewards see the whole group at once)."""
-        texts = [self.engine.decode(c.token_ids) for c in completions]
-        start = time.monotonic()
-        items = [(a.prompt_text, t, {**a.metadata, "completion_tokens": len(c.token_ids),
-                                     "finish_reason": c.finish_reason})
-                 for t, c in zip(texts, completions)]
-        scored = await self.rewarder.score_many(items)
-        reward_s = (time.monotonic() - start) / max(1, len(completions))
-        samples = []
-        for i, (c, text, sc) in enumerate(zip(completions, texts, scored)):
-            if sc.failed:     # a reward that raised or returned NaN: the sample says why
-                self.metrics.errors.labels(kind="reward").inc()
-                log("reward_failed", sample_id=f"{a.assignment_id}/{i}", error=sc.failed[:500])
-            else:
-                self.metrics.reward.observe(sc.total)
-            self.metrics.generated_tokens.inc(len(c.token_ids))
-            self.metrics.prompt_tokens.inc(len(a.prompt_token_ids))
-            self.metrics.samples.inc()
-            samples.append(protocol.Sample(
-                sample_id=f"{a.assignment_id}/{i}", assignment_id=a.assignment_id, group_index=i,
-                group_size=a.group_size, prompt_token_ids=a.prompt_token_ids,
-                completion_token_ids=c.token_ids, behavior_logprobs=c.logprobs,
-                token_versions=c.versions, reward=sc.total, reward_parts=sc.parts or {},
-                finish_reason=c.finish_reason, timing={"generate_s": gen_s, "reward_s": reward_s},
-                completion_text=text, failed=sc.failed))
-        return samples
-
-    # ---- weights ---------------------------------------------------------------------------
-    async def weights_loop(self) -> None:
-        while True:
-            await self.weights_event.wait()
-            self.weights_event.clear()
-            manifest = self.latest_manifest
-            if manifest is None or manifest.version <= self.engine.version or not self.weights_endpoint:
-                continue
-            start = time.monotonic()
-            try:
-                buffer = await self.fetch_weights(manifest)
-            except (TimeoutError, ValueError, protocol.ProtocolError) as e:
-                self.weights_applied.set()        # do not hold generation back for a failed fetch
-                self.metrics.errors.labels(kind="weights").inc()
-                log("weights_failed", version=manifest.version, error=str(e))
-                continue
-            tensors = unflatten_tensors(buffer, [
-                {"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset, "nbytes": t.nbytes}
-                for t in manifest.tensors])
-            try:
-                await self.engine.update_weights(WeightUpdate(
-                    version=manifest.version, kind=manifest.kind, tensors=tensors,
-                    lora_config=manifest.metadata.get("lora", {})))
-            except (ValueError, RuntimeError) as e:   # refused: keep serving the old version
-                self.weights_applied.set()
-                self.metrics.errors.labels(kind="weights").inc()
-                log("weights_failed", version=manifest.version, error=str(e))
-                continue
-            seconds = time.monotonic() - start
-            self.metrics.weight_update_seconds.observe(seconds)
-            self.metrics.policy_version.set(manifest.version)
-            await self.send(protocol.WeightsApplied(server_id=self.server_id, version=manifest.version,
-                                                    checksum=manifest.checksum, seconds=seconds))
-            self.weights_applied.set()
-            log("weights_applied", version=manifest.version, seconds=round(seconds, 4))
-
-    async def fetch_weights(self, m: protocol.WeightsAvailable) -> bytearray:
-        """Fetch every chunk of ``m`` (a window of requests in flight), verifying checksums."""
-        buffer = bytearray(m.total_bytes)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.weights_endpoint)
-        try:
-            got: list[str | None] = [None] * m.num_chunks
-            attempts = [0] * m.num_chunks
-            todo = list(range(m.num_chunks))
-            inflight = 0
-            while todo or inflight:
-                while todo and inflight < CHUNK_WINDOW:
-                    i = todo.pop(0)
-                    attempts[i] += 1
-                    await sock.send_multipart(protocol.encode(
-                        protocol.WeightChunkRequest(version=m.version, index=i)))
-                    inflight += 1
-                if not await sock.poll(CHUNK_TIMEOUT_S * 1000):
-                    raise TimeoutError(f"no weight chunk for {CHUNK_TIMEOUT_S}s (version {m.version})")
-                reply = protocol.decode(await sock.recv_multipart(copy=True))
-                inflight -= 1
-                if isinstance(reply, protocol.Error):
-                    raise ValueError(f"learner refused chunk: {reply.code}: {reply.message}")
-                if not isinstance(reply, protocol.WeightChunk) or reply.version != m.version:
-                    continue
-                i = reply.index
-                data = memoryview(reply.data)
-                expected = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
-                if chunk_checksum(data) != expected or i >= m.num_chunks:
-                    self.metrics.errors.labels(kind="weights_checksum").inc()
-                    if i < m.num_chunks and attempts[i] < CHUNK_RETRIES:
-                        todo.append(i)
-                        continue
-                    raise ValueError(f"weight chunk {i} of version {m.version} failed its checksum")
-                start = i * m.chunk_bytes
-                buffer[start:start + data.nbytes] = data
-                got[i] = expected
-            if combine_checksums(got) != m.checksum:
-                raise ValueError(f"weights version {m.version}: checksum mismatch")
-            return buffer
-        finally:
-            sock.close(0)
+    async def on_welcome(self, msg: protocol.Welcome) -> None:
+        if self.hello_sent_at is None:               # a repeat, or never asked for
+            self.log("welcome_ignored", reason="no Hello outstanding")
+            return
+        self.hello_sent_at = None
+        self.run_id = msg.run_id
+        self.receiver.welcome(msg.weights_endpoint)
+        self.welcomed.set()
+        self.log("welcome", learner_version=msg.version, weights_endpoint=msg.weights_endpoint)
+        self.withheld = 0 if self.stopping.is_set() else self.cfg.max_concurrency - self.pipeline.assigned
+        await self.grant()
+        await self.outbox.resend_all()
 
 
 def serve(cfg: RolloutConfig, model_path: str) -> int:

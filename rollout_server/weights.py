@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -34,3 +35,18 @@ def unflatten(buffer: bytes | bytearray | memoryview,
         raw = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset)
         out[spec.name] = raw.view(dtype).reshape(spec.shape)
     return out
+
+
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+FALLBACK_WEIGHTS_LIMIT_BYTES = 64 << 30
+
+
+def default_weights_limit(model_path: str | None) -> int:
+    """``rollout.max_weights_bytes: 0``: twice the model's weight files (a full update in a dtype
+    twice as wide still fits), plus 64 MiB for small models; 64 GiB when there are no files to
+    measure. A manifest announcing more is refused before its buffer is allocated."""
+    if not model_path or not Path(model_path).is_dir():
+        return FALLBACK_WEIGHTS_LIMIT_BYTES
+    size = sum(f.stat().st_size for f in Path(model_path).rglob("*")
+               if f.is_file() and f.name.endswith(WEIGHT_FILE_SUFFIXES))
+    return 2 * size + (64 << 20) if size else FALLBACK_WEIGHTS_LIMIT_BYTES

@@ -1,0 +1,323 @@
+"""The weights receiver: ``WeightsAvailable`` -> fetch the chunks -> verify -> apply -> report.
+
+DESIGN.md §5: a server reports ``WeightsApplied(version, checksum)`` only for weights it has
+applied, and tags new tokens with a version only once the engine serves it.
+
+Accepting a manifest (:meth:`WeightsReceiver.offer`). The codec has already checked that it adds
+up (every tensor's bytes = dtype size x shape, offsets end to end, ``total_bytes`` their sum,
+``num_chunks = ceil(total_bytes / chunk_bytes)``). Here it is also refused, and counted, when it
+is older than the version served or announced (``weights_version``), when its buffer would be
+larger than ``max_weights_bytes`` or its chunks larger than a frame may be, or when no Welcome
+named the weights endpoint yet (``weights_manifest``). Nothing is allocated before that.
+Re-announcing the version being served or fetched is a no-op (a learner does so after a Hello).
+
+Fetching (:meth:`WeightsReceiver.fetch`): one DEALER per fetch (its ``ZMQ_MAXMSGSIZE`` is the
+manifest's chunk size plus header slack, so a bigger frame is dropped by libzmq before it is
+buffered); up to ``chunk_window`` requests in flight. Every reply is checked before its bytes are
+copied: a ``WeightChunk`` of this version, for an index asked for and not yet received, of
+exactly the size the manifest implies, whose checksum matches the manifest's. A reply that fails
+is counted (``weights_chunk`` / ``weights_checksum``) and its chunk asked for again, at most
+``chunk_retries`` times in all. The learner answers each request once; a reply that names no
+chunk asked for (wrong index or version, undecodable) still uses up one answer, so once every
+request has been answered the chunks still missing are asked for again. A second copy of a chunk
+already received answers nothing (counted, skipped); more than two replies per request fail the
+fetch, so a flood cannot keep it busy. No reply within
+``chunk_timeout_s`` fails the fetch (``weights_timeout``: a dead or unreachable endpoint); an
+``Error`` reply (the version is gone) fails it at once. A failed fetch keeps the old weights and
+lets generation go on; the next announcement is fetched afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import zmq
+
+import protocol
+from protocol.codec import MAX_FRAME_BYTES
+from protocol.sockets import make_socket
+from protocol.weights import chunk_checksum, combine_checksums
+from rollout_server.engine import WeightUpdate
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.weights import unflatten
+
+CHUNK_FRAME_SLACK_BYTES = 64 << 10   # header and body frames of a WeightChunk are far smaller
+MAX_CHUNKS = 1 << 20                 # per version; bookkeeping stays a few MiB
+
+
+class ChunkChannel(Protocol):
+    """One fetch's link to the learner's weights socket."""
+
+    async def request(self, version: int, index: int) -> None: ...
+
+    async def receive(self, timeout_s: float) -> protocol.Message | None:
+        """The next reply (``ProtocolError`` if it does not decode), or None after ``timeout_s``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ZmqChunkChannel:
+    """A DEALER connected to the learner's weights ROUTER."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_frame_bytes: int):
+        self.sock = make_socket(ctx, zmq.DEALER, max_message_bytes=max_frame_bytes)
+        self.sock.connect(endpoint)
+
+    async def request(self, version: int, index: int) -> None:
+        await self.sock.send_multipart(protocol.encode(
+            protocol.WeightChunkRequest(version=version, index=index)))
+
+    async def receive(self, timeout_s: float) -> protocol.Message | None:
+        if not await self.sock.poll(timeout_s * 1000):
+            return None
+        return protocol.decode(await self.sock.recv_multipart(copy=True))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class FetchError(Exception):
+    """A fetch that cannot complete; ``kind`` is the error kind it is counted under."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def chunk_size(m: protocol.WeightsAvailable, index: int) -> int:
+    """Bytes of chunk ``index`` of ``m`` (the last one may be shorter)."""
+    return min(m.chunk_bytes, m.total_bytes - index * m.chunk_bytes)
+
+
+class WeightsReceiver:
+    """Fetch, verify, apply and report new weights (no socket of its own: ``connect`` makes one).
+
+    ``connect(endpoint, max_frame_bytes)`` opens a :class:`ChunkChannel`; ``apply(update)`` hands
+    a :class:`WeightUpdate` to the engine; ``report(msg)`` sends ``WeightsApplied``; ``version()``
+    is the version the engine serves.
+    """
+
+    def __init__(self, *, connect: Callable[[str, int], ChunkChannel],
+                 apply: Callable[[WeightUpdate], Awaitable[float]],
+                 report: Callable[[protocol.WeightsApplied], Awaitable[None]],
+                 version: Callable[[], int], server_id: str, metrics: RolloutMetrics,
+                 log: Callable[..., None], max_weights_bytes: int, chunk_timeout_s: float = 30.0,
+                 chunk_window: int = 4, chunk_retries: int = 3,
+                 clock: Callable[[], float] = time.monotonic):
+        self.connect, self.apply, self.report, self.version = connect, apply, report, version
+        self.server_id, self.metrics, self.log, self.clock = server_id, metrics, log, clock
+        self.max_weights_bytes = max_weights_bytes
+        self.chunk_timeout_s, self.chunk_window, self.chunk_retries = (
+            chunk_timeout_s, chunk_window, chunk_retries)
+        self.endpoint: str | None = None
+        self.announced: protocol.WeightsAvailable | None = None   # newest manifest not yet settled
+        self.newest = -1                  # newest version announced since the last Welcome
+        self._wake = asyncio.Event()
+        self._settled = asyncio.Event()   # set while no announced version waits to be applied
+        self._settled.set()
+
+    # ---- announcements ----------------------------------------------------------------------
+    def welcome(self, endpoint: str) -> None:
+        """A (new) learner session: its weights endpoint; versions are compared afresh."""
+        self.endpoint = endpoint
+        self.newest = self.announced.version if self.announced is not None else -1
+
+    def offer(self, m: protocol.WeightsAvailable) -> bool:
+        """Accept ``m`` for fetching (True) or refuse it (False, counted unless a repeat)."""
+        current = self.version()
+        newest = max(current, self.newest)
+        if m.version == current or m.version == self.newest:
+            return False                                        # a repeat: nothing to do
+        try:
+            m.cross_check("WeightsAvailable")     # decode did this; a manifest built in-process too
+        except protocol.ProtocolError as e:
+            return self._refuse("weights_manifest", m, str(e))
+        if m.version < newest:
+            return self._refuse("weights_version", m, f"version {m.version} is older than "
+                                f"{newest} (served or announced)")
+        if self.endpoint is None:
+            return self._refuse("weights_manifest", m, "no weights endpoint (no Welcome yet)")
+        if m.total_bytes > self.max_weights_bytes:
+            return self._refuse("weights_manifest", m, f"{m.total_bytes} bytes exceed "
+                                f"rollout.max_weights_bytes = {self.max_weights_bytes}")
+        if min(m.chunk_bytes, m.total_bytes) > MAX_FRAME_BYTES:
+            return self._refuse("weights_manifest", m, f"chunks of {m.chunk_bytes} bytes exceed "
+                                f"the {MAX_FRAME_BYTES}-byte frame limit")
+        if m.num_chunks > MAX_CHUNKS:
+            return self._refuse("weights_manifest", m, f"{m.num_chunks} chunks exceed {MAX_CHUNKS}")
+        self.announced, self.newest = m, m.version
+        self._settled.clear()
+        self._wake.set()
+        return True
+
+    def _refuse(self, kind: str, m: protocol.WeightsAvailable, why: str) -> bool:
+        self.metrics.count(kind)
+        self.log("weights_refused", weights_version=m.version, kind=kind, reason=why)
+        return False
+
+    @property
+    def pending(self) -> bool:
+        """A newer version is announced and neither applied nor failed yet."""
+        return not self._settled.is_set()
+
+    async def wait_settled(self, timeout_s: float) -> bool:
+        """Wait (bounded) until no announced version is pending; returns whether none is."""
+        if self._settled.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._settled.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _settle(self, m: protocol.WeightsAvailable) -> None:
+        if self.announced is m:
+            self.announced = None
+            self._settled.set()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            m = self.announced
+            if m is None:
+                continue
+            if m.version <= self.version():
+                self._settle(m)
+                continue
+            await self.receive(m)
+
+    async def receive(self, m: protocol.WeightsAvailable) -> bool:
+        """Fetch, apply and report ``m``; False (counted, logged) if any step fails."""
+        start = self.clock()
+        try:
+            try:
+                buffer = await self.fetch(m)
+            except FetchError as e:
+                self.metrics.count(e.kind)
+                self.log("weights_failed", weights_version=m.version, kind=e.kind, error=str(e))
+                return False
+            try:
+                update = WeightUpdate(version=m.version, kind=m.kind, tensors=unflatten(buffer, m.tensors),
+                                      lora_config=m.metadata.get("lora", {}))
+                await self.apply(update)
+            except Exception as e:  # noqa: BLE001 - refused by the engine: keep the old version
+                self.metrics.count("weights")
+                self.log("weights_failed", weights_version=m.version, kind="weights",
+                         error=f"{type(e).__name__}: {e}")
+                return False
+            seconds = self.clock() - start
+            self.metrics.weight_update_seconds.observe(seconds)
+            self.metrics.policy_version.set(m.version)
+            await self.report(protocol.WeightsApplied(server_id=self.server_id, version=m.version,
+                                                      checksum=m.checksum, seconds=seconds))
+            self.log("weights_applied", weights_version=m.version, seconds=round(seconds, 4))
+            return True
+        finally:
+            self._settle(m)
+
+    # ---- fetch ------------------------------------------------------------------------------
+    async def fetch(self, m: protocol.WeightsAvailable) -> bytearray:
+        """Every chunk of ``m``, verified, in one buffer of ``m.total_bytes``."""
+        n = m.num_chunks
+        buffer = bytearray(m.total_bytes)
+        if n == 0:
+            self._check_total(m, [])
+            return buffer
+        if self.endpoint is None:
+            raise FetchError("weights_manifest", "no weights endpoint")
+        channel = self.connect(self.endpoint, min(m.chunk_bytes, m.total_bytes) + CHUNK_FRAME_SLACK_BYTES)
+        try:
+            got: list[str | None] = [None] * n
+            attempts = [0] * n
+            why: dict[int, str] = {}          # index -> the last problem with it
+            todo = deque(range(n))
+            asked: set[int] = set()           # requested, no good reply yet
+            due = 0                           # replies still owed by the learner
+            sent = replies = 0
+            while todo or asked:
+                while todo and due < self.chunk_window:
+                    i = todo.popleft()
+                    if attempts[i] >= self.chunk_retries:
+                        raise FetchError("weights", f"version {m.version}: chunk {i} failed "
+                                         f"{attempts[i]} times (last: {why.get(i, '?')})")
+                    attempts[i] += 1
+                    await channel.request(m.version, i)
+                    asked.add(i)
+                    due += 1
+                    sent += 1
+                try:
+                    reply = await channel.receive(self.chunk_timeout_s)
+                except protocol.ProtocolError as e:
+                    self.metrics.protocol_errors.inc()
+                    reply = e
+                if reply is None:
+                    raise FetchError("weights_timeout", f"no weight chunk for {self.chunk_timeout_s}s "
+                                     f"(version {m.version}, endpoint {self.endpoint})")
+                replies += 1
+                if replies > 2 * sent + self.chunk_window:
+                    raise FetchError("weights", f"version {m.version}: {replies} replies to {sent} "
+                                     "requests")
+                if (isinstance(reply, protocol.WeightChunk) and reply.version == m.version
+                        and 0 <= reply.index < n and got[reply.index] is not None):
+                    # A second copy of a chunk already received answers no request: count it,
+                    # keep waiting for the replies still owed.
+                    self.metrics.count("weights_chunk")
+                    self.log("weights_bad_chunk", weights_version=m.version, kind="weights_chunk",
+                             error=f"chunk {reply.index} received twice")
+                    continue
+                due = max(0, due - 1)
+                if isinstance(reply, protocol.Error):
+                    raise FetchError("weights", f"learner refused chunk: {reply.code}: {reply.message}")
+                problem = self._check(m, reply, asked)
+                if problem is None:
+                    i = reply.index
+                    start = i * m.chunk_bytes
+                    buffer[start:start + chunk_size(m, i)] = reply.data
+                    got[i] = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
+                    asked.discard(i)
+                else:
+                    kind, i, message = problem
+                    self.metrics.count(kind)
+                    self.log("weights_bad_chunk", weights_version=m.version, kind=kind, error=message)
+                    if i is not None:
+                        why[i] = kind
+                        asked.discard(i)
+                        todo.append(i)
+                if due == 0 and asked:        # answered, but not with these chunks: ask again
+                    todo.extend(sorted(asked))
+                    asked.clear()
+            self._check_total(m, got)
+            return buffer
+        finally:
+            channel.close()
+
+    def _check(self, m: protocol.WeightsAvailable, reply, asked: set[int]):
+        """None for the chunk asked for, else ``(kind, index to ask again or None, message)``."""
+        if isinstance(reply, protocol.ProtocolError):
+            return "weights_chunk", None, f"undecodable reply: {reply}"
+        if not isinstance(reply, protocol.WeightChunk):
+            return "weights_chunk", None, f"unexpected {type(reply).TYPE} on the weights socket"
+        if reply.version != m.version:
+            return "weights_chunk", None, f"chunk of version {reply.version}, fetching {m.version}"
+        i = reply.index
+        if i not in asked:
+            return "weights_chunk", None, f"chunk {i} not asked for (of {m.num_chunks})"
+        size, want = memoryview(reply.data).nbytes, chunk_size(m, i)
+        if size != want:
+            return "weights_chunk", i, f"chunk {i} has {size} bytes, the manifest says {want}"
+        expected = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
+        if chunk_checksum(reply.data) != expected:
+            return "weights_checksum", i, f"chunk {i} of version {m.version} failed its checksum"
+        return None
+
+    @staticmethod
+    def _check_total(m: protocol.WeightsAvailable, got: list) -> None:
+        if combine_checksums(got) != m.checksum:
+            raise FetchError("weights_checksum", f"weights version {m.version}: checksum mismatch")
