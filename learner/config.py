@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
 from ops import ADVANTAGE_METHODS, IS_MODES, LOSS_AGG_MODES
+from protocol.messages import MAX_NEW_TOKENS_LIMIT
 
 
 class LearnerConfig(BaseModel):
@@ -26,7 +27,31 @@ class LearnerConfig(BaseModel):
     metrics_host: str = "127.0.0.1"
     """Interface of the Prometheus /metrics endpoint."""
     metrics_port: int = Field(9400, ge=0, le=65535)
-    """Port of the Prometheus /metrics endpoint (0 = any free port)."""
+    """Port of the HTTP endpoint serving Prometheus /metrics and /healthz (0 = any free port)."""
+    max_message_bytes: int = Field(64 << 20, ge=1024)
+    """Largest frame the rollout socket accepts (ZMQ_MAXMSGSIZE); a peer sending a larger one is
+    disconnected before the frame is buffered. Keep it above the largest RolloutResult body."""
+    control_max_message_bytes: int = Field(64 << 10, ge=1024)
+    """Largest frame the control socket accepts (a ControlRequest is a few hundred bytes)."""
+    weights_max_message_bytes: int = Field(64 << 10, ge=1024)
+    """Largest frame the weights socket accepts (a WeightChunkRequest is under 100 bytes)."""
+    send_hwm: int = Field(1000, ge=1)
+    """Messages queued per peer of the rollout and control sockets (ZMQ_SNDHWM and RCVHWM); a
+    rollout server with this many unread is too slow and is dropped (credits keep an honest one
+    far below it)."""
+    weights_send_hwm: int = Field(16, ge=1)
+    """Weight chunks queued per fetching peer (ZMQ_SNDHWM on the weights socket). An honest server
+    keeps only its chunk window in flight; a chunk for a peer over this limit is not sent."""
+    server_timeout_s: float = Field(30.0, gt=0)
+    """Seconds without any message from a rollout server before it counts as lost and its leases
+    are re-issued (servers send a heartbeat every few seconds)."""
+    expiry_interval_s: float = Field(1.0, gt=0)
+    """Seconds between checks for expired leases and lost servers."""
+    reannounce_s: float = Field(10.0, gt=0)
+    """A server still behind the newest weights this many seconds after they were announced to it
+    gets the manifest again with the reply to its next heartbeat."""
+    final_sync_s: float = Field(30.0, ge=0)
+    """After the last step, seconds to wait for connected servers to apply the final weights."""
 
     total_steps: int = Field(200, ge=1)
     """Policy steps to train; the learner (and `slipstream run`) stops after the last one."""
@@ -67,12 +92,12 @@ class LearnerConfig(BaseModel):
 
     dataset: str = "builtin:arith"
     """Prompt source: builtin:arith or a JSONL file with {"prompt", "answer"} per line."""
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=1e-9, le=1)
     """Nucleus sampling threshold sent with every assignment."""
-    max_new_tokens: int = Field(4, ge=1)
-    """Completion length limit sent with every assignment."""
+    max_new_tokens: int = Field(4, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    """Completion length limit sent with every assignment; a longer completion is refused."""
 
     weights_chunk_bytes: int = Field(64 << 20, ge=1024)
     """Size of one weight chunk on the wire (bucket size)."""

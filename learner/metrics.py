@@ -1,11 +1,22 @@
-"""Prometheus metrics of the learner, and the metrics.jsonl log of every policy step."""
+"""Prometheus metrics of the learner, and the metrics.jsonl log of every policy step.
+
+Served by :class:`protocol.http.HttpEndpoint` (``/metrics`` and ``/healthz``) from the learner's
+own registry. Labels are bounded: socket names, ack statuses, refusal reasons, server ids.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 
 class LearnerMetrics:
@@ -16,8 +27,20 @@ class LearnerMetrics:
                                          "Samples received from rollout servers", registry=r)
         self.samples = Counter("slipstream_samples", "Received samples by ack status", ["status"],
                                registry=r)
+        self.samples_invalid = Counter(
+            "slipstream_samples_invalid", "Samples refused by the learner's checks against the run "
+            "(acked invalid, never buffered), by reason", ["reason"], registry=r)
         self.protocol_errors = Counter("slipstream_protocol_errors",
                                        "Messages refused with ProtocolError", ["socket"], registry=r)
+        self.send_dropped = Counter(
+            "slipstream_send_dropped", "Messages not sent because the peer's queue was full or the "
+            "peer was gone (the learner never waits on a peer)", ["socket", "reason"], registry=r)
+        self.credits_refused = Counter(
+            "slipstream_credits_refused", "Credits asked for beyond a server's declared "
+            "max_concurrency (ignored), in samples", registry=r)
+        self.servers_lost = Counter("slipstream_rollout_servers_lost",
+                                    "Rollout servers dropped (timed out or unreachable)", ["reason"],
+                                    registry=r)
         self.step_seconds = Histogram("slipstream_train_step_seconds", "Seconds per policy step",
                                       registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         self.publish_seconds = Histogram("slipstream_weights_publish_seconds",
@@ -36,9 +59,13 @@ class LearnerMetrics:
         self.step_stats = Gauge("slipstream_train_stat", "Last step's training statistics", ["name"],
                                 registry=r)
 
-    def serve(self, host: str, port: int) -> int:
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of this registry (what ``/metrics`` answers)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value (0 when it was never set): for status replies and tests."""
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
 
 
 class JsonlLog:

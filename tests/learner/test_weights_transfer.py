@@ -1,8 +1,11 @@
-"""Weights publish -> chunked fetch over real ZeroMQ -> checksum verification (and refetch)."""
+"""Weights end to end without a model: learner.weights.flatten -> WeightsServer served on a real
+ROUTER (the learner's RouterSocket loop) -> the rollout server's WeightsReceiver over real ZeroMQ
+-> rollout_server.weights.unflatten; corrupted chunks are fetched again."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -10,72 +13,105 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from learner.publisher import WeightPublisher
-from ops.tensor_bytes import flatten_tensors, unflatten_tensors
+from learner.metrics import LearnerMetrics
+from learner.router import RouterSocket
+from learner.weights import flatten
+from learner.weights_server import WeightsServer
+from protocol.sockets import bind, make_socket
+from rollout_server.weights import unflatten
+
+NAMED = [("w", torch.randn(1000)), ("v", torch.randn(10, 10).to(torch.bfloat16)),
+         ("i", torch.arange(7, dtype=torch.int64)), ("empty", torch.zeros(0, 2))]
 
 
-def test_flatten_roundtrip_all_dtypes():
-    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)),
-             ("c", torch.arange(7, dtype=torch.int64)), ("empty", torch.zeros(0, 2))]
-    flat, specs = flatten_tensors(named)
-    assert flat.dtype == torch.uint8 and flat.numel() == sum(s["nbytes"] for s in specs)
-    out = unflatten_tensors(bytearray(flat.numpy().tobytes()), specs)
-    for name, t in named:
+def test_flatten_unflatten_roundtrip_all_dtypes():
+    flat, specs = flatten(NAMED)
+    assert flat.dtype == torch.uint8 and flat.numel() == sum(s.nbytes for s in specs)
+    assert all(isinstance(s, protocol.TensorSpec) for s in specs)
+    out = unflatten(bytearray(flat.numpy().tobytes()), specs)
+    for name, t in NAMED:
         assert out[name].dtype == t.dtype and torch.equal(out[name], t)
 
 
-async def _serve_chunks(sock, publisher, corrupt_first: set, stop: asyncio.Event):
-    while not stop.is_set():
-        if not await sock.poll(50):
-            continue
-        ident, *frames = await sock.recv_multipart()
-        req = protocol.decode(frames)
-        reply = publisher.chunk(req.version, req.index)
-        if req.index in corrupt_first:
-            corrupt_first.discard(req.index)
+@contextlib.asynccontextmanager
+async def served(ws: WeightsServer, corrupt_first: set[int]):
+    """``ws`` on a real ROUTER; the first reply for each index in ``corrupt_first`` is corrupted."""
+    ctx = zmq.asyncio.Context.instance()
+    metrics = LearnerMetrics()
+    sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=16)
+    port = bind(sock, "127.0.0.1", 0, "learner.weights_port")
+    router = RouterSocket(sock, "weights", metrics, log=lambda *a, **k: None)
+
+    async def handle(identity, msg):
+        reply = await ws.handle(identity, msg)
+        if isinstance(reply, protocol.WeightChunk) and reply.index in corrupt_first:
+            corrupt_first.discard(reply.index)
             data = bytearray(reply.data)
             data[0] ^= 0xFF
             reply = protocol.WeightChunk(version=reply.version, index=reply.index,
                                          checksum=reply.checksum, data=bytes(data))
-        await sock.send_multipart([ident, *protocol.encode(reply)])
+        return reply
+
+    task = asyncio.create_task(router.serve(handle))
+    try:
+        yield f"tcp://127.0.0.1:{port}", metrics
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        router.close()
+
+
+def receiver(endpoint: str):
+    from rollout_server.metrics import RolloutMetrics
+    from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
+
+    ctx = zmq.asyncio.Context.instance()
+
+    async def nothing(*_):
+        return 0.0
+
+    r = WeightsReceiver(connect=lambda ep, max_bytes: ZmqChunkChannel(ctx, ep, max_bytes),
+                        apply=nothing, report=nothing, version=lambda: 0, server_id="s",
+                        metrics=RolloutMetrics(), log=lambda *a, **k: None,
+                        max_weights_bytes=1 << 30, chunk_timeout_s=10.0)
+    r.welcome(endpoint)
+    return r
 
 
 @pytest.mark.parametrize("corrupt", [set(), {0, 2}])
-async def test_fetch_verifies_and_refetches_corrupted_chunks(tiny_model_dir, corrupt):
-    from rollout_server.config import RolloutConfig
-    from rollout_server.service import RolloutService
-
-    named = [("w", torch.randn(1000)), ("v", torch.randn(10, 10).to(torch.bfloat16))]
-    pub = WeightPublisher(chunk_bytes=1024)
-    manifest = pub.publish(1, named)
-    assert manifest.num_chunks == 5
-    ctx = zmq.asyncio.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    stop = asyncio.Event()
-    server_task = asyncio.create_task(_serve_chunks(router, pub, set(corrupt), stop))
-    svc = RolloutService(RolloutConfig(metrics_port=0), tiny_model_dir)
-    svc.weights_endpoint = f"tcp://127.0.0.1:{port}"
-    try:
-        buf = await svc.fetch_weights(protocol.decode(protocol.encode(manifest)))
-        specs = [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset,
-                  "nbytes": t.nbytes} for t in manifest.tensors]
-        got = unflatten_tensors(buf, specs)
-        assert torch.equal(got["w"], named[0][1]) and torch.equal(got["v"], named[1][1])
-        checksum_errors = svc.metrics.registry.get_sample_value(
-            "slipstream_rollout_errors_total", {"kind": "weights_checksum"})
-        assert (checksum_errors or 0) == len(corrupt)
-    finally:
-        stop.set()
-        await server_task
-        router.close(0)
+async def test_fetch_over_zeromq_verifies_and_refetches_corrupted_chunks(corrupt):
+    ws = WeightsServer(chunk_bytes=1024)
+    manifest = ws.publish(1, NAMED)
+    assert manifest.num_chunks == 5                      # 4000 + 200 + 56 + 0 bytes
+    async with served(ws, set(corrupt)) as (endpoint, _):
+        r = receiver(endpoint)
+        buf = await r.fetch(protocol.decode(protocol.encode(manifest)))
+        got = unflatten(buf, manifest.tensors)
+        for name, t in NAMED:
+            assert torch.equal(got[name], t)
+        assert r.metrics.error_count("weights_checksum") == len(corrupt)
 
 
-def test_publisher_keeps_recent_versions_only():
-    pub = WeightPublisher(chunk_bytes=4096, keep=2)
-    for v in (1, 2, 3):
-        pub.publish(v, [("w", torch.full((10,), float(v)))])
-    assert list(pub.versions) == [2, 3]
-    assert isinstance(pub.chunk(1, 0), protocol.Error)
-    assert isinstance(pub.chunk(3, 5), protocol.Error)
-    assert isinstance(pub.chunk(3, 0), protocol.WeightChunk)
+async def test_bad_requests_on_the_weights_socket_are_answered_and_counted():
+    ws = WeightsServer(chunk_bytes=1024)
+    ws.publish(1, NAMED)
+    async with served(ws, set()) as (endpoint, metrics):
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            replies = []
+            for frames in (protocol.encode(protocol.WeightChunkRequest(version=1, index=99)),
+                           protocol.encode(protocol.WeightChunkRequest(version=7, index=0)),
+                           [b"\x00garbage"],
+                           protocol.encode(protocol.Heartbeat(sender_id="x", version=0)),
+                           protocol.encode(protocol.WeightChunkRequest(version=1, index=4))):
+                await sock.send_multipart(frames)
+                assert await sock.poll(10_000)
+                replies.append(protocol.decode(await sock.recv_multipart()))
+        finally:
+            sock.close(0)
+    assert [getattr(r, "code", type(r).__name__) for r in replies] == [
+        "bad_chunk", "unknown_version", "protocol_error", "protocol_error", "WeightChunk"]
+    assert metrics.value("slipstream_protocol_errors_total", {"socket": "weights"}) == 2

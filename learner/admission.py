@@ -1,0 +1,306 @@
+"""Admission: which rollout server gets which work, and when (DESIGN.md §3, §6).
+
+Servers. A server joins with ``Hello`` (declaring ``max_concurrency``, the samples it can generate
+at once) and is known by its ZeroMQ identity from then on. Hello is idempotent: a known server
+saying Hello again (a reconnect, or one Hello per queued heartbeat after an ``unknown_server``)
+keeps its state — credits, leases — and is welcomed again; nothing is added. A server is lost when
+nothing arrived from it for ``server_timeout_s``, or when a message to it cannot be queued (it is
+gone, or so slow that its queue is full: the learner never waits on one server, see
+:mod:`learner.router`). A lost server's leases are re-issued; if it was alive after all, its next
+heartbeat is answered ``unknown_server`` and it says Hello again.
+
+Credits. ``WorkRequest(credits)`` says "I can take this many more samples". A server's credits
+are capped at what it declared::
+
+    credits + outstanding <= max_concurrency     outstanding = samples of the leases it holds
+
+so a request for 10¹² credits, or the same request repeated after every Hello, adds at most what
+the server can really take; the rest is refused and counted (``slipstream_credits_refused_total``).
+
+Dispatch. Credits become assignments (one group of ``group_size`` samples each) in round-robin
+order — the server given work least recently (or never) goes first — while:
+
+- the server has ``group_size`` credits left;
+- the server is not lagging: ``learner_version − server_version <= max_staleness``. What a
+  lagging server would generate is over the staleness limit before it is sent, so it gets no new
+  work until it applies newer weights (``WeightsApplied`` or a heartbeat with its new version);
+- for new work, the buffer's staleness gate has room for a whole group (``capacity(v) >=
+  group_size``). Leases waiting for re-issue go first, and need no room: their samples are still
+  counted in flight.
+
+Re-issue. Leases that expire (``RolloutBuffer.expire``, checked by :meth:`Admission.tick`) or whose
+holder was lost go to the next eligible server, same assignment id, attempt + 1, stamped with the
+current version. The buffer keeps the first copy of every sample and answers later ones
+``duplicate``: nothing lost, nothing trained twice.
+
+Weights. :meth:`Admission.announce` sends each new manifest to every server; a server that
+rejoins, or is still behind the newest version ``reannounce_s`` after it was announced to it,
+gets it again (with its next heartbeat).
+
+Everything here is driven by calls — no socket, no task, no clock of its own: it is handed a
+``send(identity, message) -> bool`` coroutine, a clock, and a factory of new assignments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import protocol
+from buffer import Lease, LeaseState, RolloutBuffer
+from learner.metrics import LearnerMetrics
+
+Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
+KEEP_CHECKSUMS = 8        # checksums of recent versions kept to check WeightsApplied against
+
+
+@dataclass
+class ServerState:
+    """What the learner knows about one connected rollout server."""
+
+    server_id: str
+    identity: bytes
+    max_concurrency: int
+    version: int = 0                   # weights version the server reports as applied
+    credits: int = 0                   # samples it asked for and has not been given yet
+    last_seen: float = 0.0
+    announced: int = -1                # newest manifest version queued to it
+    announced_at: float = float("-inf")
+    served: int = -1                   # dispatch sequence number of its last assignment
+
+
+class Admission:
+    """Servers, credits, dispatch, re-issue, expiry and the lag rule (see the module docstring).
+
+    Args:
+        buffer: the run's RolloutBuffer (the gate, the leases).
+        send: ``await send(identity, message)`` -> False if the message could not be queued.
+        new_assignment: returns the next fresh ``Assignment`` (next prompt, new id, current version).
+        version: the learner's policy version now.
+        welcome: the ``Welcome`` to answer a Hello with.
+        server_timeout_s: silence after which a server is lost.
+        reannounce_s: see the module docstring.
+        clock: monotonic seconds (tests pass a fake one; give the buffer the same one).
+    """
+
+    def __init__(self, buffer: RolloutBuffer, send: Send, new_assignment: Callable[[], protocol.Assignment],
+                 *, version: Callable[[], int], welcome: Callable[[], protocol.Welcome],
+                 metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
+                 server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
+        self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
+        self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
+        self.servers: dict[bytes, ServerState] = {}
+        self._dispatched = 0
+        self.reissue: deque[Lease] = deque()
+        self.latest: protocol.WeightsAvailable | None = None
+        self._checksums: OrderedDict[int, str] = OrderedDict()
+        self.closed = False
+        self.versions_changed = asyncio.Event()   # set whenever a server's version changes or it leaves
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def outstanding(self, srv: ServerState) -> int:
+        """Samples of the leases ``srv`` holds (it was asked to generate them and has not finished)."""
+        return sum(lease.n_samples for lease in self.buffer.leases.held_by(srv.server_id))
+
+    def lagging(self, srv: ServerState) -> bool:
+        """The lag rule: more than ``max_staleness`` versions behind gets no new work."""
+        return self.version() - srv.version > self.buffer.max_staleness
+
+    def touch(self, identity: bytes) -> ServerState | None:
+        """The server behind ``identity``, marked alive now; None if it has not said Hello."""
+        srv = self.servers.get(identity)
+        if srv is not None:
+            srv.last_seen = self.clock()
+        return srv
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        return {s.server_id: {"version": s.version, "credits": s.credits,
+                              "outstanding": self.outstanding(s), "max_concurrency": s.max_concurrency,
+                              "lagging": self.lagging(s)}
+                for s in self.servers.values()}
+
+    def all_at(self, version: int) -> bool:
+        """True when every connected server reports ``version`` or newer."""
+        return all(s.version >= version for s in self.servers.values())
+
+    # -- messages from servers --------------------------------------------------------------------
+
+    async def hello(self, identity: bytes, msg: protocol.Hello) -> None:
+        """Join, or rejoin without change (idempotent); answer Welcome (+ the newest manifest)."""
+        now = self.clock()
+        taken = next((s for s in self.servers.values()
+                      if s.server_id == msg.server_id and s.identity != identity), None)
+        if taken is not None:
+            self.log("server_refused", server=msg.server_id, reason="server_id in use")
+            await self.send(identity, protocol.Error(
+                code="duplicate_server_id",
+                message=f"server_id {msg.server_id!r} is connected from another socket; give each "
+                        "rollout server its own server_id"))
+            return
+        srv = self.servers.get(identity)
+        if srv is None:
+            srv = self.servers[identity] = ServerState(msg.server_id, identity, msg.max_concurrency)
+            self.metrics.servers.set(len(self.servers))
+            self.log("server_joined", server=msg.server_id, server_version=msg.version,
+                     max_concurrency=msg.max_concurrency)
+            if msg.max_concurrency < self.buffer.group_size:
+                self.log("server_too_small", server=msg.server_id, max_concurrency=msg.max_concurrency,
+                         group_size=self.buffer.group_size,
+                         hint="a server gets whole groups: raise its max_concurrency to >= group_size")
+        else:
+            srv.max_concurrency = msg.max_concurrency
+            srv.credits = max(0, min(srv.credits, msg.max_concurrency - self.outstanding(srv)))
+            self.log("server_rejoined", server=msg.server_id, server_version=msg.version,
+                     credits=srv.credits)
+        srv.last_seen = now
+        srv.announced = -1            # it may have missed a manifest while away
+        self._set_version(srv, msg.version, force=True)
+        if not await self._send(srv, self.welcome()):
+            return
+        if self.latest is not None and self.latest.version > srv.version:
+            if not await self._announce_to(srv, self.latest):
+                return
+        await self.dispatch()
+
+    async def work_request(self, srv: ServerState, msg: protocol.WorkRequest) -> None:
+        room = max(0, srv.max_concurrency - self.outstanding(srv) - srv.credits)
+        granted = min(msg.credits, room)
+        if granted < msg.credits:
+            self.metrics.credits_refused.inc(msg.credits - granted)
+        srv.credits += granted
+        await self.dispatch()
+
+    async def heartbeat(self, srv: ServerState, msg: protocol.Heartbeat) -> None:
+        changed = self._set_version(srv, msg.version)
+        latest = self.latest
+        if (latest is not None and srv.version < latest.version
+                and (srv.announced < latest.version or self.clock() - srv.announced_at >= self.reannounce_s)):
+            if not await self._announce_to(srv, latest):
+                return
+        if changed:
+            await self.dispatch()
+
+    async def weights_applied(self, srv: ServerState, msg: protocol.WeightsApplied) -> bool:
+        """Record the server's new version; False if its checksum is not the published one."""
+        self._set_version(srv, msg.version)
+        expected = self._checksums.get(msg.version)
+        ok = expected is None or expected == msg.checksum
+        if not ok:
+            self.log("checksum_mismatch", server=srv.server_id, server_version=msg.version,
+                     checksum=msg.checksum, expected=expected)
+        await self.dispatch()
+        return ok
+
+    def _set_version(self, srv: ServerState, version: int, force: bool = False) -> bool:
+        changed = version != srv.version
+        srv.version = version
+        if changed or force:
+            self.metrics.server_version.labels(server=srv.server_id).set(version)
+            self.versions_changed.set()
+        return changed
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    async def announce(self, manifest: protocol.WeightsAvailable) -> None:
+        """A new version is published: tell every server."""
+        self.latest = manifest
+        self._checksums[manifest.version] = manifest.checksum
+        while len(self._checksums) > KEEP_CHECKSUMS:
+            self._checksums.popitem(last=False)
+        for srv in list(self.servers.values()):
+            if srv.identity in self.servers:
+                await self._announce_to(srv, manifest)
+
+    async def _announce_to(self, srv: ServerState, manifest: protocol.WeightsAvailable) -> bool:
+        if not await self._send(srv, manifest):
+            return False
+        srv.announced, srv.announced_at = manifest.version, self.clock()
+        return True
+
+    async def broadcast(self, message: protocol.Message) -> None:
+        """Send ``message`` to every server (failures lose the server, as any send)."""
+        for srv in list(self.servers.values()):
+            if srv.identity in self.servers:
+                await self._send(srv, message)
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    async def dispatch(self) -> None:
+        """Turn credits into assignments while the rules above allow (see the module docstring)."""
+        g = self.buffer.group_size
+        while True:
+            eligible = [s for s in self.servers.values() if s.credits >= g and not self.lagging(s)]
+            if not eligible:
+                return
+            srv = min(eligible, key=lambda s: s.served)
+            assignment = self._next_work(srv)
+            if assignment is None:
+                return
+            srv.credits -= g
+            self._dispatched += 1
+            srv.served = self._dispatched
+            await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
+
+    def _next_work(self, srv: ServerState) -> protocol.Assignment | None:
+        if self.closed:
+            return None
+        while self.reissue and not self._reissuable(self.reissue[0]):
+            self.reissue.popleft()               # finished meanwhile by its first holder
+        if self.reissue:
+            lease = self.buffer.reissue(self.reissue.popleft(), srv.server_id)
+            return dataclasses.replace(lease.payload, version=self.version(), attempt=lease.attempt)
+        if self.buffer.capacity(self.version()) < self.buffer.group_size:
+            return None
+        assignment = self.new_assignment()
+        self.buffer.issue(assignment.assignment_id, srv.server_id, self.buffer.group_size,
+                          payload=assignment)
+        return assignment
+
+    def _reissuable(self, lease: Lease) -> bool:
+        return self.buffer.leases.get(lease.assignment_id) is lease and lease.state is LeaseState.EXPIRED
+
+    def close(self) -> None:
+        """The run is over: no new work, no re-issue (servers stay known, for the final sync)."""
+        self.closed = True
+
+    # -- time -------------------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Lose silent servers, expire overdue leases, and hand out what that freed."""
+        now = self.clock()
+        for srv in list(self.servers.values()):
+            if now - srv.last_seen > self.server_timeout_s:
+                self.lose(srv, "timeout")
+        self.reissue.extend(self.buffer.expire())
+        await self.dispatch()
+
+    def lose(self, srv: ServerState, reason: str) -> None:
+        """Forget ``srv``; its leases wait for re-issue (to any server, itself after a new Hello)."""
+        if self.servers.get(srv.identity) is not srv:
+            return
+        del self.servers[srv.identity]
+        released = self.buffer.release_holder(srv.server_id)
+        self.reissue.extend(released)
+        try:
+            self.metrics.server_version.remove(srv.server_id)
+        except KeyError:
+            pass
+        self.metrics.servers.set(len(self.servers))
+        self.metrics.servers_lost.labels(reason=reason).inc()
+        self.versions_changed.set()
+        self.log("server_lost", server=srv.server_id, reason=reason,
+                 released_assignments=len(released))
+
+    async def _send(self, srv: ServerState, message: protocol.Message) -> bool:
+        if await self.send(srv.identity, message):
+            return True
+        self.lose(srv, "unreachable")
+        return False

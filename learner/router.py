@@ -1,0 +1,102 @@
+"""One ROUTER socket of the learner: the receive loop and non-blocking sends, written once.
+
+The learner's three sockets (rollout, weights, control) are ROUTERs that rollout servers and
+``slipstream ctl`` connect to as DEALERs (DESIGN.md §6). Each runs the same loop: receive
+``[identity, *frames]``, decode, hand the message to the socket's handler, send its reply. Bad
+input — garbage bytes, a wrong message type for the socket, a value the handler refuses — is a
+:class:`protocol.ProtocolError`: counted in ``slipstream_protocol_errors_total{socket=...}``,
+logged (at most one line per second per socket, with the number suppressed), answered with the
+socket's error reply, and the loop goes on.
+
+Sends never wait. A peer that stops reading must not stall the learner's loop (and with it every
+other server and the training step), so every send is ``NOBLOCK`` on a socket with
+``ROUTER_MANDATORY`` set: a peer whose queue is full (``SNDHWM``) or that has gone away is then an
+error the sender sees — instead of a silent drop, or an ``await`` that never returns — and
+:meth:`RouterSocket.send` returns False and counts it in ``slipstream_send_dropped_total``.
+What a dropped message means is the caller's decision (admission treats that server as lost; a
+fetch missing a chunk times out on the server, which fetches the version again when it is
+re-announced; a dropped control reply times out at ctl).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+import protocol
+from learner.metrics import LearnerMetrics
+
+Handler = Callable[[bytes, protocol.Message], Awaitable[protocol.Message | None]]
+ErrorReply = Callable[[protocol.ProtocolError, list], protocol.Message | None]
+Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
+
+LOG_EVERY_S = 1.0
+
+
+def protocol_error_reply(error: protocol.ProtocolError, frames: list) -> protocol.Message:
+    """The rollout and weights sockets' answer to bad input: an ``Error`` naming what was wrong."""
+    return protocol.Error(code="protocol_error", message=str(error), ref_id=protocol.message_id(frames))
+
+
+class RouterSocket:
+    """A bound ROUTER socket named ``name`` ("rollout", "weights", "control")."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, name: str, metrics: LearnerMetrics,
+                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic):
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock = sock
+        self.name = name
+        self.metrics = metrics
+        self.log = log
+        self.clock = clock
+        self._last_log = float("-inf")
+        self._suppressed = 0
+
+    async def send(self, identity: bytes, message: protocol.Message) -> bool:
+        """Queue ``message`` for ``identity`` without waiting; False if it could not be queued."""
+        return self.send_frames(identity, protocol.encode(message))
+
+    def send_frames(self, identity: bytes, frames: list) -> bool:
+        try:
+            # With NOBLOCK the asyncio socket sends at once and returns a finished future; its
+            # exception (EAGAIN: queue full, EHOSTUNREACH: no such peer) is raised by result().
+            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False).result()
+            return True
+        except zmq.Again:
+            reason = "full"
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            reason = "unreachable"
+        self.metrics.send_dropped.labels(socket=self.name, reason=reason).inc()
+        return False
+
+    async def serve(self, handler: Handler, error_reply: ErrorReply = protocol_error_reply) -> None:
+        """Receive, decode, handle, reply — forever (cancel the task to stop)."""
+        while True:
+            identity, *frames = await self.sock.recv_multipart(copy=True)
+            try:
+                reply = await handler(identity, protocol.decode(frames))
+            except protocol.ProtocolError as e:
+                self.refused(e)
+                reply = error_reply(e, frames)
+            if reply is not None:
+                await self.send(identity, reply)
+
+    def refused(self, error: protocol.ProtocolError, **fields: Any) -> None:
+        """Count (and, rate-limited, log) one message refused with ``error``."""
+        self.metrics.protocol_errors.labels(socket=self.name).inc()
+        now = self.clock()
+        if now - self._last_log < LOG_EVERY_S:
+            self._suppressed += 1
+            return
+        self.log("protocol_error", socket=self.name, error=str(error)[:500],
+                 suppressed=self._suppressed, **fields)
+        self._last_log, self._suppressed = now, 0
+
+    def close(self) -> None:
+        self.sock.close(0)
