@@ -101,6 +101,12 @@ class RolloutService:
         self.withheld = 0                     # credits not granted yet (outbox full, see docstring)
         self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
                                  threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
+        self.ctx = zmq.asyncio.Context()
+        self.sock: zmq.asyncio.Socket | None = None
+        self.send_lock = asyncio.Lock()
+        self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
+                             on_change=self.progress.set)
+        self.pipeline: Pipeline | None = None          # needs the engine (its vocabulary)
         self.http = HttpEndpoint(self.metrics.render, self.health)
         try:
             port = self._serve_metrics()
@@ -112,15 +118,10 @@ class RolloutService:
         except BaseException:
             self.http.close()
             self.rewarder.close()
+            self.ctx.term()
             raise
         self.model_name = os.path.basename(os.path.normpath(model_path))
         self.metrics.policy_version.set(self.engine.version)
-        self.metrics.learner_connected.set_function(lambda: float(self.connected()))
-        self.ctx = zmq.asyncio.Context()
-        self.sock: zmq.asyncio.Socket | None = None
-        self.send_lock = asyncio.Lock()
-        self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
-                             on_change=self.progress.set)
         self.pipeline = Pipeline(
             server_id=self.server_id,
             limits=Limits(max_concurrency=cfg.max_concurrency, max_new_tokens=cfg.max_new_tokens_limit,
@@ -138,6 +139,9 @@ class RolloutService:
             max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
             chunk_timeout_s=cfg.chunk_timeout_s, chunk_window=cfg.chunk_window,
             chunk_retries=cfg.chunk_retries, clock=self.clock)
+        self.metrics.learner_connected.set_function(lambda: float(self.connected()))
+        self.metrics.requests_inflight.set_function(
+            lambda: float(self.pipeline.assigned + self.outbox.samples))
 
     def _serve_metrics(self) -> int:
         """Bind /metrics. The default port, when taken (a second server on this machine), gives
@@ -264,8 +268,8 @@ class RolloutService:
                 "version": self.engine.version if self.engine is not None else None,
                 "connected": connected, "link_up": self.link_up, "stopping": self.stopping.is_set(),
                 "last_learner_message_s": None if last is None else round(self.clock() - last, 3),
-                "assigned_samples": self.pipeline.assigned if self.engine is not None else 0,
-                "unacked_results": len(self.outbox) if self.engine is not None else 0}
+                "assigned_samples": self.pipeline.assigned if self.pipeline is not None else 0,
+                "unacked_results": len(self.outbox)}
         return connected and not self.stopping.is_set(), info
 
     async def say_hello(self) -> None:
@@ -348,11 +352,8 @@ class RolloutService:
                 await self.send(protocol.Error(
                     code="assignment_refused", ref_id=protocol.message_id(frames),
                     message=f"assignment {msg.assignment_id[:200]!r} refused: {r}"))
-                return
-            self.metrics.requests_inflight.set(self.pipeline.assigned + self.outbox.samples)
         elif isinstance(msg, protocol.Ack):
             self.outbox.ack(msg)
-            self.metrics.requests_inflight.set(self.pipeline.assigned + self.outbox.samples)
             await self.grant()
         elif isinstance(msg, protocol.WeightsAvailable):
             self.receiver.offer(msg)

@@ -315,3 +315,13 @@ async def test_vllm_metrics_are_served_with_ours(ctx):
     assert "slipstream_rollout_generated_tokens_total" in text
     assert "vllm:" in text
 
+
+
+@shared_loop
+async def test_the_limits_the_service_checks_assignments_against(ctx):
+    """The pipeline refuses prompts by these: the embedding's rows and vLLM's context length."""
+    eng = ctx.engine
+    model = ctx.hf_model()
+    assert eng.vocab_size == model.get_input_embeddings().num_embeddings
+    assert eng.max_model_len == min(2048, model.config.max_position_embeddings)
+    assert eng.decode(np.array([eng.eos_id], dtype=np.int32)) == ""
