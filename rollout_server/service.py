@@ -99,8 +99,7 @@ class RolloutService:
         self.last_learner_message: float | None = None
         self.learner_echoes = False           # the learner sends Heartbeats (then silence is loss)
         self.withheld = 0                     # credits not granted yet (outbox full, see docstring)
-        self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
-                                 threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
+        self.rewarder: Rewarder | None = None
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
         self.send_lock = asyncio.Lock()
@@ -111,13 +110,17 @@ class RolloutService:
         try:
             port = self._serve_metrics()
             self.metrics_url = f"http://{cfg.metrics_host}:{port}"
+            # Then the models: a reward model (builtin:reward_model), the policy.
+            self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
+                                     threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
             if cfg.threads:
                 import torch
                 torch.set_num_threads(cfg.threads)
             self.engine = create_engine(cfg, model_path)
         except BaseException:
             self.http.close()
-            self.rewarder.close()
+            if self.rewarder is not None:
+                self.rewarder.close()
             self.ctx.term()
             raise
         self.model_name = os.path.basename(os.path.normpath(model_path))
