@@ -9,7 +9,8 @@ up (every tensor's bytes = dtype size x shape, offsets end to end, ``total_bytes
 is older than the version served or announced (``weights_version``), when its buffer would be
 larger than ``max_weights_bytes`` or its chunks larger than a frame may be, or when no Welcome
 named the weights endpoint yet (``weights_manifest``). Nothing is allocated before that.
-Re-announcing the version being served or fetched is a no-op (a learner does so after a Hello).
+Re-announcing the version being served or fetched is a no-op (a learner does so after a Hello);
+re-announcing one whose fetch failed fetches it again.
 
 Fetching (:meth:`WeightsReceiver.fetch`): one DEALER per fetch (its ``ZMQ_MAXMSGSIZE`` is the
 manifest's chunk size plus header slack, so a bigger frame is dropped by libzmq before it is
@@ -131,7 +132,7 @@ class WeightsReceiver:
         """Accept ``m`` for fetching (True) or refuse it (False, counted unless a repeat)."""
         current = self.version()
         newest = max(current, self.newest)
-        if m.version == current or m.version == self.newest:
+        if m.version == current or (self.announced is not None and m.version == self.announced.version):
             return False                                        # a repeat: nothing to do
         try:
             m.cross_check("WeightsAvailable")     # decode did this; a manifest built in-process too

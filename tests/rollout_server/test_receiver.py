@@ -173,13 +173,21 @@ async def test_a_chunk_that_never_comes_right_fails_the_fetch_and_keeps_the_old_
     assert any(e == "weights_failed" for e, _ in h.events)
 
 
-async def test_a_silent_endpoint_times_out():
+async def test_a_silent_endpoint_times_out_and_a_reannouncement_fetches_again():
     manifest, chunks = publish(1, NAMED, chunk_bytes=1024)
-    h = Harness(lambda: MemoryChannel(manifest, chunks, silent=True), chunk_timeout_s=0.05)
-    h.receiver.offer(manifest)
+    silent = [True]
+    h = Harness(lambda: MemoryChannel(manifest, chunks, silent=silent.pop(0)), chunk_timeout_s=0.05)
+    assert h.receiver.offer(manifest)
+    assert not h.receiver.offer(manifest)               # while it is pending: a repeat
     assert not await h.receiver.receive(manifest)
     assert h.count("weights_timeout") == 1 and h.applied == []
     assert h.channels[0].closed
+    silent.append(False)
+    assert h.receiver.offer(manifest)                   # the learner announces it again
+    assert await h.receiver.receive(manifest)
+    _check_applied(h, manifest)
+    assert not h.receiver.offer(manifest)               # served now: a repeat
+    assert h.count("weights_version") == 0
 
 
 async def test_an_error_reply_fails_at_once():
