@@ -9,6 +9,7 @@ Low-precision inputs are reduced in float32.
 
 from .advantages import (
     ADVANTAGE_METHODS,
+    GROUP_ADVANTAGE_METHODS,
     discounted_reverse_cumsum,
     gae,
     group_advantages,
@@ -22,6 +23,7 @@ from .importance import IS_MODES, importance_weights
 from .kl import KL_KINDS, kl_estimate
 from .logprobs import entropy_from_logits, token_logprobs, token_logprobs_from_hidden
 from .losses import dpo_loss, entropy_loss, kl_loss, ppo_policy_loss, value_loss
+from .m2po import m2po_mask
 from .masked import (
     LOSS_AGG_MODES,
     aggregate_loss,
@@ -31,11 +33,19 @@ from .masked import (
     masked_var,
     masked_whiten,
 )
-from .rewards import RunningMoments, clip_rewards, last_token_index, shape_token_rewards
+from .rewards import (
+    RunningMoments,
+    batch_normalize,
+    clip_rewards,
+    last_token_index,
+    length_penalty,
+    shape_token_rewards,
+)
 from .stats import STAT_REDUCTIONS, merge_stats
 
 __all__ = [
     "ADVANTAGE_METHODS",
+    "GROUP_ADVANTAGE_METHODS",
     "IS_MODES",
     "KL_KINDS",
     "LOSS_AGG_MODES",
@@ -45,6 +55,7 @@ __all__ = [
     "FixedKLController",
     "RunningMoments",
     "aggregate_loss",
+    "batch_normalize",
     "clip_rewards",
     "discounted_reverse_cumsum",
     "dpo_loss",
@@ -56,7 +67,9 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "last_token_index",
+    "length_penalty",
     "loss_normalizer",
+    "m2po_mask",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -19,6 +19,7 @@ from .masked import compute_dtype, masked_whiten
 
 __all__ = [
     "ADVANTAGE_METHODS",
+    "GROUP_ADVANTAGE_METHODS",
     "discounted_reverse_cumsum",
     "gae",
     "group_advantages",
@@ -27,7 +28,11 @@ __all__ = [
     "vtrace",
 ]
 
-ADVANTAGE_METHODS = ("grpo", "dr_grpo", "rloo")
+GROUP_ADVANTAGE_METHODS = ("grpo", "dr_grpo", "rloo")
+"""Estimators that need only the scores of each group (``group_advantages``)."""
+ADVANTAGE_METHODS = (*GROUP_ADVANTAGE_METHODS, "gae", "reinforce_pp")
+"""Every advantage estimator a trainer offers: the group ones, ``gae`` (with a critic) and
+``reinforce_pp`` (``reinforce_pp_advantages``, no critic, no groups)."""
 
 # Block length of the time axis in ``discounted_reverse_cumsum`` (an L×L discount matrix per block).
 _BLOCK = 32
@@ -141,8 +146,8 @@ def group_advantages(
     - ``rloo``:    r − mean of the other G − 1 = G/(G − 1)·(r − mean_g)   (Ahmadian et al. 2024;
                    Kool et al. 2019; a group of one gets 0)
     """
-    if method not in ADVANTAGE_METHODS:
-        raise ValueError(f"unknown group advantage method {method!r}; expected one of {ADVANTAGE_METHODS}")
+    if method not in GROUP_ADVANTAGE_METHODS:
+        raise ValueError(f"unknown group advantage method {method!r}; expected one of {GROUP_ADVANTAGE_METHODS}")
     if group_size < 1 or scores.numel() % group_size != 0:
         raise ValueError(f"{scores.numel()} scores cannot be split into groups of {group_size}")
     cdt = compute_dtype(scores.dtype)

@@ -12,7 +12,14 @@ AReaL, Fu et al. 2025), treated by ``mode``:
 - ``mis``     w kept where 1/C ≤ w ≤ C, else the token is masked (weight 0; masked IS / rejection);
 - ``seq_tis`` / ``seq_mis``  the same on each sequence's geometric-mean weight
               w_seq = exp(mean_t log w_t) (verl rollout-correction "sequence" level, geometric form),
-              broadcast to the sequence's tokens.
+              broadcast to the sequence's tokens;
+- ``geo_mis`` geometric rejection: a sequence is masked when w_seq leaves [1/C, C] *or* one of its
+              tokens has w_t < ``veto`` (per-token veto: one extreme token is enough); a kept
+              sequence's tokens weigh 1 — it rejects, it does not reweigh (verl's
+              ``rollout_rs: geometric`` with ``rollout_token_veto_threshold``, Liu, Li et al. 2025
+              "When speed kills stability"; DeepSeek-V3.2's off-policy sequence masking is the
+              one-sided form of the same rule). Keeps very stale data usable: most sequences pass
+              whole and unweighted, the few that drifted are dropped whole.
 
 Log-ratios are clamped to [−20, 20] before exp.
 """
@@ -26,7 +33,7 @@ from .masked import compute_dtype, masked_mean, masked_sum
 
 __all__ = ["IS_MODES", "importance_weights"]
 
-IS_MODES = ("none", "tis", "mis", "seq_tis", "seq_mis")
+IS_MODES = ("none", "tis", "mis", "seq_tis", "seq_mis", "geo_mis")
 
 
 @torch.no_grad()
@@ -36,17 +43,21 @@ def importance_weights(
     mask: torch.Tensor,
     mode: str = "tis",
     cap: float | None = 2.0,
+    veto: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Detached importance weights w = π_prox/μ -> (weights [B, T], mask [B, T], stats).
 
     proximal_logprobs, behavior_logprobs, mask: [B, T]. Returned ``weights`` are 0 wherever the
     returned ``mask`` is 0; the returned mask is the input mask with the tokens (``mis``) or sequences
-    (``seq_mis``) outside [1/cap, cap] removed, in the input mask's dtype. ``cap`` is unused by ``none``.
+    (``seq_mis``, ``geo_mis``) outside [1/cap, cap] removed, in the input mask's dtype. ``cap`` is
+    unused by ``none``. ``veto`` (> 0, or None for no veto) is the per-token veto of ``geo_mis``: a
+    sequence with a counted token whose weight is below it is removed whole; other modes ignore it.
 
     Stats (plain floats, computed on the raw weights over the counted tokens of the input mask):
     ``is_weight_mean``, ``is_weight_max``, ``is_weight_min``, ``is_ess_ratio`` = (Σw)²/(n·Σw²) ∈ (0, 1]
     (1 when on-policy; Kish's effective sample size over n), ``is_masked_fraction`` (counted tokens
     removed by mis/seq_mis), ``is_truncated_fraction`` (tokens whose weight the cap lowered),
+    ``is_veto_fraction`` (counted tokens of sequences the veto removed, ``geo_mis`` only),
     ``mismatch_kl`` = mean k3 estimate of KL(μ ‖ π_prox) (samples come from μ). The stats of
     several row parts of a batch (micro-batches) combine into the whole batch's with
     ``ops.merge_stats``.
@@ -55,6 +66,8 @@ def importance_weights(
         raise ValueError(f"unknown importance-weight mode {mode!r}; expected one of {IS_MODES}")
     if mode != "none" and (cap is None or not cap >= 1.0):
         raise ValueError(f"mode {mode!r} needs a cap >= 1, got {cap!r}")
+    if veto is not None and not veto > 0:
+        raise ValueError(f"veto must be > 0 (or None), got {veto!r}")
     cdt = compute_dtype(proximal_logprobs.dtype)
     keep = mask != 0  # [B, T] bool
     log_w = torch.clamp(proximal_logprobs.to(cdt) - behavior_logprobs.to(cdt), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -62,6 +75,7 @@ def importance_weights(
     raw = torch.exp(log_w)  # [B, T]
 
     new_keep = keep
+    vetoed = torch.zeros_like(keep)
     if mode == "none":
         w = torch.ones_like(raw)
     elif mode in ("tis", "mis"):
@@ -73,8 +87,14 @@ def importance_weights(
     if mode in ("tis", "seq_tis"):
         truncated = keep & (w > cap)
         w = torch.clamp(w, max=cap)
-    elif mode in ("mis", "seq_mis"):
+    elif mode in ("mis", "seq_mis", "geo_mis"):
         new_keep = keep & (w >= 1.0 / cap) & (w <= cap)
+    if mode == "geo_mis":
+        if veto is not None:
+            veto_row = (keep & (raw < veto)).any(dim=-1, keepdim=True)  # [B, 1]
+            vetoed = keep & veto_row
+            new_keep = new_keep & ~veto_row
+        w = torch.ones_like(raw)  # rejection only: what is kept weighs 1
     weights = torch.where(new_keep, w, torch.zeros_like(w))
 
     n = keep.sum()
@@ -89,6 +109,7 @@ def importance_weights(
         "is_ess_ratio": ess,
         "is_masked_fraction": masked_mean((keep & ~new_keep).to(cdt), keep).item(),
         "is_truncated_fraction": masked_mean(truncated.to(cdt), keep).item(),
+        "is_veto_fraction": masked_mean(vetoed.to(cdt), keep).item(),
         "mismatch_kl": masked_mean(kl_estimate(behavior_logprobs, proximal_logprobs, "k3"), keep).item(),
     }
     out_mask = new_keep if mask.dtype == torch.bool else torch.where(new_keep, mask, torch.zeros_like(mask))

@@ -1,4 +1,5 @@
-"""Reward shaping: per-token rewards with a KL penalty, length penalty, clipping, running moments."""
+"""Reward shaping: per-token rewards with a KL penalty, length penalty, clipping, batch and running
+normalization."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import torch
 
 from .masked import compute_dtype
 
-__all__ = ["RunningMoments", "clip_rewards", "last_token_index", "shape_token_rewards"]
+__all__ = [
+    "RunningMoments",
+    "batch_normalize",
+    "clip_rewards",
+    "last_token_index",
+    "length_penalty",
+    "shape_token_rewards",
+]
 
 
 def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +62,30 @@ def clip_rewards(scores: torch.Tensor, limit: float | None) -> torch.Tensor:
     if not limit > 0:
         raise ValueError(f"clip limit must be > 0, got {limit}")
     return torch.clamp(scores, -limit, limit)
+
+
+def length_penalty(scores: torch.Tensor, lengths: torch.Tensor, coef: float, max_length: float) -> torch.Tensor:
+    """s − coef · n / n_max: a linear penalty on the completion length n (tokens), as a fraction of
+    the longest allowed completion n_max. scores, lengths: [B] -> [B] (coef = 0: unchanged).
+
+    One penalty for every length, so a short correct answer beats a long one by at most ``coef``;
+    the completion-length trend is visible in the reward itself.
+    """
+    if not max_length > 0:
+        raise ValueError(f"max_length must be > 0, got {max_length}")
+    if coef == 0.0:
+        return scores
+    cdt = compute_dtype(scores.dtype)
+    return scores.to(cdt) - coef * lengths.to(cdt) / max_length
+
+
+def batch_normalize(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(s − mean) / (std + eps) over the batch (unbiased std; one score gives 0): [B] -> [B]."""
+    cdt = compute_dtype(scores.dtype)
+    s = scores.to(cdt)
+    if s.numel() < 2:
+        return s - s.mean() if s.numel() else s
+    return (s - s.mean()) / (s.std() + eps)
 
 
 class RunningMoments:

@@ -195,13 +195,20 @@ def ppo_token_losses_loop(logprobs, proximal, advantages, mask, clip_low, clip_h
     return out
 
 
-def importance_loop(prox, behav, mask, mode, cap):
+def importance_loop(prox, behav, mask, mode, cap, veto=None):
     """Returns (weights, keep) as float64 / bool tensors, per the mode definitions, token by token."""
     B, T = prox.shape
     w = torch.zeros(B, T, dtype=torch.float64)
     keep = torch.zeros(B, T, dtype=torch.bool)
     for b, ts in enumerate(_rows(mask)):
         raw = [math.exp(min(max(float(prox[b, t]) - float(behav[b, t]), -20.0), 20.0)) for t in ts]
+        if mode == "geo_mis":
+            geo = math.exp(sum(math.log(x) for x in raw) / len(raw)) if raw else 1.0
+            vetoed = veto is not None and any(x < veto for x in raw)
+            if 1.0 / cap <= geo <= cap and not vetoed:
+                for t in ts:
+                    w[b, t], keep[b, t] = 1.0, True
+            continue
         if mode.startswith("seq"):
             geo = math.exp(sum(math.log(x) for x in raw) / len(raw)) if raw else 1.0
             raw = [geo] * len(ts)
@@ -213,3 +220,66 @@ def importance_loop(prox, behav, mask, mode, cap):
             elif 1.0 / cap <= x <= cap:
                 w[b, t], keep[b, t] = x, True
     return w, keep
+
+
+def m2po_loop(prox, behav, mask, threshold):
+    """M2PO as its paper says it: remove the counted token of largest (log w)², one at a time, until
+    the mean of (log w)² over the rest is <= threshold (among equal values the later row-major
+    position goes first). Returns keep (bool [B, T])."""
+    sq = {}
+    for b, ts in enumerate(_rows(mask)):
+        for t in ts:
+            lw = min(max(float(prox[b, t]) - float(behav[b, t]), -20.0), 20.0)
+            sq[(b, t)] = lw * lw
+    # float32 like the fast version's inputs, so ties and the threshold compare the same numbers
+    sq = {k: float(torch.tensor(v, dtype=torch.float32)) for k, v in sq.items()}
+    kept = sorted(sq, key=lambda k: (sq[k], k))          # ascending value, then position
+    while kept and sum(sq[k] for k in kept) / len(kept) > threshold:
+        kept.pop()                                       # the largest (last among equals)
+    keep = torch.zeros(mask.shape, dtype=torch.bool)
+    for k in kept:
+        keep[k] = True
+    return keep
+
+
+def kl_token_loop(lp, ref, kind):
+    """Per-token KL(π ‖ π_ref) estimates from Schulman's note, one token at a time: [B, T] float64."""
+    B, T = lp.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            lr = float(ref[b, t]) - float(lp[b, t])      # log (π_ref / π)
+            if kind == "k1":
+                out[b, t] = -lr
+            elif kind == "k2":
+                out[b, t] = 0.5 * lr * lr
+            else:
+                lr = min(max(lr, -20.0), 20.0)
+                out[b, t] = math.expm1(lr) - lr
+    return out
+
+
+def value_token_losses_loop(v, old, ret, clip):
+    """½·max((V − R)², (V_clip − R)²) per token (½(V − R)² without clip): [B, T] float64."""
+    loss = torch.zeros(v.shape, dtype=torch.float64)
+    for b in range(v.shape[0]):
+        for t in range(v.shape[1]):
+            e1 = (float(v[b, t]) - float(ret[b, t])) ** 2
+            if clip is None:
+                loss[b, t] = 0.5 * e1
+            else:
+                vc = float(old[b, t]) + min(max(float(v[b, t]) - float(old[b, t]), -clip), clip)
+                loss[b, t] = 0.5 * max(e1, (vc - float(ret[b, t])) ** 2)
+    return loss
+
+
+def shape_token_rewards_loop(scores, mask, kl, coef):
+    """−coef·KL_t on every counted token, plus the score on the last counted one: [B, T] float64."""
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b, ts in enumerate(_rows(mask)):
+        for t in ts:
+            out[b, t] = -coef * float(kl[b, t]) if kl is not None else 0.0
+        if ts:
+            out[b, ts[-1]] += float(scores[b])
+    return out

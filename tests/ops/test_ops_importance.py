@@ -22,11 +22,12 @@ def _batch(B=4, T=6, seed=0, spread=0.8, p=0.75):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), mode=st.sampled_from(IS_MODES), cap=st.sampled_from([1.5, 2.0, 5.0]))
-def test_modes_match_loop_twin(seed, mode, cap):
+@given(seed=st.integers(0, 2**16), mode=st.sampled_from(IS_MODES), cap=st.sampled_from([1.5, 2.0, 5.0]),
+       veto=st.sampled_from([None, 0.3, 0.6]))
+def test_modes_match_loop_twin(seed, mode, cap, veto):
     prox, behav, mask = _batch(seed=seed)
-    w, m, stats = importance_weights(prox, behav, mask, mode, cap)
-    w_ref, keep_ref = importance_loop(prox, behav, mask, mode, cap)
+    w, m, stats = importance_weights(prox, behav, mask, mode, cap, veto=veto)
+    w_ref, keep_ref = importance_loop(prox, behav, mask, mode, cap, veto=veto)
     assert m.dtype == mask.dtype and torch.equal(m.bool(), keep_ref)
     torch.testing.assert_close(w.double(), w_ref, atol=1e-5, rtol=1e-5)
     assert not w.requires_grad
@@ -78,6 +79,29 @@ def test_seq_modes_use_geometric_mean_and_ignore_padding():
     w, m, _ = importance_weights(prox, behav, mask, "seq_mis", 5.0)
     assert m.tolist() == [[True, True, False], [False, False, False]]
     assert torch.isfinite(w).all()
+
+
+def test_geo_mis_rejects_whole_sequences_keeps_the_rest_unweighted_and_vetoes():
+    # row 0: log w = (0.3, −0.3) -> geometric mean 1, every token kept with weight 1
+    # row 1: log w = (1.0, 1.0) -> geometric mean e > 2: the whole row is rejected
+    # row 2: log w = (2.5, −2.6) -> geometric mean e^−0.05 inside [1/2, 2], but token 2 has
+    #        w = e^−2.6 ≈ 0.074 < veto 0.1: vetoed (without the veto it is kept)
+    prox = torch.tensor([[0.3, -0.3], [1.0, 1.0], [2.5, -2.6]])
+    behav = torch.zeros(3, 2)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    w, m, stats = importance_weights(prox, behav, mask, "geo_mis", 2.0, veto=0.1)
+    assert m.tolist() == [[True, True], [False, False], [False, False]]
+    torch.testing.assert_close(w, torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]))
+    assert stats["is_masked_fraction"] == pytest.approx(4 / 6)
+    assert stats["is_veto_fraction"] == pytest.approx(2 / 6)
+    _, m, stats = importance_weights(prox, behav, mask, "geo_mis", 2.0)
+    assert m.tolist() == [[True, True], [False, False], [True, True]]
+    assert stats["is_veto_fraction"] == 0.0
+    # the veto is geo_mis's: other modes ignore it
+    w_tis, _, _ = importance_weights(prox, behav, mask, "tis", 2.0, veto=0.1)
+    torch.testing.assert_close(w_tis, torch.exp(prox).clamp(max=2.0))
+    with pytest.raises(ValueError):
+        importance_weights(prox, behav, mask, "geo_mis", 2.0, veto=0.0)
 
 
 def test_all_masked_and_bad_arguments():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_twins import aggregate_loop, ppo_token_losses_loop
+from ops_twins import aggregate_loop, ppo_token_losses_loop, value_token_losses_loop
 
 from ops import dpo_loss, entropy_loss, kl_estimate, kl_loss, masked_mean, ppo_policy_loss, value_loss
 
@@ -141,16 +141,7 @@ def test_ppo_bf16_input():
 # --- value -------------------------------------------------------------------------------------------
 
 def _value_loop(v, old, ret, mask, clip, agg):
-    loss = torch.zeros(v.shape, dtype=torch.float64)
-    for b in range(v.shape[0]):
-        for t in range(v.shape[1]):
-            e1 = (float(v[b, t]) - float(ret[b, t])) ** 2
-            if clip is None:
-                loss[b, t] = e1
-            else:
-                vc = float(old[b, t]) + min(max(float(v[b, t]) - float(old[b, t]), -clip), clip)
-                loss[b, t] = max(e1, (vc - float(ret[b, t])) ** 2)
-    return 0.5 * aggregate_loop(loss, mask, agg)
+    return aggregate_loop(value_token_losses_loop(v, old, ret, clip), mask, agg)
 
 
 @pytest.mark.parametrize("agg", AGGS)

@@ -8,29 +8,22 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ops_twins import shape_token_rewards_loop
 
 from ops import (
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,
+    batch_normalize,
     clip_rewards,
     last_token_index,
+    length_penalty,
     pf_ppo_resample,
     pf_ppo_weights,
     shape_token_rewards,
 )
 
-
-def _shape_loop(scores, mask, kl, coef):
-    B, T = mask.shape
-    out = torch.zeros(B, T, dtype=torch.float64)
-    for b in range(B):
-        counted = [t for t in range(T) if mask[b, t]]
-        for t in counted:
-            out[b, t] = -coef * float(kl[b, t]) if kl is not None else 0.0
-        if counted:
-            out[b, counted[-1]] += float(scores[b])
-    return out
+_shape_loop = shape_token_rewards_loop
 
 
 @settings(max_examples=40, deadline=None)
@@ -140,3 +133,17 @@ def test_pf_ppo_weights_match_verl():
     assert torch.equal(idx, pf_ppo_resample(w, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError):
         pf_ppo_weights(s, "min")
+
+
+def test_length_penalty_and_batch_normalize():
+    scores = torch.tensor([1.0, 0.0, 1.0])
+    lengths = torch.tensor([2, 4, 4])
+    # s − 0.1 · n / 4
+    torch.testing.assert_close(length_penalty(scores, lengths, 0.1, 4), torch.tensor([0.95, -0.1, 0.9]))
+    assert length_penalty(scores, lengths, 0.0, 4) is scores
+    with pytest.raises(ValueError):
+        length_penalty(scores, lengths, 0.1, 0)
+    out = batch_normalize(torch.tensor([1.0, 2.0, 3.0]))
+    torch.testing.assert_close(out, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
+    assert batch_normalize(torch.tensor([5.0])).tolist() == [0.0]
+    assert batch_normalize(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
