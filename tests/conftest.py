@@ -143,7 +143,10 @@ class ProcessGroups:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.stop(proc, grace_s=0)
-            out, err = proc.communicate()
+            try:
+                out, err = proc.communicate(timeout=GROUP_STOP_S)
+            except subprocess.TimeoutExpired:    # something that left the group holds the pipes
+                out, err = "", "(unreadable: a process outside the group still holds the pipes)"
             pytest.fail(f"{' '.join(map(str, cmd))} ran over {timeout}s (its process group was killed)"
                         f"\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
