@@ -153,6 +153,16 @@ class LeaseTable:
             self._lose(lease, retry, exhausted)
         return retry, exhausted
 
+    def release(self, assignment_id: str, holder: str) -> tuple[list[Lease], list[Lease]]:
+        """``holder`` gave one lease back (it refused the assignment): lose it now, if it is
+        ACTIVE and held by ``holder``. Returns ``(retry, exhausted)``."""
+        retry: list[Lease] = []
+        exhausted: list[Lease] = []
+        lease = self._leases.get(assignment_id)
+        if lease is not None and lease.state is LeaseState.ACTIVE and lease.holder == holder:
+            self._lose(lease, retry, exhausted)
+        return retry, exhausted
+
     def reissue(self, lease: Lease, holder: str, version: int | None = None) -> Lease:
         """Hand an EXPIRED lease to ``holder``: attempt + 1, a fresh deadline. Returns the lease.
 

@@ -325,7 +325,14 @@ class RolloutBuffer:
 
     def release_holder(self, holder: str) -> list[Lease]:
         """``holder`` is gone: its leases are lost now. Returns those to :meth:`reissue`."""
-        retry, exhausted = self.leases.release_holder(holder)
+        return self._released(*self.leases.release_holder(holder))
+
+    def release(self, assignment_id: str, holder: str) -> list[Lease]:
+        """``holder`` refused one assignment: its lease is lost now (a no-op unless ``holder``
+        holds it). Returns it for :meth:`reissue`, or nothing when it is out of attempts."""
+        return self._released(*self.leases.release(assignment_id, holder))
+
+    def _released(self, retry: list[Lease], exhausted: list[Lease]) -> list[Lease]:
         for lease in retry:
             self._n["released"] += self.remaining(lease.assignment_id)
         for lease in exhausted:

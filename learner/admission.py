@@ -33,6 +33,10 @@ holder was lost go to the next eligible server, same assignment id, attempt + 1,
 current version. The buffer keeps the first copy of every sample and answers later ones
 ``duplicate``: nothing lost, nothing trained twice.
 
+Refusals. A server that cannot take an assignment (its limits: prompt length, vocabulary,
+group size) answers ``Error(code="assignment_refused", ref_id=assignment_id)``; the lease is
+released at once (:meth:`Admission.refused`) and re-issued, at most ``max_attempts`` times in all.
+
 Weights. :meth:`Admission.announce` sends each new manifest to every server; a server that
 rejoins, or is still behind the newest version ``reannounce_s`` after it was announced to it,
 gets it again (with its next heartbeat).
@@ -156,8 +160,10 @@ class Admission:
                          group_size=self.buffer.group_size,
                          hint="a server gets whole groups: raise its max_concurrency to >= group_size")
         else:
+            # A server grants all its free slots after every Welcome: credits carried over from
+            # before the Hello would be counted twice.
             srv.max_concurrency = msg.max_concurrency
-            srv.credits = max(0, min(srv.credits, msg.max_concurrency - self.outstanding(srv)))
+            srv.credits = 0
             self.log("server_rejoined", server=msg.server_id, server_version=msg.version,
                      credits=srv.credits)
         srv.last_seen = now
@@ -198,6 +204,16 @@ class Admission:
                      checksum=msg.checksum, expected=expected)
         await self.dispatch()
         return ok
+
+    async def refused(self, srv: ServerState, assignment_id: str, reason: str) -> None:
+        """``srv`` refused an assignment (``Error(code="assignment_refused")``): its lease goes back
+        for re-issue at once instead of waiting for its deadline (after ``max_attempts`` refusals
+        the assignment is given up and counted failed); the credits it used are not returned."""
+        released = self.buffer.release(assignment_id, srv.server_id)
+        self.reissue.extend(released)
+        self.log("assignment_refused", server=srv.server_id, assignment_id=assignment_id[:200],
+                 reason=reason[:500], reissued=bool(released))
+        await self.dispatch()
 
     def _set_version(self, srv: ServerState, version: int, force: bool = False) -> bool:
         changed = version != srv.version

@@ -38,6 +38,9 @@ class LearnerMetrics:
         self.credits_refused = Counter(
             "slipstream_credits_refused", "Credits asked for beyond a server's declared "
             "max_concurrency (ignored), in samples", registry=r)
+        self.server_errors = Counter(
+            "slipstream_server_errors", "Errors rollout servers reported (assignment_refused: a "
+            "server's limits refused an assignment, which is re-issued)", ["code"], registry=r)
         self.servers_lost = Counter("slipstream_rollout_servers_lost",
                                     "Rollout servers dropped (timed out or unreachable)", ["reason"],
                                     registry=r)

@@ -58,7 +58,10 @@ class RouterSocket:
 
     async def send(self, identity: bytes, message: protocol.Message) -> bool:
         """Queue ``message`` for ``identity`` without waiting; False if it could not be queued."""
-        return self.send_frames(identity, protocol.encode(message))
+        # An Assignment's message id is its assignment id, so a server's refusal
+        # (Error.ref_id) names the lease directly.
+        msg_id = message.assignment_id if type(message) is protocol.Assignment else None
+        return self.send_frames(identity, protocol.encode(message, msg_id))
 
     def send_frames(self, identity: bytes, frames: list) -> bool:
         try:

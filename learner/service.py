@@ -65,6 +65,10 @@ def vocab_size(trainer) -> int:
     return int(size) if size is not None else int(trainer.model.get_input_embeddings().num_embeddings)
 
 
+SERVER_ERROR_CODES = ("assignment_refused", "protocol_error")
+"""Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
+
+
 class LearnerService:
     """One learner process. ``await run()`` serves until the last step (or ``stop``); returns the
     exit code. ``ready`` is set once every socket is bound and the model is loaded."""
@@ -244,9 +248,13 @@ class LearnerService:
         return await self.sockets["rollout"].send(identity, message)
 
     def _welcome(self) -> protocol.Welcome:
-        return protocol.Welcome(learner_id=f"learner-{os.getpid()}", run_id=self.run_id,
+        return protocol.Welcome(learner_id=self.learner_id, run_id=self.run_id,
                                 version=self.version, weights_endpoint=self.endpoints["weights"],
                                 weights_kind=self.weights.kind)
+
+    @property
+    def learner_id(self) -> str:
+        return f"learner-{os.getpid()}"
 
     def sampling(self) -> protocol.SamplingParams:
         cfg = self.cfg
@@ -278,7 +286,7 @@ class LearnerService:
             return None
         srv = a.touch(identity)
         if isinstance(msg, (protocol.WorkRequest, protocol.RolloutResult, protocol.Heartbeat,
-                            protocol.WeightsApplied)):
+                            protocol.WeightsApplied, protocol.Error)):
             if srv is None:
                 return protocol.Error(code="unknown_server", message="say Hello first")
         else:
@@ -295,6 +303,16 @@ class LearnerService:
             self.update_gauges()
         elif isinstance(msg, protocol.Heartbeat):
             await a.heartbeat(srv, msg)
+            # Echoed, so a server can tell a live learner from a hung one (its /healthz).
+            return protocol.Heartbeat(sender_id=self.learner_id, version=self.version)
+        elif isinstance(msg, protocol.Error):
+            code = msg.code if msg.code in SERVER_ERROR_CODES else "other"
+            self.metrics.server_errors.labels(code=code).inc()
+            if msg.code == "assignment_refused":
+                await a.refused(srv, msg.ref_id, msg.message)
+            else:
+                self.log("server_error", server=srv.server_id, code=msg.code[:100],
+                         message=msg.message[:500])
         else:
             await a.weights_applied(srv, msg)
         return None

@@ -63,8 +63,10 @@ class FakeServer:
         self.seen.append(msg)
         return msg
 
-    async def expect(self, cls, timeout_s: float = 30.0, skip=(protocol.WeightsAvailable,)):
-        """The next message of type ``cls`` (skipping the types in ``skip``)."""
+    async def expect(self, cls, timeout_s: float = 30.0,
+                     skip=(protocol.WeightsAvailable, protocol.Heartbeat)):
+        """The next message of type ``cls`` (skipping the types in ``skip``; the learner echoes
+        every heartbeat)."""
         while True:
             msg = await self.recv(timeout_s)
             if isinstance(msg, cls):
@@ -83,7 +85,8 @@ class FakeServer:
     async def hello(self, version: int = 0) -> protocol.Welcome:
         await self.send(protocol.Hello(server_id=self.server_id, engine="fake", model="tiny",
                                        version=version, max_concurrency=self.max_concurrency))
-        return await self.expect(protocol.Welcome, skip=(protocol.WeightsAvailable, protocol.Assignment))
+        return await self.expect(protocol.Welcome, skip=(protocol.WeightsAvailable, protocol.Assignment,
+                                                         protocol.Heartbeat))
 
     async def work(self, credits: int) -> None:
         await self.send(protocol.WorkRequest(server_id=self.server_id, credits=credits))

@@ -96,6 +96,7 @@ async def test_huge_work_request_with_heartbeats_does_not_freeze_training(tmp_pa
             beating = asyncio.create_task(beat())
             async with HonestServer(svc.endpoints["rollout"]) as good:
                 await good.wait_version(3, timeout_s=60)
+            beating.cancel()                                     # (the learner echoes each beat)
             got = [m for m in await bad.drain() if isinstance(m, protocol.Assignment)]
             assert got == []                                     # one group (2 samples) in all
             assert metric(svc, "slipstream_credits_refused_total") == 10**12 - 2
@@ -103,6 +104,39 @@ async def test_huge_work_request_with_heartbeats_does_not_freeze_training(tmp_pa
             if beating is not None:
                 beating.cancel()
             bad.close()
+
+
+async def test_heartbeat_is_echoed_with_the_learner_version(tmp_path, tiny_model_dir):
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        s = FakeServer(svc.endpoints["rollout"], "beater", max_concurrency=4)
+        try:
+            await s.hello()
+            await s.heartbeat(0)
+            echo = await s.expect(protocol.Heartbeat, skip=(protocol.WeightsAvailable, protocol.Assignment))
+            assert echo.sender_id.startswith("learner-") and echo.version == svc.version
+        finally:
+            s.close()
+
+
+async def test_refused_assignment_is_reissued_at_once(tmp_path, tiny_model_dir):
+    """A server that cannot take an assignment says so; the lease comes back for re-issue now,
+    not after its deadline (lease_timeout_s is 120 s here), and is given up after max_attempts."""
+    cfg = learner_config(tmp_path, batch_prompts=2)
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        s = FakeServer(svc.endpoints["rollout"], "picky", max_concurrency=2)
+        try:
+            await s.hello()
+            await s.work(2)
+            first = await s.expect(protocol.Assignment)
+            await s.send(protocol.Error(code="assignment_refused", message="prompt too long",
+                                        ref_id=first.assignment_id))
+            await s.work(2)
+            again = await s.expect(protocol.Assignment, timeout_s=10)
+            assert (again.assignment_id, again.attempt) == (first.assignment_id, 2)
+            assert metric(svc, "slipstream_server_errors_total", code="assignment_refused") == 1
+            assert svc.buffer.counters["released"] == 2
+        finally:
+            s.close()
 
 
 async def test_repeated_hello_adds_no_credits(tmp_path, tiny_model_dir):
