@@ -8,14 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# build_model / build_tokenizer are re-exported for callers that still import them from here
-# (tests/rollout_server, tests/bench); new code imports learner.models.builtin.
-from learner.models.builtin import (  # noqa: F401
-    BUILTIN_MODELS,
-    build_model,
-    build_tokenizer,
-    ensure_builtin_model,
-)
+from learner.models.builtin import BUILTIN_MODELS, ensure_builtin_model
 from protocol.errors import StartupError
 
 

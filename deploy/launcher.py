@@ -18,6 +18,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -130,6 +131,30 @@ def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int]:
     return learner, rollout
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _server_metrics_port(cfg: SlipstreamConfig, index: int) -> int:
+    """``rollout.metrics_port + index`` (0 stays 0: any free port). When the user did not choose
+    the port and it is taken (another run on this machine), any free port instead, said on stdout
+    (a port the user chose and that is taken stays an error of that server)."""
+    base = cfg.rollout.metrics_port
+    if not base:
+        return 0
+    port = base + index
+    if "metrics_port" not in cfg.rollout.model_fields_set and not _port_free(cfg.rollout.metrics_host, port):
+        print(f"[run] rollout-{index}: metrics port {port} is in use; it gets a free one "
+              f"(set rollout.metrics_port to choose)", flush=True)
+        return 0
+    return port
+
+
 def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str]) -> int:
     from deploy.builtin import resolve_model
     from learner.data import PromptSource
@@ -160,7 +185,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
     def start_servers(endpoint: str) -> None:
         print(TABLE_HEADER, flush=True)
         for i in range(cfg.launcher.num_rollout_servers):
-            port = cfg.rollout.metrics_port + i if cfg.rollout.metrics_port else 0
+            port = _server_metrics_port(cfg, i)
             cmd = [*base, "rollout", "--config", str(cfg_file), "--learner", endpoint,
                    "--set", f"rollout.server_id=rollout-{i}",
                    "--set", f"rollout.metrics_port={port}",

@@ -129,6 +129,7 @@ class RolloutConfig(BaseModel):
     seed: int = 0
     """Sampling seed (offset by the server's index in `slipstream run`)."""
     threads: int = Field(0, ge=0)
-    """torch intra-op threads (0 = torch's default)."""
+    """torch intra-op threads (0 = torch's default; under `slipstream run`, 0 = this server's share
+    of the cores, see deploy/cores.py)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Engine dtype (float32 on CPU)."""

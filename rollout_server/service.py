@@ -111,8 +111,11 @@ class RolloutService:
             port = self._serve_metrics()
             self.metrics_url = f"http://{cfg.metrics_host}:{port}"
             # Then the models: a reward model (builtin:reward_model), the policy.
-            self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
-                                     threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
+            try:
+                self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
+                                         threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
+            except ValueError as e:        # a spec, an import or a reward model that cannot work
+                raise protocol.StartupError(f"rollout.reward: {e}") from None
             if cfg.threads:
                 import torch
                 torch.set_num_threads(cfg.threads)

@@ -8,8 +8,8 @@
    to and including EOS. The ratio is the median over pairs of tokens per CPU-second (run with
    ``--threads 1`` on a shared machine). Target: engine >= 0.9x bare.
 2. LoRA update latency, publish -> applied (SmolLM2-135M, r=16 on every attention and MLP
-   projection): ``WeightPublisher.publish`` (flatten + chunk checksums) -> chunked fetch over real
-   ZeroMQ loopback with checksum verification (``RolloutService.fetch_weights``) -> unflatten ->
+   projection): ``WeightsServer.publish`` (flatten + chunk checksums) -> chunked fetch over real
+   ZeroMQ loopback with checksum verification (``WeightsReceiver.fetch``) -> unflatten ->
    ``engine.update_weights`` — the rollout server's own path. The first update wraps the model with
    PEFT; later ones copy tensors in place (reported separately). Target: <= 1 s.
 3. Full-weight update latency along the same path (every parameter, float32).
@@ -36,11 +36,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from learner.publisher import WeightPublisher  # noqa: E402
-from ops.tensor_bytes import unflatten_tensors  # noqa: E402
+from learner.weights_server import WeightsServer  # noqa: E402
 from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
 from rollout_server.service import RolloutService  # noqa: E402
+from rollout_server.weights import unflatten  # noqa: E402
 
 TARGET_RATIO = 0.9
 TARGET_LORA_S = 1.0
@@ -51,7 +51,7 @@ def cache_root() -> Path:
 
 
 def tiny_model() -> str:
-    from deploy.builtin import build_model, build_tokenizer
+    from learner.models.builtin import build_model, build_tokenizer
 
     path = cache_root() / "tiny-llama"
     if not (path / "config.json").exists():
@@ -162,10 +162,9 @@ async def _publish_to_applied(svc, publisher, version: int, named, kind: str, lo
         manifest.metadata["lora"] = lora_cfg
     manifest = protocol.decode(protocol.encode(manifest))      # as the server receives it
     t1 = time.perf_counter()
-    buf = await svc.fetch_weights(manifest)
+    buf = await svc.receiver.fetch(manifest)
     t2 = time.perf_counter()
-    tensors = unflatten_tensors(buf, [{"name": t.name, "dtype": t.dtype, "shape": t.shape,
-                                       "offset": t.offset, "nbytes": t.nbytes} for t in manifest.tensors])
+    tensors = unflatten(buf, manifest.tensors)
     apply_s = await svc.engine.update_weights(WeightUpdate(version=version, kind=kind, tensors=tensors,
                                                            lora_config=manifest.metadata.get("lora", {})))
     t3 = time.perf_counter()
@@ -198,14 +197,14 @@ async def bench_updates(model_dir: str, reps: int, full: bool) -> dict:
     ctx = zmq.asyncio.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    svc.weights_endpoint = f"tcp://127.0.0.1:{port}"
+    svc.receiver.welcome(f"tcp://127.0.0.1:{port}")
     out: dict = {}
     stop = asyncio.Event()
-    lora_pub = WeightPublisher(chunk_bytes=64 << 20, kind="lora")
+    lora_pub = WeightsServer(chunk_bytes=64 << 20, kind="lora")
     server = asyncio.create_task(_serve_chunks(router, lora_pub, stop))
     try:
         if full:   # before LoRA: a full update after LoRA is refused by design
-            full_pub = WeightPublisher(chunk_bytes=64 << 20, kind="full")
+            full_pub = WeightsServer(chunk_bytes=64 << 20, kind="full")
             server.cancel()
             server = asyncio.create_task(_serve_chunks(router, full_pub, stop))
             runs = []

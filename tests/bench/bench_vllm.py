@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 
 
 def build_tiny(path: str) -> str:
-    from deploy.builtin import build_model, build_tokenizer
+    from learner.models.builtin import build_model, build_tokenizer
 
     tok = build_tokenizer()
     build_model(tok).save_pretrained(path)

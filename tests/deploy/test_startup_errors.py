@@ -146,3 +146,24 @@ def test_launcher_shows_a_childs_error_line_and_a_crash_traceback(capsys):
     assert "[run] rollout-0 exited with code 1" in out
     assert "[rollout-0] Traceback (most recent call last):" in out
     assert "[rollout-0] RuntimeError: boom" in out
+
+
+def test_unknown_reward_is_one_line(tmp_path, tiny_model_dir, capsys):
+    cfg = _config(tmp_path, model=tiny_model_dir, rollout={"reward": "builtin:nope", "metrics_port": 0})
+    assert main(["rollout", "--config", cfg, "--learner", "tcp://127.0.0.1:1"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "rollout.reward" in line and "builtin:nope" in line
+
+
+def test_launcher_gives_a_server_a_free_metrics_port_when_the_default_is_taken(taken_port, capsys):
+    from deploy.config import load_config
+
+    cfg = load_config(None, [])
+    cfg.rollout.__dict__["metrics_port"] = taken_port          # as the default, not set by the user
+    assert "metrics_port" not in cfg.rollout.model_fields_set
+    assert launcher._server_metrics_port(cfg, 0) == 0
+    assert f"metrics port {taken_port} is in use" in capsys.readouterr().out
+    assert launcher._server_metrics_port(cfg, 1) == taken_port + 1 or not launcher._port_free(
+        "127.0.0.1", taken_port + 1)
+    chosen = load_config(None, [f"rollout.metrics_port={taken_port}"])
+    assert launcher._server_metrics_port(chosen, 0) == taken_port     # the user's choice stands

@@ -103,7 +103,7 @@ CHAT = ("{% for m in messages %}{{ '<s>' if loop.first else '' }}{{ m['role'][0]
 def _save_rm(path, chat_template: str | None = CHAT):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from deploy.builtin import build_tokenizer
+    from learner.models.builtin import build_tokenizer
 
     tok = build_tokenizer()
     if chat_template:
