@@ -1,4 +1,12 @@
-"""Learner configuration: one pydantic model, every field documented where it is defined."""
+"""Learner configuration: one pydantic model, every field documented where it is defined.
+
+The algorithm keys (DESIGN.md §4) in the order a policy step uses them: the no-grad passes
+(``recompute_logprobs``, the reference for ``kl_coef``, the critic for ``advantage: gae``), the
+rewards (``length_penalty``, ``reward_clip``, ``reward_norm``, ``kl_in_reward``), the advantages
+(``advantage``, ``whiten_advantages``, ``critic_targets``), the batch filter (``batch_filter``),
+the importance weights (``is_mode``, ``m2po_threshold``) and the updates (``ppo_epochs`` over
+``mini_batch_samples``, each in ``micro_batch_samples``; clips, coefficients, schedules).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
-from ops import ADVANTAGE_METHODS, IS_MODES, LOSS_AGG_MODES
+from ops import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+REWARD_NORMS = ("none", "batch", "running")
+BATCH_FILTERS = ("none", "pf_ppo")
+KL_CONTROLLERS = ("fixed", "adaptive")
+CRITIC_TARGETS = ("gae", "vtrace")
 
 
 class LearnerConfig(BaseModel):
@@ -60,28 +74,116 @@ class LearnerConfig(BaseModel):
     group_size: int = Field(8, ge=1)
     """Completions per prompt (GRPO/RLOO groups)."""
     micro_batch_samples: int = Field(32, ge=1)
-    """Samples per forward/backward pass (gradient accumulation over the batch)."""
+    """Samples per forward/backward pass (gradient accumulation within a mini-batch)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch; every pass reshuffles it into mini-batches, one optimizer step each."""
+    mini_batch_samples: int = Field(0, ge=0)
+    """Samples per optimizer step (0 = the whole batch: one optimizer step per epoch)."""
     lr: float = Field(3e-4, gt=0)
-    """AdamW learning rate."""
+    """AdamW learning rate of the policy (the peak, when a schedule is set)."""
+    lr_schedule: Literal[LR_SCHEDULES] = "constant"
+    """Policy learning-rate schedule over total_steps policy steps, after lr_warmup_steps."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Policy steps of linear learning-rate warm-up from 0 to lr."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where linear and cosine schedules end, as a fraction of the peak learning rate."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """AdamW weight decay (policy and critic)."""
     max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient clipping by global norm."""
+    """Policy gradient clipping by global norm, once per optimizer step (after accumulation)."""
+    disable_dropout: bool = True
+    """Set every dropout of the policy and critic to 0: the proximal pass and the gradient forward
+    must see the same function, or the ratio is not 1 at the first mini-batch."""
 
     advantage: Literal[ADVANTAGE_METHODS] = "grpo"
-    """Group advantage estimator."""
+    """Advantage estimator: grpo, dr_grpo, rloo (groups), gae (critic), reinforce_pp (whitened returns)."""
+    whiten_advantages: bool = False
+    """Whiten the advantages over the batch's completion tokens (reinforce_pp always is)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount per token (gae, reinforce_pp, vtrace)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
     clip_low: float = Field(0.2, ge=0, lt=1)
     """PPO ratio clip below 1 (epsilon_low)."""
     clip_high: float = Field(0.2, ge=0)
     """PPO ratio clip above 1 (epsilon_high)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """PPO dual-clip c > 1 bounding the loss of negative advantages at c·|A| (null = off)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: the policy loss minus entropy_coef times the aggregated entropy."""
     loss_agg: Literal[LOSS_AGG_MODES] = "token_mean"
     """How token losses are aggregated."""
+    target_kl: float | None = Field(None, gt=0)
+    """Stop the rest of the step's updates once a mini-batch's approx KL to the proximal policy
+    exceeds this (checked before each update after the first; null = never)."""
     recompute_logprobs: bool = True
-    """Recompute proximal log-probs with the learner's weights at step start (DESIGN §4)."""
+    """Recompute proximal log-probs with the learner's weights at step start (DESIGN §4); false
+    uses the behavior log-probs (w = 1)."""
     is_mode: Literal[IS_MODES] = "tis"
     """Behavior importance-weight correction mode."""
     is_cap: float = Field(2.0, gt=1)
-    """Cap C of the importance weights (tis: min(w, C); mis: keep 1/C <= w <= C)."""
+    """Cap C of the importance weights (tis: min(w, C); mis, geo_mis: keep 1/C <= w <= C)."""
+    is_veto: float = Field(1e-4, gt=0, lt=1)
+    """geo_mis per-token veto: a sequence with one token of weight below this is masked whole."""
+    m2po_threshold: float | None = Field(None, ge=0)
+    """M2PO: mask the tokens of largest (log w)^2 until its batch mean is <= this (null = off; 0.04
+    in the paper)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """KL-to-reference coefficient beta (0 = no reference model is loaded); the start value when
+    kl_controller is adaptive."""
+    kl_in_reward: bool = False
+    """true: -beta * KL per token in the reward (InstructGPT); false: beta * KL as a loss term (GRPO)."""
+    kl_kind: Literal[KL_KINDS] = "k3"
+    """KL estimator (Schulman): k1 log-ratio, k2 squared, k3 low variance; k1 is usual in the reward."""
+    kl_controller: Literal[KL_CONTROLLERS] = "fixed"
+    """fixed beta, or adaptive toward kl_target (Ziegler et al. 2019)."""
+    kl_target: float = Field(0.1, gt=0)
+    """Adaptive controller target: mean over samples of the summed per-token KL, in nats."""
+    kl_horizon: float = Field(10000.0, gt=0)
+    """Adaptive controller time constant, in samples."""
+    reference_on_cpu: bool = False
+    """Keep the reference model on the CPU (saves accelerator memory; slower reference pass)."""
+
+    length_penalty: float = Field(0.0, ge=0)
+    """Reward minus length_penalty * completion_tokens / max_new_tokens."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip rewards to [-reward_clip, reward_clip] after the length penalty (null = off)."""
+    reward_norm: Literal[REWARD_NORMS] = "none"
+    """Normalize rewards by the batch's mean and std, or by running moments over the run."""
+    batch_filter: Literal[BATCH_FILTERS] = "none"
+    """pf_ppo: resample the batch by reward (PF-PPO, as verl's use_pf_ppo) after the advantages."""
+    pf_ppo_method: Literal[PF_PPO_METHODS] = "pow"
+    """PF-PPO weights: pow (|score|^p), max_min, max_random."""
+    pf_ppo_weight_pow: float = Field(2.0, ge=0)
+    """PF-PPO pow exponent p."""
+
+    critic_model: str | None = None
+    """Backbone of the critic (advantage: gae), with a linear value head; null = the policy's path."""
+    critic_lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate of the critic (the peak, when a schedule is set)."""
+    critic_lr_schedule: Literal[LR_SCHEDULES] = "constant"
+    """Critic learning-rate schedule (as lr_schedule)."""
+    critic_lr_warmup_steps: int = Field(0, ge=0)
+    """Policy steps of linear critic learning-rate warm-up."""
+    critic_max_grad_norm: float = Field(1.0, gt=0)
+    """Critic gradient clipping by global norm, once per optimizer step."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the critic's new values around the step-start values (null = plain squared error)."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """First policy steps that train the critic only (the policy is unchanged; versions still move)."""
+    critic_targets: Literal[CRITIC_TARGETS] = "gae"
+    """Critic regression targets: GAE returns, or V-trace targets (corrected for stale data)."""
+    vtrace_rho_bar: float = Field(1.0, gt=0)
+    """V-trace truncation of the TD-error weights rho."""
+    vtrace_c_bar: float = Field(1.0, gt=0)
+    """V-trace truncation of the trace coefficients c."""
+
+    sanity_ratio_tolerance: float = Field(1e-3, gt=0)
+    """Sanity check at the first mini-batch of a step with a proximal pass: a max |ratio - 1|
+    above this logs a warning event."""
+    sanity_kl_tolerance: float = Field(1e-6, gt=0)
+    """Sanity check: a KL(current || proximal) above this (nats per token) logs a warning event."""
 
     max_staleness: int = Field(1, ge=0)
     """eta: how many policy steps behind the learner a sample may be (0 = strict on-policy)."""
@@ -95,7 +197,8 @@ class LearnerConfig(BaseModel):
     temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
     top_p: float = Field(1.0, ge=1e-9, le=1)
-    """Nucleus sampling threshold sent with every assignment."""
+    """Nucleus sampling threshold sent with every assignment; only 1.0 is accepted (the learner's
+    log-probs are of the whole distribution, the engine's of the truncated one)."""
     max_new_tokens: int = Field(4, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     """Completion length limit sent with every assignment; a longer completion is refused."""
 
@@ -112,11 +215,36 @@ class LearnerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
-        if self.advantage in ADVANTAGE_METHODS and self.group_size < 2:
+        if self.advantage in GROUP_ADVANTAGE_METHODS and self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for advantage={self.advantage} "
                              "(a group of one has no baseline)")
+        if self.top_p < 1.0:
+            raise ValueError(f"top_p={self.top_p} is not supported: the learner recomputes log-probs "
+                             "of the untruncated distribution; set top_p: 1.0")
+        if self.advantage != "gae":
+            for key, value, neutral in (("critic_warmup_steps", self.critic_warmup_steps, 0),
+                                        ("critic_targets", self.critic_targets, "gae")):
+                if value != neutral:
+                    raise ValueError(f"{key}={value!r} needs a critic: set advantage: gae "
+                                     f"(or {key}: {neutral!r})")
+        if self.kl_controller == "adaptive" and self.kl_coef == 0:
+            raise ValueError("kl_controller=adaptive needs kl_coef > 0 (its start value; "
+                             "the controller scales it)")
+        if self.mini_batch_samples > self.batch_samples:
+            raise ValueError(f"mini_batch_samples={self.mini_batch_samples} is larger than the batch "
+                             f"({self.batch_samples} samples); set it <= batch_prompts * group_size, "
+                             "or 0 for the whole batch")
         return self
 
     @property
     def batch_samples(self) -> int:
         return self.batch_prompts * self.group_size
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term to the reference exists (in the reward or in the loss)."""
+        return self.kl_coef > 0
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"

@@ -61,6 +61,22 @@ class LearnerMetrics:
                                     registry=r)
         self.step_stats = Gauge("slipstream_train_stat", "Last step's training statistics", ["name"],
                                 registry=r)
+        self.skipped_steps = Counter(
+            "slipstream_skipped_steps", "Policy steps skipped: a loss or gradient was not finite, "
+            "nothing was applied or published, the version did not move", registry=r)
+        self.sanity_ratio_dev_mean = Gauge(
+            "slipstream_sanity_ratio_deviation_mean", "Mean |ratio - 1| at the first mini-batch of "
+            "the last step, before any update (NaN: not applicable, no separate proximal pass)",
+            registry=r)
+        self.sanity_ratio_dev_max = Gauge(
+            "slipstream_sanity_ratio_deviation_max", "Max |ratio - 1| at the first mini-batch of the "
+            "last step, before any update (NaN: not applicable)", registry=r)
+        self.sanity_kl = Gauge(
+            "slipstream_sanity_kl", "KL(current || proximal) per token at the first mini-batch of "
+            "the last step, before any update (NaN: not applicable)", registry=r)
+        self.sanity_failures = Counter(
+            "slipstream_sanity_check_failures", "Steps whose first-mini-batch ratio or KL exceeded "
+            "the sanity tolerance", registry=r)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus exposition of this registry (what ``/metrics`` answers)."""

@@ -52,7 +52,7 @@ from learner.data import PromptSource
 from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.router import RouterSocket
-from learner.trainer import Trainer
+from learner.trainer import SkippedStep, Trainer
 from learner.weights_server import WeightsServer
 from protocol.http import HttpEndpoint
 from protocol.process import EventLog, cancel_all, supervise
@@ -204,12 +204,31 @@ class LearnerService:
     async def train_loop(self) -> None:
         while self.version < self.cfg.total_steps:
             batch = await self.buffer.next_batch(self.version)
-            stats = await asyncio.to_thread(self.trainer.step, batch)
+            try:
+                stats = await asyncio.to_thread(self.trainer.step, batch)
+            except SkippedStep as skip:
+                self.skip_step(batch, skip)
+                await self.admission.dispatch()
+                continue
             stats.update(self.batch_versions(batch))
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
-            await self.publish()
+            stats["publish_s"] = await self.publish()
             self.record_step(stats)
             await self.admission.dispatch()
+
+    def skip_step(self, batch: Batch, skip: SkippedStep) -> None:
+        """A step that applied nothing (a non-finite loss or gradient): the version stays, nothing
+        is published; the step is counted and its samples named in the event log. The samples were
+        taken from the buffer but not trained, so their capacity goes back to the staleness gate,
+        as dropped work's does (else, with max_staleness 0, the gate would never open again).
+        """
+        n = len(batch.samples)
+        gate = self.buffer.gate   # TODO(buffer): a RolloutBuffer method for "consumed, not trained"
+        gate.consumed_total -= n
+        gate.accepted_total -= n
+        self.metrics.skipped_steps.inc()
+        self.log("step_skipped", reason=skip.reason, trained_on_version=self.version, samples=n,
+                 sample_ids=[s.sample_id for s in batch.samples])
 
     def batch_versions(self, batch: Batch) -> dict[str, float]:
         return {"trained_on_version": float(self.version),
@@ -217,12 +236,15 @@ class LearnerService:
                 "token_version_max": float(max(int(s.token_versions.max(initial=0))
                                                for s in batch.samples))}
 
-    async def publish(self) -> None:
+    async def publish(self) -> float:
+        """Snapshot, install and announce the current version; returns the seconds it took."""
         start = time.monotonic()
         snapshot = await asyncio.to_thread(self.weights.prepare, self.version, self.trainer.named_tensors())
         manifest = self.weights.install(snapshot)
-        self.metrics.publish_seconds.observe(time.monotonic() - start)
+        seconds = time.monotonic() - start
+        self.metrics.publish_seconds.observe(seconds)
         await self.admission.announce(manifest)
+        return seconds
 
     def record_step(self, stats: dict[str, float]) -> None:
         m = self.metrics
@@ -232,12 +254,32 @@ class LearnerService:
         m.staleness_mean.set(stats["staleness_mean"])
         for k, v in stats.items():
             m.step_stats.labels(name=k).set(v)
+        self.record_sanity(stats)
         self.update_gauges()
         record = {"step": self.version, "version": self.version, "time": time.time(), **stats,
                   "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
         self.jsonl.write(record)
         self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
                             if k not in ("version", "time")})
+
+    def record_sanity(self, stats: dict[str, float]) -> None:
+        """The seeds' sanity check (learner.trainer): gauges (NaN when not applicable this step) and
+        a warning event when it failed."""
+        m = self.metrics
+        applicable = bool(stats.get("sanity_applicable")) and "sanity_ratio_dev_max" in stats
+        nan = float("nan")
+        m.sanity_ratio_dev_mean.set(stats["sanity_ratio_dev_mean"] if applicable else nan)
+        m.sanity_ratio_dev_max.set(stats["sanity_ratio_dev_max"] if applicable else nan)
+        m.sanity_kl.set(stats["sanity_kl"] if applicable else nan)
+        if applicable and stats.get("sanity_failed"):
+            m.sanity_failures.inc()
+            self.log("sanity_check_failed", level="warning",
+                     ratio_dev_max=stats["sanity_ratio_dev_max"],
+                     ratio_dev_mean=stats["sanity_ratio_dev_mean"], kl=stats["sanity_kl"],
+                     ratio_tolerance=self.cfg.sanity_ratio_tolerance,
+                     kl_tolerance=self.cfg.sanity_kl_tolerance,
+                     hint="the proximal pass and the gradient forward differ: dropout on, or "
+                          "padding handled differently")
 
     def update_gauges(self) -> None:
         self.metrics.buffered.set(self.buffer.pending_samples)

@@ -1,66 +1,100 @@
-"""The policy and one policy step: recompute, correct, GRPO loss, optimizer step (DESIGN.md §4).
+"""The policy and one policy step (DESIGN.md §4): the no-grad passes at the step's starting
+weights, rewards, advantages, importance weights, then the updates.
 
-A batch of samples becomes right-padded tensors ``[B, L]`` (prompt then completion). Logits at
-position t predict token t+1, so every per-token tensor is ``[B, L-1]`` and completion token j of
-row i sits at column ``P_i - 1 + j``; ``mask`` marks those columns.
+    Trainer.step(batch)
+      collate        samples -> right-padded tensors (learner.batching)
+      reference      log π_ref, no grad                    when kl_coef > 0
+      values         V of the critic at the start, no grad when advantage: gae
+      proximal       log π_prox, no grad, model in eval    when the step needs it before its updates
+      advantages     scores, KL in the reward, advantages, critic targets (learner.returns);
+                     PF-PPO resampling; importance weights and M2PO masking
+      update         ppo_epochs × mini-batches × micro-batches, gradients clipped once per
+                     mini-batch, one optimizer step each (policy and critic, own lr and clip)
 
-With one optimizer step per batch (the default) the proximal policy *is* the current weights, so
-the proximal log-probs are the detached log-probs of the gradient forward — the same numbers a
-separate no-grad recompute pass would give, for half the forwards. ``recompute_logprobs: false``
-uses the behavior log-probs instead (w = 1), except for samples flagged ``needs_correction``, which
-are always weighed against the current weights (see :meth:`Trainer.step`).
+The proximal pass. The proximal policy is the policy at the start of the step. A step with one
+optimizer step (one epoch, one mini-batch: the default) needs no pass of its own: the gradient
+forward *is* at the starting weights, so its detached log-probs are the numbers a no-grad recompute
+would give, for half the forwards (the single-step shortcut). A separate pass runs whenever that is
+not so: several optimizer steps; KL in the reward or V-trace targets (the advantages need π_prox
+before any update); M2PO (its mask is a batch statistic, needed before the first micro-batch's
+backward). The pass runs in eval mode over exactly the micro-batches of the first mini-batch (same
+rows, same widths), so the gradient forward of that mini-batch repeats it bit for bit unless the
+two passes compute different functions: dropout left on, or padding handled differently. That is
+the seeds' sanity check (``sanity_*`` stats): mean and max |ratio − 1| and KL(current ‖ proximal)
+on the first mini-batch before any update; ``sanity_failed`` when over tolerance. Where the
+shortcut makes the ratio 1 by construction, the check is not applicable (``sanity_applicable`` 0,
+no ``sanity_*`` values) rather than a 1.0 that cannot fail. ``recompute_logprobs: false`` uses the
+behavior log-probs as π_prox (w = 1), except for samples flagged ``needs_correction``, which are
+always weighed against the current weights (see :meth:`Trainer.step`).
+
+A step that applies nothing. A non-finite loss or gradient norm (policy or critic) raises
+:class:`SkippedStep` before its optimizer step; when earlier mini-batches of the same step were
+already applied, the weights, optimizer states and running reward moments are restored from a copy
+taken before the first optimizer step (only steps with several optimizer steps pay for the copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 import ops
-import protocol
 from buffer import Batch
+from learner.batching import BatchTensors, collate, plan_updates, take
 from learner.config import LearnerConfig
+from learner.critic import Critic
+from learner.dropout import disable_dropout
+from learner.reference import ReferencePolicy
+from learner.returns import advantages_and_targets, sequence_scores, token_rewards
+from learner.schedules import lr_factor
+
+__all__ = ["FLAGGED_IS_MODE", "BatchTensors", "SkippedStep", "Trainer", "collate"]
 
 FLAGGED_IS_MODE = "tis"
 """Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
 
-
-@dataclass
-class BatchTensors:
-    input_ids: torch.Tensor          # (B, L) long, right-padded
-    attention_mask: torch.Tensor     # (B, L) long
-    targets: torch.Tensor            # (B, L-1) long, input_ids shifted left
-    mask: torch.Tensor               # (B, L-1) float, 1 on completion tokens
-    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 off the mask
-    rewards: torch.Tensor            # (B,) float32
+PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
+"""The timed phases of a step (``time_<phase>_s`` in its stats); publishing is the service's."""
 
 
-def collate(samples: list[protocol.Sample], pad_id: int) -> BatchTensors:
-    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-    B, L = len(samples), max(lengths)
-    ids = np.full((B, L), pad_id, dtype=np.int64)
-    attn = np.zeros((B, L), dtype=np.int64)
-    mask = np.zeros((B, L - 1), dtype=np.float32)
-    behavior = np.zeros((B, L - 1), dtype=np.float32)
-    for i, s in enumerate(samples):
-        p, t = len(s.prompt_token_ids), len(s.completion_token_ids)
-        ids[i, :p] = s.prompt_token_ids
-        ids[i, p:p + t] = s.completion_token_ids
-        attn[i, :p + t] = 1
-        mask[i, p - 1:p - 1 + t] = 1.0
-        behavior[i, p - 1:p - 1 + t] = s.behavior_logprobs
-    ids_t = torch.from_numpy(ids)
-    return BatchTensors(
-        input_ids=ids_t, attention_mask=torch.from_numpy(attn), targets=ids_t[:, 1:],
-        mask=torch.from_numpy(mask), behavior_logprobs=torch.from_numpy(behavior),
-        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32))
+class SkippedStep(Exception):
+    """A policy step that changed nothing: a loss or gradient norm was not finite.
+
+    ``reason`` says which and where; ``stats`` holds what was measured before the stop. The policy,
+    critic, optimizers and running statistics are as before the step.
+    """
+
+    def __init__(self, reason: str, stats: dict[str, float]):
+        super().__init__(reason)
+        self.reason = reason
+        self.stats = stats
+
+
+class _Phases:
+    """Wall-clock seconds per named phase of a step."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
 
 
 class Trainer:
-    """Owns the policy model, its tokenizer and optimizer."""
+    """Owns the policy model, its tokenizer and optimizer; the reference and the critic when the
+    config uses them."""
 
     def __init__(self, cfg: LearnerConfig, model_path: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,6 +105,8 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if cfg.disable_dropout:
+            disable_dropout(self.model)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
@@ -80,7 +116,25 @@ class Trainer:
         # Rows of the input embedding: every token id of a trained sample must be below it (the
         # learner validates results against it before accepting them).
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
+        self.reference: ReferencePolicy | None = None
+        if cfg.uses_reference:
+            self.reference = ReferencePolicy(self.model, "cpu" if cfg.reference_on_cpu else None)
+        self.critic: Critic | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if cfg.uses_critic:
+            self.critic = Critic(cfg.critic_model or model_path)
+            if cfg.disable_dropout:
+                disable_dropout(self.critic)
+            self.critic.train()
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
+                                                      weight_decay=cfg.weight_decay)
+        if cfg.kl_controller == "adaptive":
+            self.kl_controller = ops.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        else:
+            self.kl_controller = ops.FixedKLController(cfg.kl_coef)
+        self.reward_moments = ops.RunningMoments()
 
+    # ---- what the service uses -------------------------------------------------------------
     def encode_prompt(self, text: str) -> np.ndarray:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         bos = self.tokenizer.bos_token_id
@@ -92,122 +146,553 @@ class Trainer:
         """What a full-weights publish sends (tied parameters once)."""
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
 
-    def _logits(self, bt: BatchTensors, rows: slice) -> torch.Tensor:
-        out = self.model(input_ids=bt.input_ids[rows], attention_mask=bt.attention_mask[rows],
-                         use_cache=False)
+    # ---- checkpoint hooks ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resume needs besides the config: policy, critic, reference, optimizers,
+        KL controller and running reward moments (plain tensors and numbers)."""
+        state = {"policy": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "kl_controller": self.kl_controller.state_dict(),
+                 "reward_moments": self.reward_moments.state_dict()}
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+        for key, target in (("reference", self.reference), ("critic", self.critic)):
+            if (key in state) != (target is not None):
+                raise ValueError(f"checkpoint has {'a' if key in state else 'no'} {key}, "
+                                 f"the config {'uses' if target is not None else 'does not use'} one")
+            if target is not None:
+                target.load_state_dict(state[key])
+        if self.critic is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    # ---- passes ----------------------------------------------------------------------------
+    def _logits(self, sub: BatchTensors) -> torch.Tensor:
+        out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False)
         return out.logits[:, :-1]                                                  # (b, L-1, V)
 
+    @torch.no_grad()
+    def _no_grad_pass(self, bt: BatchTensors, chunks: list[torch.Tensor], fn) -> torch.Tensor:
+        """``fn(sub)`` -> (b, L_sub-1) over the row chunks, gathered into a (B, L-1) tensor."""
+        out = torch.zeros(bt.mask.shape, dtype=torch.float32)
+        for rows in chunks:
+            sub = bt.rows(rows)
+            out[rows, :sub.mask.shape[1]] = fn(sub).float()
+        return out
+
+    def _proximal_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """log π at the current weights, no grad, in eval mode (dropout off whatever the config)."""
+        temperature = self.cfg.temperature
+        self.model.eval()
+        try:
+            return self._no_grad_pass(
+                bt, chunks, lambda s: ops.token_logprobs(self._logits(s), s.targets, temperature=temperature))
+        finally:
+            self.model.train()
+
+    def _values_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
+        self.critic.eval()
+        try:
+            return self._no_grad_pass(bt, chunks, lambda s: self.critic(s.input_ids, s.attention_mask))
+        finally:
+            self.critic.train()
+
+    def _reference_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
+        t = self.cfg.temperature
+        return self._no_grad_pass(
+            bt, chunks, lambda s: self.reference.logprobs(s.input_ids, s.attention_mask, s.targets, t))
+
     def _importance(self, proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
-                    flagged: torch.Tensor) -> tuple[torch.Tensor, list[tuple[dict, int]]]:
-        """Behavior weights of one micro-batch -> (weights (b, L-1), [(is_stats, tokens), ...]).
+                    flagged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[dict, int]]]:
+        """Behavior weights of some rows -> (weights (b, L-1), kept mask, [(is_stats, tokens), ...]).
 
         Rows flagged ``needs_correction`` under ``is_mode: none`` get ``FLAGGED_IS_MODE`` with
         ``is_cap``; every other row gets ``is_mode``. Each row is weighed once; every mode is
-        row-local, so weighing the two sets of rows apart gives each row what the whole micro-batch
-        would. Tokens that ``mis`` / ``seq_mis`` reject have weight 0.
+        row-local, so weighing the two sets of rows apart gives each row what the whole batch
+        would. Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` reject have weight 0.
         """
         cfg = self.cfg
         if cfg.is_mode != "none" or not bool(flagged.any()):
-            w, _, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.is_mode, cap=cfg.is_cap)
-            return w, [(st, int((mask != 0).sum()))]
+            w, keep, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.is_mode,
+                                                 cap=cfg.is_cap, veto=cfg.is_veto)
+            return w, keep, [(st, int((mask != 0).sum()))]
         weights = torch.zeros_like(proximal)                                       # (b, L-1)
+        keep = torch.zeros_like(mask)
         parts = []
         for rows, mode in ((~flagged, "none"), (flagged, FLAGGED_IS_MODE)):
             if not bool(rows.any()):
                 continue
-            w, _, st = ops.importance_weights(proximal[rows], behavior[rows], mask[rows], mode=mode,
-                                              cap=cfg.is_cap)
+            w, k, st = ops.importance_weights(proximal[rows], behavior[rows], mask[rows], mode=mode,
+                                              cap=cfg.is_cap, veto=cfg.is_veto)
             weights[rows] = w.to(weights.dtype)
+            keep[rows] = k
             parts.append((st, int((mask[rows] != 0).sum())))
-        return weights, parts
+        return weights, keep, parts
 
+    def _set_learning_rates(self, version: int) -> tuple[float, float]:
+        cfg = self.cfg
+        lr = cfg.lr * lr_factor(cfg.lr_schedule, version, cfg.lr_warmup_steps, cfg.total_steps,
+                                cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        critic_lr = 0.0
+        if self.critic_optimizer is not None:
+            critic_lr = cfg.critic_lr * lr_factor(cfg.critic_lr_schedule, version,
+                                                  cfg.critic_lr_warmup_steps, cfg.total_steps,
+                                                  cfg.min_lr_ratio)
+            for g in self.critic_optimizer.param_groups:
+                g["lr"] = critic_lr
+        return lr, critic_lr
+
+    # ---- rollback --------------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        snap = {"policy": [p.detach().clone() for p in self.model.parameters()],
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        if self.critic is not None:
+            snap["critic"] = [p.detach().clone() for p in self.critic.parameters()]
+            snap["critic_optimizer"] = copy.deepcopy(self.critic_optimizer.state_dict())
+        return snap
+
+    @torch.no_grad()
+    def _restore(self, snap: dict) -> None:
+        for p, saved in zip(self.model.parameters(), snap["policy"], strict=True):
+            p.copy_(saved)
+        self.optimizer.load_state_dict(snap["optimizer"])
+        if self.critic is not None:
+            for p, saved in zip(self.critic.parameters(), snap["critic"], strict=True):
+                p.copy_(saved)
+            self.critic_optimizer.load_state_dict(snap["critic_optimizer"])
+
+    # ---- the step --------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[str, float]:
-        """One policy step (one optimizer step) on a batch whose groups are contiguous and complete.
+        """One policy step on a batch whose groups are contiguous and complete (module docstring).
 
-        Micro-batches of ``micro_batch_samples`` rows accumulate gradients; each micro-batch loss is
-        divided by ``ops.loss_normalizer`` of the whole batch's mask, so their sum is the
-        full-batch loss and the gradients do not depend on the split. Tokens that ``mis`` /
-        ``seq_mis`` reject get weight 0 and keep their place in every denominator (the token count,
-        the per-row means), as in AReaL's decoupled loss: a rejected token is not trained, and does
-        not raise the weight of the others. (The denominator is thus known before the forwards
-        whose log-probs decide the rejections.) The step is one ``ops.ppo_policy_loss`` over the
-        whole batch, with the completion mask and these weights.
+        Within a mini-batch, micro-batches of ``micro_batch_samples`` rows accumulate gradients;
+        each micro-batch loss is divided by ``ops.loss_normalizer`` of the whole mini-batch's
+        mask, so their sum is the mini-batch loss and the gradients do not depend on the split.
+        Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` / M2PO reject get weight 0 and keep their
+        place in every denominator (the token count, the per-row means), as in AReaL's decoupled
+        loss: a rejected token is not trained, and does not raise the weight of the others.
 
         Correction of samples flagged ``needs_correction`` (over ``max_staleness`` under
         ``stale_policy: correct``): they always get behavior importance weights w = π_prox/μ —
         ``is_mode`` when it is not ``none``, and ``tis`` capped at ``is_cap`` when it is (a sample the
         operator asked to correct is corrected; truncation rather than masking keeps every one of
         its tokens in the batch, as the flag promises to train it). Their proximal log-probs are
-        always the current weights' (the detached gradient-forward log-probs), even under
-        ``recompute_logprobs: false``, since π_prox := μ would make every weight 1. Unflagged
-        samples train exactly as without the flag.
+        always the current weights', even under ``recompute_logprobs: false``, since π_prox := μ
+        would make every weight 1. Unflagged samples train exactly as without the flag.
 
-        Importance weights are computed once per micro-batch; every statistic (``pg_*``,
-        ``is_*``, ``mismatch_kl``, entropy) is that of the whole batch, combined over the
-        micro-batches by ``ops.merge_stats`` (token-weighted means, max of maxima, ...).
+        Statistics are those of the whole batch: importance weights (``is_*``, ``mismatch_kl``)
+        once per row; ``pg_*`` over every applied update's micro-batches, combined by
+        ``ops.merge_stats``; entropy over the first epoch's forwards. Raises :class:`SkippedStep`
+        when a loss or gradient is not finite (nothing applied).
         """
-        cfg = self.cfg
+        phases = _Phases()
         start = time.monotonic()
-        samples = batch.samples
-        B = len(samples)
+        with phases("collate"):
+            s = self._prepare(batch)
+        self._no_grad_passes(s, phases)
+        with phases("advantages"):
+            self._advantages(s)
+        self._proximal_and_weights(s, phases)
+        with phases("update"):
+            log = self._update(s, start)
+        if s.use_kl:
+            s.kl_next = self.kl_controller.update(self._reference_kl(s, log)[1], len(s.bt))
+        stats = self._stats(batch, s, log)
+        stats.update({f"time_{name}_s": sec for name, sec in phases.seconds.items()})
+        stats["step_s"] = time.monotonic() - start
+        return stats
+
+    def _prepare(self, batch: Batch) -> _StepData:
+        """Collate, check, and decide what this step computes."""
+        cfg = self.cfg
+        B = len(batch.samples)
         if B == 0:
             raise ValueError("Trainer.step: empty batch")
         flags = list(batch.needs_correction) or [False] * B
         if len(flags) != B:
             raise ValueError(f"Trainer.step: {len(flags)} needs_correction flags for {B} samples")
-        bt = collate(samples, self.pad_id)
+        bt = collate(batch.samples, self.pad_id)
         low, top = int(bt.input_ids.min()), int(bt.input_ids.max())
         if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
             bad = low if low < 0 else top
             raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        flagged = torch.tensor(flags, dtype=torch.bool)                             # (B,)
-        adv = ops.group_advantages(bt.rewards, cfg.group_size, cfg.advantage)       # (B,)
-        advantages = adv[:, None] * bt.mask                                        # (B, L-1)
-        normalizer = ops.loss_normalizer(bt.mask, cfg.loss_agg)
+        s = _StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool), version=int(batch.version))
+        s.lr, s.critic_lr = self._set_learning_rates(s.version)
+        s.train_policy = self.critic is None or s.version >= cfg.critic_warmup_steps
+        s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
+        s.mini = cfg.mini_batch_samples if 0 < cfg.mini_batch_samples < B else B
+        s.n_updates = cfg.ppo_epochs * -(-B // s.mini)
+        s.beta = self.kl_controller.value
+        s.use_kl = self.reference is not None and s.beta > 0
+        s.group_sizes = list(batch.group_sizes) or [cfg.group_size] * (B // cfg.group_size)
+        # Rows whose proximal log-probs must be the current weights' (all, or the flagged ones).
+        s.current_rows = cfg.recompute_logprobs or bool(s.flagged.any())
+        s.needed_early = (s.use_kl and cfg.kl_in_reward) or (
+            self.critic is not None and cfg.critic_targets == "vtrace")
+        s.separate = s.current_rows and (s.needed_early or (s.train_policy and (
+            s.n_updates > 1 or cfg.m2po_threshold is not None)))
+        s.sanity_on = s.separate and cfg.recompute_logprobs and s.train_policy
+        s.moments_before = self.reward_moments.state_dict()
+        return s
+
+    def _proximal_of(self, s: _StepData, pass_lp: torch.Tensor) -> torch.Tensor:
+        if self.cfg.recompute_logprobs:
+            return pass_lp
+        return torch.where(s.flagged[:, None], pass_lp, s.bt.behavior_logprobs)
+
+    def _no_grad_passes(self, s: _StepData, phases: _Phases) -> None:
+        """Reference log-probs, critic values and (when the advantages need it) the proximal pass,
+        all at the step's starting weights, in the batch's order."""
+        natural = list(torch.arange(len(s.bt)).split(self.cfg.micro_batch_samples))
+        if s.use_kl:
+            with phases("reference"):
+                s.ref_lp = self._reference_pass(s.bt, natural)                      # (B, L-1)
+        if self.critic is not None:
+            with phases("values"):
+                s.old_values = self._values_pass(s.bt, natural)                     # (B, L-1)
+        if s.separate and (s.needed_early or self.cfg.batch_filter == "pf_ppo"):
+            with phases("proximal"):
+                s.prox_pass = self._proximal_pass(s.bt, natural)
+
+    def _advantages(self, s: _StepData) -> None:
+        """Scores, per-token rewards, advantages and critic targets (learner.returns); then the
+        PF-PPO resampling, and the update plan."""
+        cfg, bt = self.cfg, s.bt
+        early_prox = None
+        if s.prox_pass is not None:
+            early_prox = self._proximal_of(s, s.prox_pass)
+        elif not s.current_rows:
+            early_prox = bt.behavior_logprobs
+        s.scores = sequence_scores(cfg, bt.rewards, bt.lengths, self.reward_moments)   # (B,)
+        kl_tok = None
+        if s.use_kl and cfg.kl_in_reward:
+            kl_tok = ops.kl_estimate(early_prox, s.ref_lp, cfg.kl_kind)            # (B, L-1)
+        s.rewards_t = token_rewards(s.scores, bt.mask, kl_tok, s.beta)             # (B, L-1)
+        s.adv, s.targets = advantages_and_targets(cfg, s.rewards_t, bt.mask, s.group_sizes,
+                                                  s.old_values, bt.behavior_logprobs, early_prox)
+        if cfg.batch_filter == "pf_ppo":
+            B = len(bt)
+            w = ops.pf_ppo_weights(s.rewards_t.sum(dim=-1), cfg.pf_ppo_method, cfg.pf_ppo_weight_pow)
+            idx = ops.pf_ppo_resample(w, B, generator=s.generator)                 # (B,)
+            s.filter_stats = {"pf_ppo_unique_fraction": len(set(idx.tolist())) / B}
+            s.bt = bt.select(idx)
+            for name in ("flagged", "adv", "rewards_t", "targets", "old_values", "ref_lp", "prox_pass"):
+                value = getattr(s, name)
+                if value is not None:
+                    setattr(s, name, value[idx])
+        s.plan = plan_updates(len(s.bt), cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
+
+    def _proximal_and_weights(self, s: _StepData, phases: _Phases) -> None:
+        """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),
+        then the importance weights and the M2PO mask of the whole batch, where π_prox is known
+        before the updates (the shortcut computes them per micro-batch instead)."""
+        cfg, bt = self.cfg, s.bt
+        if s.separate and s.prox_pass is None:
+            with phases("proximal"):
+                first = [rows for mb in s.plan[0] for rows in mb]
+                s.prox_pass = self._proximal_pass(bt, first)
+        with phases("advantages"):
+            if s.prox_pass is not None:
+                s.proximal = self._proximal_of(s, s.prox_pass)
+            elif not s.current_rows:
+                s.proximal = bt.behavior_logprobs
+            if s.proximal is None or not s.train_policy:
+                return
+            s.weights, kept, s.is_parts = self._importance(s.proximal, bt.behavior_logprobs, bt.mask,
+                                                           s.flagged)
+            if cfg.m2po_threshold is not None:
+                keep, s.m2po_stats = ops.m2po_mask(s.proximal, bt.behavior_logprobs, kept,
+                                                   cfg.m2po_threshold)
+                s.weights = torch.where(keep, s.weights, torch.zeros_like(s.weights))
+
+    def _update(self, s: _StepData, start: float) -> _UpdateLog:
+        """ppo_epochs × mini-batches: accumulate, check, clip, step (or stop, or skip the step)."""
+        cfg = self.cfg
+        log = _UpdateLog(filled=torch.zeros_like(s.bt.mask) if s.proximal is None else s.proximal)
+        snapshot = None
+        for epoch, minibatches in enumerate(s.plan):
+            for m, micros in enumerate(minibatches):
+                mb = self._accumulate(s, log, micros, epoch, first=(epoch == 0 and m == 0))
+                if (cfg.target_kl is not None and s.train_policy and log.applied > 0
+                        and ops.merge_stats(mb.pg_parts)["approx_kl"] > cfg.target_kl):
+                    log.early_stopped = True               # this mini-batch's gradients are dropped
+                    self._zero_grad()
+                    return log
+                where = f"update {log.applied + 1} of {s.n_updates}"
+                bad = next((name for name, v in mb.losses.items() if not math.isfinite(v)), None)
+                if bad is not None:
+                    raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
+                gn = cn = 0.0
+                if s.train_policy:
+                    gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+                    if not math.isfinite(gn):
+                        raise self._skip(s, snapshot, log, f"non-finite policy gradient norm at {where}", start)
+                if self.critic is not None:
+                    cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.critic_max_grad_norm))
+                    if not math.isfinite(cn):
+                        raise self._skip(s, snapshot, log, f"non-finite critic gradient norm at {where}", start)
+                if s.n_updates > 1 and snapshot is None:
+                    snapshot = self._snapshot()             # before the first optimizer step
+                if s.train_policy:
+                    self.optimizer.step()
+                    log.grad_norms.append(gn)
+                    log.pg_parts.extend(mb.pg_parts)
+                if self.critic is not None:
+                    self.critic_optimizer.step()
+                    log.critic_grad_norms.append(cn)
+                    log.vf_parts.extend(mb.vf_parts)
+                for k, v in mb.losses.items():
+                    log.losses.setdefault(k, []).append(v)
+                log.applied += 1
+        return log
+
+    def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, entropy_sum = 0.0, 0.0
-        pg_parts: list[tuple[dict, int]] = []
-        is_parts: list[tuple[dict, int]] = []
-        for lo in range(0, B, cfg.micro_batch_samples):
-            rows = slice(lo, min(B, lo + cfg.micro_batch_samples))
-            logits = self._logits(bt, rows)
-            logprobs = ops.token_logprobs(logits, bt.targets[rows], temperature=cfg.temperature)
-            mask = bt.mask[rows]
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+
+    def _skip(self, s: _StepData, snapshot: dict | None, log: _UpdateLog, reason: str,
+              start: float) -> SkippedStep:
+        """Undo what this step changed and say why (raised by the caller)."""
+        if snapshot is not None:
+            self._restore(snapshot)
+        self.reward_moments.load_state_dict(s.moments_before)
+        self._zero_grad()
+        return SkippedStep(reason, {"updates_applied_before_skip": float(log.applied),
+                                    "step_s": time.monotonic() - start})
+
+    def _accumulate(self, s: _StepData, log: _UpdateLog, micros: list[torch.Tensor], epoch: int,
+                    first: bool) -> _MiniBatch:
+        """Forward and backward of one mini-batch's micro-batches (gradients accumulate)."""
+        cfg, bt = self.cfg, s.bt
+        normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.loss_agg)
+        self._zero_grad()
+        mb = _MiniBatch()
+        for rows in micros:
+            sub = bt.rows(rows)
+            L = sub.input_ids.shape[1]
+            mask = sub.mask
+            n_tok = int((mask != 0).sum())
+            if s.train_policy:
+                self._policy_micro(s, log, mb, sub, rows, normalizer, n_tok, epoch, first)
+            if self.critic is not None:
+                values = self.critic(sub.input_ids, sub.attention_mask)               # (b, L-1)
+                vf_loss, vf_stats = ops.value_loss(
+                    values, take(s.old_values, rows, L), take(s.targets, rows, L), mask,
+                    clip=cfg.value_clip, agg=cfg.loss_agg, normalizer=normalizer)
+                vf_loss.backward()
+                mb.add("vf_loss", vf_loss)
+                mb.vf_parts.append((vf_stats, n_tok))
+        return mb
+
+    def _policy_micro(self, s: _StepData, log: _UpdateLog, mb: _MiniBatch, sub: BatchTensors,
+                      rows: torch.Tensor, normalizer: float, n_tok: int, epoch: int, first: bool) -> None:
+        """The policy's forward and backward on one micro-batch."""
+        cfg = self.cfg
+        L = sub.input_ids.shape[1]
+        mask, behavior = sub.mask, sub.behavior_logprobs
+        logits = self._logits(sub)                                                 # (b, L-1, V)
+        logprobs = ops.token_logprobs(logits, sub.targets, temperature=cfg.temperature)
+        if cfg.entropy_coef > 0:
+            entropy = ops.entropy_from_logits(logits, temperature=cfg.temperature)
+        else:
             with torch.no_grad():
                 entropy = ops.entropy_from_logits(logits.detach(), temperature=cfg.temperature)
-                entropy_sum += float(ops.masked_sum(entropy, mask))
-            behavior = bt.behavior_logprobs[rows]
-            current = logprobs.detach()
-            if cfg.recompute_logprobs:
-                proximal = current
-            else:
-                proximal = torch.where(flagged[rows, None], current, behavior)
-            weights, parts = self._importance(proximal, behavior, mask, flagged[rows])
-            loss, pg_stats = ops.ppo_policy_loss(
-                logprobs, proximal, advantages[rows], mask, clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high, is_weights=weights, agg=cfg.loss_agg, normalizer=normalizer)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            pg_parts.append((pg_stats, int((mask != 0).sum())))
-            is_parts.extend(parts)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
-        self.optimizer.step()
+        if epoch == 0:
+            log.entropy_sum += float(ops.masked_sum(entropy.detach(), mask))
+            log.entropy_tokens += float(mask.sum())
+        current = logprobs.detach()
+        if s.proximal is None:                                      # the single-step shortcut
+            prox = current if cfg.recompute_logprobs else torch.where(s.flagged[rows, None], current, behavior)
+            log.filled[rows, :L - 1] = prox
+            w, _, parts = self._importance(prox, behavior, mask, s.flagged[rows])
+            s.is_parts.extend(parts)
+        else:
+            prox, w = take(s.proximal, rows, L), take(s.weights, rows, L)
+        if first and s.sanity_on:
+            log.sanity.add(current, prox, mask)
+        pg_loss, pg_stats = ops.ppo_policy_loss(
+            logprobs, prox, take(s.adv, rows, L), mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip, is_weights=w, agg=cfg.loss_agg, normalizer=normalizer)
+        total = pg_loss
+        mb.add("pg_loss", pg_loss)
+        if s.use_kl and not cfg.kl_in_reward:
+            kl_val, _ = ops.kl_loss(logprobs, take(s.ref_lp, rows, L), mask, cfg.kl_kind, cfg.loss_agg,
+                                    normalizer)
+            total = total + s.beta * kl_val
+            mb.add("kl_loss", kl_val)
+        if cfg.entropy_coef > 0:
+            ent_val, _ = ops.entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
+            total = total - cfg.entropy_coef * ent_val
+            mb.add("entropy_bonus", ent_val)
+        total.backward()
+        mb.add("loss", total)
+        mb.pg_parts.append((pg_stats, n_tok))
+
+    def _reference_kl(self, s: _StepData, log: _UpdateLog) -> tuple[float, float]:
+        """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting
+        policy and the reference (behavior log-probs where neither a pass nor a forward ran)."""
+        source = log.filled if (s.proximal is not None or s.train_policy) else s.bt.behavior_logprobs
+        kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl_kind)                   # (B, L-1)
+        return float(ops.masked_mean(kl, s.bt.mask)), float(ops.masked_sum(kl, s.bt.mask, dim=-1).mean())
+
+    def _stats(self, batch: Batch, s: _StepData, log: _UpdateLog) -> dict[str, float]:
+        cfg = self.cfg
+        samples, B = batch.samples, len(batch.samples)
+        raw = torch.tensor([x.reward for x in samples], dtype=torch.float32)
+        lengths = torch.tensor([len(x.completion_token_ids) for x in samples], dtype=torch.float32)
         staleness = batch.staleness
-        lengths = bt.mask.sum(dim=1)
-        stats = {
-            "loss": loss_sum,
-            "reward_mean": float(bt.rewards.mean()),
-            "reward_std": float(bt.rewards.std()) if B > 1 else 0.0,
-            "advantage_abs_mean": float(adv.abs().mean()),
-            "entropy": entropy_sum / max(1.0, float(bt.mask.sum())),
-            "grad_norm": grad_norm,
+
+        def mean(key: str) -> float:
+            values = log.losses.get(key, [])
+            return float(np.mean(values)) if values else 0.0
+
+        stats: dict[str, float] = {
+            "loss": mean("loss"),
+            "reward_mean": float(raw.mean()),
+            "reward_std": float(raw.std()) if B > 1 else 0.0,
+            "score_mean": float(s.scores.mean()),
+            "advantage_abs_mean": float(ops.masked_mean(s.adv.abs(), s.bt.mask)),
+            "entropy": log.entropy_sum / max(1.0, log.entropy_tokens),
             "completion_tokens_mean": float(lengths.mean()),
             "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
             "staleness_max": float(max(staleness)) if staleness else 0.0,
-            "corrected_samples": float(flagged.sum()),
+            "corrected_samples": float(sum(batch.needs_correction or [])),
             "samples": float(B),
-            "step_s": time.monotonic() - start,
+            "policy_updated": float(s.train_policy and log.applied > 0),
+            "optimizer_steps": float(log.applied),
+            "ppo_epochs_run": log.applied / len(s.plan[0]),
+            "early_stopped": float(log.early_stopped),
+            "lr": s.lr,
+            "proximal_pass": float(s.separate),
+            "sanity_applicable": float(s.sanity_on),
         }
-        stats.update({f"pg_{k}": v for k, v in ops.merge_stats(pg_parts).items()})
-        stats.update(ops.merge_stats(is_parts))       # is_weight_*, is_ess_ratio, mismatch_kl, ...
+        if s.train_policy:
+            stats["grad_norm"] = float(np.mean(log.grad_norms)) if log.grad_norms else 0.0
+            stats["pg_loss"] = mean("pg_loss")
+            if log.pg_parts:
+                stats.update({f"pg_{k}": v for k, v in ops.merge_stats(log.pg_parts).items()})
+            if s.is_parts:
+                stats.update(ops.merge_stats(s.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
+            stats.update(s.m2po_stats)
+        if s.sanity_on and log.sanity.tokens:
+            stats.update(log.sanity.stats(cfg.sanity_ratio_tolerance, cfg.sanity_kl_tolerance))
+        if s.use_kl:
+            stats["ref_kl"], stats["ref_kl_seq"] = self._reference_kl(s, log)
+            stats["kl_coef"] = s.beta
+            stats["kl_coef_next"] = s.kl_next
+            if not cfg.kl_in_reward:
+                stats["kl_loss"] = mean("kl_loss")
+        if cfg.entropy_coef > 0:
+            stats["entropy_bonus"] = mean("entropy_bonus")
+        if self.critic is not None:
+            stats["critic_lr"] = s.critic_lr
+            stats["vf_loss"] = mean("vf_loss")
+            stats["critic_grad_norm"] = float(np.mean(log.critic_grad_norms)) if log.critic_grad_norms else 0.0
+            if log.vf_parts:
+                stats.update({k if k.startswith("vf_") else f"vf_{k}": v
+                              for k, v in ops.merge_stats(log.vf_parts).items()})
+        stats.update(s.filter_stats)
         return stats
+
+
+@dataclass
+class _StepData:
+    """The tensors and choices of one policy step, filled phase by phase."""
+
+    bt: BatchTensors
+    flagged: torch.Tensor                          # (B,) bool
+    version: int
+    lr: float = 0.0
+    critic_lr: float = 0.0
+    train_policy: bool = True
+    generator: torch.Generator | None = None
+    mini: int = 0
+    n_updates: int = 1
+    beta: float = 0.0
+    use_kl: bool = False
+    group_sizes: list[int] = field(default_factory=list)
+    current_rows: bool = True
+    needed_early: bool = False
+    separate: bool = False
+    sanity_on: bool = False
+    moments_before: dict = field(default_factory=dict)
+    ref_lp: torch.Tensor | None = None             # (B, L-1)
+    old_values: torch.Tensor | None = None         # (B, L-1)
+    prox_pass: torch.Tensor | None = None          # (B, L-1) the proximal pass's log-probs
+    proximal: torch.Tensor | None = None           # (B, L-1) π_prox; None: filled by the shortcut
+    weights: torch.Tensor | None = None            # (B, L-1) behavior weights (M2PO applied)
+    scores: torch.Tensor | None = None             # (B,)
+    rewards_t: torch.Tensor | None = None          # (B, L-1)
+    adv: torch.Tensor | None = None                # (B, L-1)
+    targets: torch.Tensor | None = None            # (B, L-1) critic targets
+    plan: list = field(default_factory=list)
+    is_parts: list = field(default_factory=list)
+    m2po_stats: dict = field(default_factory=dict)
+    filter_stats: dict = field(default_factory=dict)
+    kl_next: float = 0.0
+
+
+class _Sanity:
+    """The seeds' check on the first mini-batch: |ratio − 1| and KL(current ‖ proximal)."""
+
+    def __init__(self) -> None:
+        self.dev_sum = self.dev_max = self.kl_sum = 0.0
+        self.tokens = 0
+
+    @torch.no_grad()
+    def add(self, current: torch.Tensor, proximal: torch.Tensor, mask: torch.Tensor) -> None:
+        keep = mask != 0
+        n = int(keep.sum())
+        if not n:
+            return
+        dev = (torch.exp(current - proximal) - 1.0).abs()[keep]
+        self.dev_sum += float(dev.sum())
+        self.dev_max = max(self.dev_max, float(dev.max()))
+        self.kl_sum += float(ops.masked_sum(ops.kl_estimate(current, proximal, "k3"), mask))
+        self.tokens += n
+
+    def stats(self, ratio_tolerance: float, kl_tolerance: float) -> dict[str, float]:
+        kl = self.kl_sum / self.tokens
+        return {"sanity_ratio_dev_mean": self.dev_sum / self.tokens, "sanity_ratio_dev_max": self.dev_max,
+                "sanity_kl": kl,
+                "sanity_failed": float(self.dev_max > ratio_tolerance or kl > kl_tolerance)}
+
+
+@dataclass
+class _MiniBatch:
+    """What one mini-batch's micro-batches measured before its optimizer step."""
+
+    losses: dict[str, float] = field(default_factory=dict)
+    pg_parts: list = field(default_factory=list)
+    vf_parts: list = field(default_factory=list)
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.losses[name] = self.losses.get(name, 0.0) + float(value.detach())
+
+
+@dataclass
+class _UpdateLog:
+    """What the applied updates of a step measured."""
+
+    filled: torch.Tensor                           # (B, L-1) π_prox as the shortcut filled it
+    applied: int = 0
+    early_stopped: bool = False
+    losses: dict[str, list[float]] = field(default_factory=dict)
+    pg_parts: list = field(default_factory=list)
+    vf_parts: list = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    critic_grad_norms: list[float] = field(default_factory=list)
+    entropy_sum: float = 0.0
+    entropy_tokens: float = 0.0
+    sanity: _Sanity = field(default_factory=_Sanity)

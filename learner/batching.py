@@ -1,0 +1,109 @@
+"""A batch of samples as tensors, and how a policy step cuts it into updates.
+
+Layout. Samples become right-padded tensors ``[B, L]`` (prompt then completion). Logits at
+position t predict token t+1, so every per-token tensor is ``[B, L-1]`` and completion token j of
+row i sits at column ``P_i - 1 + j``; ``mask`` marks those columns. Right padding means a row's
+real tokens keep their positions whatever the width, so a sub-batch may be cut to its own longest
+row (``BatchTensors.rows``) and computes exactly what it would at full width.
+
+Updates. ``ppo_epochs`` passes over the batch; each pass is a fresh shuffle cut into mini-batches
+of ``mini_batch_samples`` rows (one optimizer step each), each cut into micro-batches of
+``micro_batch_samples`` rows (one forward/backward each, gradients accumulated). A step with a
+single update keeps the batch's order (groups stay contiguous, no shuffle to draw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import protocol
+
+__all__ = ["BatchTensors", "collate", "plan_updates", "take"]
+
+
+@dataclass
+class BatchTensors:
+    input_ids: torch.Tensor          # (B, L) long, right-padded
+    attention_mask: torch.Tensor     # (B, L) long
+    targets: torch.Tensor            # (B, L-1) long, input_ids shifted left
+    mask: torch.Tensor               # (B, L-1) float, 1 on completion tokens
+    behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 off the mask
+    rewards: torch.Tensor            # (B,) float32
+    lengths: torch.Tensor            # (B,) float32, completion tokens
+    seq_lens: torch.Tensor           # (B,) long, prompt + completion tokens
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def width(self, idx: torch.Tensor) -> int:
+        """L of the sub-batch ``idx``: its longest row (at least 2, so L-1 >= 1)."""
+        return max(2, int(self.seq_lens[idx].max()))
+
+    def select(self, idx: torch.Tensor) -> BatchTensors:
+        """The rows ``idx`` (duplicates allowed) at the batch's full width."""
+        return BatchTensors(
+            input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
+            targets=self.targets[idx], mask=self.mask[idx],
+            behavior_logprobs=self.behavior_logprobs[idx], rewards=self.rewards[idx],
+            lengths=self.lengths[idx], seq_lens=self.seq_lens[idx])
+
+    def rows(self, idx: torch.Tensor) -> BatchTensors:
+        """The rows ``idx`` (1-D long), cut to their longest row."""
+        L = self.width(idx)
+        return BatchTensors(
+            input_ids=self.input_ids[idx, :L], attention_mask=self.attention_mask[idx, :L],
+            targets=self.targets[idx, :L - 1], mask=self.mask[idx, :L - 1],
+            behavior_logprobs=self.behavior_logprobs[idx, :L - 1], rewards=self.rewards[idx],
+            lengths=self.lengths[idx], seq_lens=self.seq_lens[idx])
+
+
+def take(x: torch.Tensor, idx: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows ``idx`` of a full-batch per-token tensor (B, L-1), cut to sub-batch width L: (b, L-1)."""
+    return x[idx, :width - 1]
+
+
+def collate(samples: list[protocol.Sample], pad_id: int) -> BatchTensors:
+    seq = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+    B, L = len(samples), max(2, max(seq))
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    attn = np.zeros((B, L), dtype=np.int64)
+    mask = np.zeros((B, L - 1), dtype=np.float32)
+    behavior = np.zeros((B, L - 1), dtype=np.float32)
+    for i, s in enumerate(samples):
+        p, t = len(s.prompt_token_ids), len(s.completion_token_ids)
+        ids[i, :p] = s.prompt_token_ids
+        ids[i, p:p + t] = s.completion_token_ids
+        attn[i, :p + t] = 1
+        mask[i, p - 1:p - 1 + t] = 1.0
+        behavior[i, p - 1:p - 1 + t] = s.behavior_logprobs
+    ids_t = torch.from_numpy(ids)
+    return BatchTensors(
+        input_ids=ids_t, attention_mask=torch.from_numpy(attn), targets=ids_t[:, 1:],
+        mask=torch.from_numpy(mask), behavior_logprobs=torch.from_numpy(behavior),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        lengths=torch.tensor([len(s.completion_token_ids) for s in samples], dtype=torch.float32),
+        seq_lens=torch.tensor(seq, dtype=torch.long))
+
+
+def _cut(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(torch.split(idx, size)) if size > 0 else [idx]
+
+
+def plan_updates(batch_rows: int, epochs: int, mini_batch: int, micro_batch: int,
+                 generator: torch.Generator) -> list[list[list[torch.Tensor]]]:
+    """``plan[epoch][mini_batch]`` = the micro-batches (row index tensors) of one optimizer step.
+
+    ``mini_batch`` 0 (or >= the batch) means the whole batch. With one update in all, rows keep
+    their order; otherwise every epoch draws a permutation from ``generator``.
+    """
+    mini = mini_batch if 0 < mini_batch < batch_rows else batch_rows
+    single = epochs == 1 and mini == batch_rows
+    plan = []
+    for _ in range(epochs):
+        order = (torch.arange(batch_rows) if single
+                 else torch.randperm(batch_rows, generator=generator))
+        plan.append([_cut(mb, micro_batch) for mb in _cut(order, mini)])
+    return plan
