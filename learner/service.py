@@ -2,8 +2,9 @@
 
 Sockets (all ROUTER, DESIGN.md §6), each served by one :class:`learner.router.RouterSocket` loop:
 
-    rollout   Hello / WorkRequest / RolloutResult / Heartbeat / WeightsApplied in;
-              Welcome / Assignment / Ack / WeightsAvailable / Error out
+    rollout   Hello / WorkRequest / RolloutResult / Heartbeat / WeightsApplied /
+              Error (assignment_refused) in; Welcome / Assignment / Ack / WeightsAvailable /
+              Heartbeat (each one echoed) / Error out
     weights   WeightChunkRequest in, WeightChunk (zero-copy) out
     control   ControlRequest in, ControlReply out (``slipstream ctl``)
 

@@ -1,4 +1,4 @@
-"""The one exception type for bad wire input."""
+"""The exceptions every process uses: bad wire input, and a start that cannot work as configured."""
 
 from __future__ import annotations
 

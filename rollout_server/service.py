@@ -25,13 +25,14 @@ Hostile input: every message from the learner is decoded and validated by ``prot
 not decode is counted (``slipstream_protocol_errors_total``) and answered with
 ``Error(code="protocol_error")``. What decodes but cannot be honoured is refused and counted in
 ``slipstream_rollout_errors_total{kind}`` (kinds: :mod:`rollout_server.metrics`): an assignment is
-answered with ``Error(code="assignment_refused", ref_id=<its message id>)``; its lease expires on
-the learner and is re-issued (or released at once by a learner that reads the Error).
+answered with ``Error(code="assignment_refused", ref_id=<its message id>)`` (the learner sends an
+Assignment with its assignment id as message id, releases the lease at once and re-issues it).
 
 Health (``/healthz``): 200 while welcomed, the link is up and not stopping. ZeroMQ heartbeats
 (``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT``, answered by the learner's libzmq) take the link down within
-``learner_timeout_s`` even when no TCP reset arrives. A learner that sends Heartbeats back is
-also required to have sent something within ``learner_timeout_s``.
+``learner_timeout_s`` even when no TCP reset arrives. The learner echoes every Heartbeat, so a
+learner whose process hangs with its sockets open shows too: once a Heartbeat came back, one
+must have arrived within ``learner_timeout_s``.
 
 Shutdown (SIGTERM/SIGINT): stop asking for work, finish every queued and generating assignment
 (there is no "return lease" message; finishing is as good and loses nothing), wait for the acks of
