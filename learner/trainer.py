@@ -429,7 +429,8 @@ class Trainer:
                     self._zero_grad()
                     return log
                 where = f"update {log.applied + 1} of {s.n_updates}"
-                bad = next((name for name, v in mb.losses.items() if not math.isfinite(v)), None)
+                bad = next((name for name in sorted(mb.losses, key=lambda n: n != "loss")
+                            if not math.isfinite(mb.losses[name])), None)   # the total first
                 if bad is not None:
                     raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
                 gn = cn = 0.0

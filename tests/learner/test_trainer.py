@@ -57,7 +57,7 @@ def make_batch(flags: list[bool] | None = None, **kw) -> Batch:
 
 def make_trainer(model_dir: str, **overrides) -> Trainer:
     cfg = dict(group_size=GROUP, batch_prompts=B // GROUP, micro_batch_samples=B, lr=1e-2,
-               max_grad_norm=1e6, is_mode="tis", is_cap=1.5, seed=0)
+               max_grad_norm=1e6, is_mode="tis", is_cap=1.5, seed=0, threads=1)
     cfg.update(overrides)
     return Trainer(LearnerConfig(**cfg), model_dir)
 
