@@ -37,7 +37,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from protocol.errors import ProtocolError
-from protocol.weights import DTYPE_BYTES
 from protocol.schema import (
     MAX_ARRAY_ITEMS,
     MAX_LIST_ITEMS,
@@ -62,6 +61,7 @@ from protocol.schema import (
     record,
     wire,
 )
+from protocol.weights import DTYPE_BYTES
 
 _STR, _INT, _NAT, _FLOAT, _BOOL = Str(), Int(), Int(min_value=0), Float(), Bool()
 _MAP, _FMAP = PlainMap(), FloatMap()

@@ -15,6 +15,7 @@ import zmq
 
 from protocol.errors import StartupError
 from protocol.messages import ENDPOINT_SCHEMES
+
 DEFAULT_HWM = 1000
 
 
