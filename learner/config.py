@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
 from ops import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS
+from learner.security import LearnerSecurity
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -212,6 +213,14 @@ class LearnerConfig(BaseModel):
     """Exit after the last step; false keeps /metrics and control up until SIGTERM or `ctl stop`."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
+
+    # ---- reliability and security (issue 14) ----
+    security: LearnerSecurity = Field(default_factory=LearnerSecurity)
+    """CURVE encryption and client allow-lists on the rollout, weights and control sockets (off by
+    default; see learner/security.py)."""
+    weights_failure_limit: int = Field(3, ge=1)
+    """Circuit breaker: a rollout server reporting this many weight fetches or updates failed in a
+    row gets no new work (an event says so) until it applies a published version."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

@@ -5,6 +5,8 @@ receive high-water marks (a slow peer queues at most ``hwm`` messages, then send
 ROUTER drops for that peer only; credits keep the rollout traffic far below it), and
 ``ZMQ_MAXMSGSIZE``: libzmq disconnects a peer whose *frame* is larger, before it is buffered, so
 a hostile 2 GiB frame costs nothing. Binding errors become a one-line :class:`StartupError`.
+With ``curve`` (:mod:`protocol.security`) the socket encrypts, and a bound one authenticates its
+clients through the ZAP domain named there; the options are set before any bind or connect.
 """
 
 from __future__ import annotations
@@ -15,14 +17,23 @@ import zmq
 
 from protocol.errors import StartupError
 from protocol.messages import ENDPOINT_SCHEMES
+from protocol.security import CurveClient, CurveServer, apply_curve
 
 DEFAULT_HWM = 1000
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, max_message_bytes: int, hwm: int = DEFAULT_HWM,
-                identity: bytes | None = None) -> zmq.Socket:
-    """A socket of ``kind`` with the options above (``max_message_bytes``: largest inbound frame)."""
+                identity: bytes | None = None,
+                curve: CurveServer | CurveClient | None = None) -> zmq.Socket:
+    """A socket of ``kind`` with the options above (``max_message_bytes``: largest inbound frame;
+    ``curve``: CURVE keys, None = plain TCP)."""
     sock = ctx.socket(kind)
+    if curve is not None:
+        try:
+            apply_curve(sock, curve)
+        except BaseException:
+            sock.close(0)
+            raise
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
