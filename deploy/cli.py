@@ -1,4 +1,4 @@
-"""The ``slipstream`` command: learner, rollout, run, ctl.
+"""The ``slipstream`` command: learner, rollout, run, ctl, keys.
 
 Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
 is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
@@ -42,9 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the learner's control endpoint (default: read RUN_DIR/learner.json)")
     p.add_argument("--run-dir", default="runs/default", help="run directory of the learner")
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--secret-key", default=None, metavar="FILE",
+                   help="this operator's CURVE secret key file, when the learner uses CURVE "
+                        "(default: $SLIPSTREAM_CTL_SECRET_KEY)")
+    p.add_argument("--learner-key", default=None, metavar="FILE",
+                   help="the learner's CURVE public key file (default: $SLIPSTREAM_CTL_LEARNER_KEY, "
+                        "else the key in RUN_DIR/learner.json)")
     p.add_argument("action", choices=["status", "set", "stop"])
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
+    p = sub.add_parser("keys", help="generate CURVE key pairs and allow-lists for a run")
+    p.add_argument("dir", help="directory to write the keys into")
+    p.add_argument("--client", action="append", default=None, metavar="NAME",
+                   help="a rollout server's key pair, allowed on the rollout and weights sockets "
+                        "(repeatable; default: rollout)")
+    p.add_argument("--operator", action="append", default=None, metavar="NAME",
+                   help="an operator's key pair, allowed on the control socket (repeatable; "
+                        "default: operator)")
     return parser
 
 
@@ -63,6 +77,14 @@ def _ctl(args) -> int:
     from deploy.ctl import ctl
 
     return ctl(args)
+
+
+def _keys(args) -> int:
+    from deploy.keys import keys
+
+    args.client = args.client if args.client is not None else ["rollout"]
+    args.operator = args.operator if args.operator is not None else ["operator"]
+    return keys(args)
 
 
 def _run(args) -> int:
@@ -101,7 +123,7 @@ def _rollout(args) -> int:
     return serve(rollout, model_path)
 
 
-COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout}
+COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout, "keys": _keys}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 import protocol
 from buffer import RolloutBuffer
@@ -101,7 +101,10 @@ class Control:
             return self._ok(self.full_status())
         if not isinstance(key, str) or key not in LearnerConfig.model_fields:
             return self._error(f"unknown key {key!r}; keys: {', '.join(LearnerConfig.model_fields)}")
-        return self._ok({key: getattr(self.cfg, key)})
+        value = getattr(self.cfg, key)
+        if isinstance(value, BaseModel):          # a config block (security): its plain fields
+            value = value.model_dump(mode="json")
+        return self._ok({key: value})
 
     async def _set(self, args: dict) -> protocol.ControlReply:
         key, value = args.get("key"), args.get("value")

@@ -41,6 +41,9 @@ class LearnerMetrics:
         self.server_errors = Counter(
             "slipstream_server_errors", "Errors rollout servers reported (assignment_refused: a "
             "server's limits refused an assignment, which is re-issued)", ["code"], registry=r)
+        self.auth_denied = Counter(
+            "slipstream_auth_denied", "Client keys refused by CURVE authentication (not in the "
+            "socket's allow-list), by socket", ["socket"], registry=r)
         self.servers_lost = Counter("slipstream_rollout_servers_lost",
                                     "Rollout servers dropped (timed out or unreachable)", ["reason"],
                                     registry=r)

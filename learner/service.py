@@ -53,6 +53,7 @@ from learner.data import PromptSource
 from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.router import RouterSocket
+from learner.security import LearnerCurve
 from learner.trainer import SkippedStep, Trainer
 from learner.weights_server import WeightsServer
 from protocol.http import HttpEndpoint
@@ -96,6 +97,7 @@ class LearnerService:
         self.endpoints: dict[str, str] = {}
         self.http = HttpEndpoint(self.metrics.render, self.health)
         self.ctx: zmq.asyncio.Context | None = None
+        self.curve: LearnerCurve | None = None
         self.sockets: dict[str, RouterSocket] = {}
         self.admission = Admission(
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
@@ -115,7 +117,7 @@ class LearnerService:
             self._open()                      # ports first: a taken port fails before the model loads
             self._load()
             jsonl = self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
-            (self.run_dir / "learner.json").write_text(json.dumps({"run_id": self.run_id, **self.endpoints}))
+            (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
             train = asyncio.create_task(self.train_loop(), name="train")
             tasks = [train,
@@ -125,7 +127,7 @@ class LearnerService:
                                          name="control"),
                      asyncio.create_task(self.expiry_loop(), name="expiry")]
             self.ready.set()
-            self.log("ready", **self.endpoints)
+            self.log("ready", **self.endpoint_file())
             done, error = await supervise(tasks, self.stopping, self.log)
             code = 1 if error is not None else 0
             if train in done and error is None:
@@ -147,12 +149,16 @@ class LearnerService:
     def _open(self) -> None:
         cfg = self.cfg
         self.ctx = zmq.asyncio.Context()
+        if cfg.security.curve:     # the ZAP handler runs before any socket binds
+            self.curve = LearnerCurve(cfg.security, self.ctx,
+                                      on_denied=lambda s: self.metrics.auth_denied.labels(socket=s).inc())
         specs = (("rollout", cfg.rollout_port, cfg.max_message_bytes, cfg.send_hwm),
                  ("weights", cfg.weights_port, cfg.weights_max_message_bytes, cfg.weights_send_hwm),
                  ("control", cfg.control_port, cfg.control_max_message_bytes, cfg.send_hwm))
         host = advertised_host(cfg.bind_host)
         for name, port, max_bytes, hwm in specs:
-            sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=max_bytes, hwm=hwm)
+            sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=max_bytes, hwm=hwm,
+                               curve=self.curve.server(name) if self.curve else None)
             self.sockets[name] = RouterSocket(sock, name, self.metrics, self.log)
             port = bind(sock, cfg.bind_host, port, f"learner.{name}_port")
             self.endpoints[name] = f"tcp://{host}:{port}"
@@ -172,9 +178,20 @@ class LearnerService:
         for s in self.sockets.values():
             s.close()
         self.sockets = {}
+        if self.curve is not None:
+            self.curve.close()
+            self.curve = None
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
+
+    def endpoint_file(self) -> dict:
+        """learner.json: run id, endpoints, and (with CURVE) the learner's public key, which
+        `slipstream ctl` and rollout servers need to connect (it is not a secret)."""
+        info = {"run_id": self.run_id, **self.endpoints}
+        if self.curve is not None:
+            info["curve_public_key"] = self.curve.public_key.decode()
+        return info
 
     def health(self) -> tuple[bool, dict]:
         """/healthz: ok while serving (ready and not stopping)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_server.engine import INFLIGHT_POLICIES, WEIGHT_TRANSFERS
 
@@ -59,6 +59,29 @@ class RewardOptions(BaseModel):
     """builtin:reward_model: longest RM input in tokens (longer inputs lose their *start*)."""
     rm_batch_size: int = Field(16, ge=1)
     """builtin:reward_model: texts per RM forward pass."""
+
+
+class RolloutSecurity(BaseModel):
+    """CURVE to the learner (learner.security.curve on): this server's key pair, the learner's key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    curve: bool = False
+    """Connect to the learner's rollout and weights sockets with CURVE (encrypted, authenticated)."""
+    secret_key_file: str | None = None
+    """This server's secret key file (NAME.key_secret from `slipstream keys`, or a mounted Secret
+    with the bare Z85 secret key); its public key must be in the learner's allowed_clients_dir."""
+    learner_public_key_file: str | None = None
+    """The learner's public key file (learner.key from `slipstream keys`, or the bare Z85 key)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSecurity:
+        if self.curve:
+            missing = [k for k in ("secret_key_file", "learner_public_key_file") if not getattr(self, k)]
+            if missing:
+                raise ValueError(f"security.curve needs {' and '.join(missing)} (create keys with "
+                                 "`slipstream keys DIR`)")
+        return self
 
 
 class RolloutConfig(BaseModel):
@@ -133,3 +156,7 @@ class RolloutConfig(BaseModel):
     of the cores, see deploy/cores.py)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Engine dtype (float32 on CPU)."""
+    security: RolloutSecurity = Field(default_factory=RolloutSecurity)
+    """CURVE keys for the link to the learner (off by default)."""
+    exit_on_learner_finished: bool = True
+    """Exit (code 0) once the learner says its run has finished, after the last acks."""

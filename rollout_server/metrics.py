@@ -24,6 +24,10 @@ weights_chunk            a chunk reply that is not the chunk asked for (index, v
 weights_checksum         a chunk whose bytes fail their checksum (fetched again)
 weights_timeout          no chunk within ``chunk_timeout_s`` (the fetch fails)
 weights                  a fetch that failed for another reason, or an update the engine refused
+learner_handshake        the learner refused the CURVE handshake (a key not allowed, CURVE mismatch;
+                         counted once per kind of failure)
+new_run                  a Welcome from another run (a learner restarted without --resume): leases
+                         and unacknowledged results of the old run dropped, its weights fetched
 ======================== =========================================================================
 
 Messages that do not decode at all are ``slipstream_protocol_errors_total``.

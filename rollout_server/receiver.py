@@ -40,6 +40,7 @@ import zmq
 
 import protocol
 from protocol.codec import MAX_FRAME_BYTES
+from protocol.security import CurveClient
 from protocol.sockets import make_socket
 from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.engine import WeightUpdate
@@ -63,10 +64,11 @@ class ChunkChannel(Protocol):
 
 
 class ZmqChunkChannel:
-    """A DEALER connected to the learner's weights ROUTER."""
+    """A DEALER connected to the learner's weights ROUTER (with CURVE keys when ``curve``)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, max_frame_bytes: int):
-        self.sock = make_socket(ctx, zmq.DEALER, max_message_bytes=max_frame_bytes)
+    def __init__(self, ctx: zmq.Context, endpoint: str, max_frame_bytes: int,
+                 curve: CurveClient | None = None):
+        self.sock = make_socket(ctx, zmq.DEALER, max_message_bytes=max_frame_bytes, curve=curve)
         self.sock.connect(endpoint)
 
     async def request(self, version: int, index: int) -> None:

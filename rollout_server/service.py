@@ -58,6 +58,7 @@ import protocol
 from protocol.codec import MAX_BODY_BYTES, MAX_HEADER_BYTES
 from protocol.http import HttpEndpoint
 from protocol.process import EventLog, cancel_all, supervise
+from protocol.security import CurveClient, load_key_pair, load_public_key
 from protocol.sockets import check_endpoint, make_socket
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
@@ -71,6 +72,8 @@ from rollout_server.weights import default_weights_limit
 
 LEARNER_MAX_FRAME_BYTES = MAX_BODY_BYTES + MAX_HEADER_BYTES   # the largest frame the codec accepts
 UNACKED_CREDIT_FACTOR = 4
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class RolloutService:
@@ -81,6 +84,7 @@ class RolloutService:
     def __init__(self, cfg: RolloutConfig, model_path: str):
         self.cfg = cfg
         check_endpoint(cfg.learner, "rollout.learner")
+        self.curve = self._curve_keys()           # key files are checked before the model loads
         self.server_id = cfg.server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.engine: Engine | None = None
         self.run_id: str | None = None
@@ -100,6 +104,7 @@ class RolloutService:
         self.last_learner_message: float | None = None
         self.learner_echoes = False           # the learner sends Heartbeats (then silence is loss)
         self.withheld = 0                     # credits not granted yet (outbox full, see docstring)
+        self.handshake_failures: set[int] = set()   # kinds of refused handshakes already logged
         self.rewarder: Rewarder | None = None
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
@@ -140,7 +145,8 @@ class RolloutService:
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
             batch_wait_s=cfg.batch_wait_s, clock=self.clock)
         self.receiver = WeightsReceiver(
-            connect=lambda endpoint, max_bytes: ZmqChunkChannel(self.ctx, endpoint, max_bytes),
+            connect=lambda endpoint, max_bytes: ZmqChunkChannel(self.ctx, endpoint, max_bytes,
+                                                                curve=self.curve),
             apply=self.engine.update_weights, report=self.send, version=lambda: self.engine.version,
             server_id=self.server_id, metrics=self.metrics, log=self.log,
             max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
@@ -149,6 +155,15 @@ class RolloutService:
         self.metrics.learner_connected.set_function(lambda: float(self.connected()))
         self.metrics.requests_inflight.set_function(
             lambda: float(self.pipeline.assigned + self.outbox.samples))
+
+    def _curve_keys(self) -> CurveClient | None:
+        """The CURVE keys for the learner link (``security.curve``), or None."""
+        sec = self.cfg.security
+        if not sec.curve:
+            return None
+        public, secret = load_key_pair(sec.secret_key_file, "rollout.security.secret_key_file")
+        server = load_public_key(sec.learner_public_key_file, "rollout.security.learner_public_key_file")
+        return CurveClient(public_key=public, secret_key=secret, server_key=server)
 
     def _serve_metrics(self) -> int:
         """Bind /metrics. The default port, when taken (a second server on this machine), gives
@@ -175,7 +190,7 @@ class RolloutService:
     def _learner_socket(self) -> zmq.asyncio.Socket:
         cfg = self.cfg
         sock = make_socket(self.ctx, zmq.DEALER, max_message_bytes=LEARNER_MAX_FRAME_BYTES,
-                           identity=self.server_id.encode())
+                           identity=self.server_id.encode(), curve=self.curve)
         sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.reconnect_ivl_s * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_ivl_max_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.heartbeat_interval_s * 1000)))
@@ -189,7 +204,8 @@ class RolloutService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_signal)
         self.sock = self._learner_socket()
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                               | HANDSHAKE_FAILURES)
         self.sock.connect(self.cfg.learner)
         self.log("ready", server_id=self.server_id, learner=self.cfg.learner,
                  metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
@@ -301,6 +317,17 @@ class RolloutService:
 
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event & HANDSHAKE_FAILURES:
+                # A refused key or a CURVE mismatch: the link never comes up; say so once per
+                # kind of failure (libzmq keeps retrying with backoff).
+                if event not in self.handshake_failures:
+                    self.handshake_failures.add(event)
+                    self.metrics.count("learner_handshake")
+                    self.log("learner_handshake_failed", level="error",
+                             reason="the learner refused this server's CURVE key (not in its "
+                                    "allowed_clients_dir)" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                             else "CURVE on one side only, or the wrong learner public key")
+                continue
             if event == zmq.EVENT_CONNECTED:
                 again = self.had_link and not self.link_up
                 self.link_up, self.had_link, self.link_down_since = True, True, None

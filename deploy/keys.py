@@ -1,0 +1,77 @@
+"""``slipstream keys DIR``: CURVE key pairs for a run, laid out as the configs expect.
+
+    DIR/learner.key, learner.key_secret      the learner (learner.security.secret_key_file)
+    DIR/NAME.key, NAME.key_secret            each client: rollout servers, operators
+    DIR/clients/NAME.key                     public keys of the rollout servers
+                                             (learner.security.allowed_clients_dir)
+    DIR/operators/NAME.key                   public keys of who may run `slipstream ctl`
+                                             (learner.security.control_allowed_dir)
+
+Secret files are written with mode 0600. Existing keys are never overwritten (a replaced key
+locks out everyone who holds the old one): to add a client to a run, run it again with a new
+name, or copy a client's ``.key`` into the allow-list directory (it is read again on change).
+In Kubernetes, put each ``.key_secret`` in the Secret of the process that owns it and the
+allow-list directories in the learner's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from protocol.errors import StartupError
+from protocol.security import PUBLIC_SUFFIX, create_key_pair
+
+LEARNER = "learner"
+
+
+def generate(directory: str | Path, clients: list[str], operators: list[str]) -> dict[str, Path]:
+    """Create the layout above; returns ``{name: secret key file}`` (the learner's included)."""
+    d = Path(directory)
+    names = [LEARNER, *clients, *operators]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise StartupError(f"slipstream keys: each name once, got {', '.join(dupes)} twice")
+    for n in names:
+        if not n or "/" in n or n.startswith("."):
+            raise StartupError(f"slipstream keys: {n!r} is not a file name")
+    secrets = {}
+    for name in names:          # refuse before writing anything when one exists
+        for p in (d / f"{name}.key", d / f"{name}.key_secret"):
+            if p.exists():
+                raise StartupError(f"{p} exists; remove it first (or choose another name): "
+                                   "replacing a key locks out everyone who holds the old one")
+    for name in names:
+        public, secrets[name] = create_key_pair(d, name)
+        for group, members in (("clients", clients), ("operators", operators)):
+            if name in members:
+                (d / group).mkdir(exist_ok=True)
+                shutil.copyfile(public, d / group / f"{name}{PUBLIC_SUFFIX}")
+    return secrets
+
+
+def config_snippet(directory: str | Path, secrets: dict[str, Path], clients: list[str],
+                   operators: list[str]) -> str:
+    """The YAML to paste into a run's config, and the ctl flags."""
+    d = Path(directory).resolve()
+    lines = ["learner:", "  bind_host: 0.0.0.0          # CURVE on: the sockets may leave loopback",
+             "  security:", "    curve: true", f"    secret_key_file: {d / 'learner.key_secret'}",
+             f"    allowed_clients_dir: {d / 'clients'}"]
+    if operators:
+        lines.append(f"    control_allowed_dir: {d / 'operators'}")
+    if clients:
+        lines += ["rollout:", "  security:", "    curve: true",
+                  f"    secret_key_file: {secrets[clients[0]]}",
+                  f"    learner_public_key_file: {d / 'learner.key'}"]
+    if operators:
+        lines += ["", f"# slipstream ctl --secret-key {secrets[operators[0]]} --learner-key "
+                      f"{d / 'learner.key'} status"]
+    return "\n".join(lines)
+
+
+def keys(args) -> int:
+    secrets = generate(args.dir, args.client, args.operator)
+    for name, path in secrets.items():
+        print(f"wrote {path} (secret) and {path.with_suffix('.key')}")
+    print(config_snippet(args.dir, secrets, args.client, args.operator))
+    return 0
