@@ -177,6 +177,16 @@ def process_groups():
         groups.stop_all()
 
 
+@pytest.fixture(scope="module")
+def module_process_groups():
+    """A :class:`ProcessGroups` for a module whose tests share one live run (stopped at the end)."""
+    groups = ProcessGroups()
+    try:
+        yield groups
+    finally:
+        groups.stop_all()
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """A Prometheus text page as ``{"name{labels}": value}``."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()

@@ -1,0 +1,159 @@
+"""What an operator points at a run, checked on one real short run shared by the module.
+
+`slipstream run` starts a learner and one HF rollout server (the tiny model, free ports, a KL
+term so ``ref_kl`` exists), trains a few steps and stays up (``exit_on_finish: false``). A real
+Prometheus server on loopback scrapes both processes with the shipped config and rules; its HTTP
+API must show the learner's version and each server's; ``promtool check metrics`` must pass on
+live scrapes; every metric the Grafana dashboard queries must exist in them. Then ``ctl stop``
+ends the run and ``slipstream run`` writes the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from external_tools import DEPLOY, REPO, require, run_tool
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+CLI = [sys.executable, "-m", "deploy.cli"]
+SCRAPE_INTERVAL = "1s"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout_s: float = 10) -> bytes:
+    return urllib.request.urlopen(url, timeout=timeout_s).read()
+
+
+def _ready(watched, name: str) -> dict:
+    """The ``ready`` event of child ``name`` as the launcher prints it: ``[name] ready {json}``."""
+    m = watched.wait_for_line(rf"^\[{re.escape(name)}\] ready (\{{.*\}})$", 180)
+    return json.loads(m.group(1))
+
+
+@dataclass
+class Live:
+    run: object                  # conftest.Watched: the `slipstream run` process
+    run_dir: Path
+    env: dict
+    learner: dict                # the learner's ready event (endpoints)
+    server: dict                 # rollout-0's ready event
+    prometheus_url: str = ""
+
+    def query(self, promql: str) -> list[dict]:
+        url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        body = json.loads(_get(url))
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait_query(self, promql: str, timeout_s: float, n: int = 1) -> list[dict]:
+        """Poll the query (each scrape is 1 s apart) until it returns >= n series, bounded."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(promql)
+            if len(result) >= n:
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{promql!r}: {result} after {timeout_s}s")
+            time.sleep(0.25)
+
+
+def _start_prometheus(groups, live: Live, tmp: Path, env: dict) -> str:
+    """A real Prometheus on loopback with the shipped config and rules, retargeted at this run."""
+    cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    cfg["global"] = {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL}
+    targets = {"slipstream-learner": live.learner["metrics"], "slipstream-rollout": live.server["metrics"]}
+    for job in cfg["scrape_configs"]:
+        job.pop("file_sd_configs", None)
+        job["static_configs"] = [{"targets": [urllib.parse.urlsplit(targets[job["job_name"]]).netloc]}]
+    (tmp / "alerts.yml").write_text((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = _free_port()
+    prom = groups.watch([require("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
+                         f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                        env=env, cwd=tmp)
+    prom.wait_for_line("Server is ready to receive web requests", 60)
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_groups) -> Live:
+    require("prometheus")
+    tmp = tmp_path_factory.mktemp("observability")
+    run_dir = tmp / "run"
+    cfg = {
+        "model": tiny_model_dir,
+        "learner": {"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+                    "total_steps": STEPS, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4,
+                    "kl_coef": 0.01, "run_dir": str(run_dir), "threads": 1,
+                    "exit_on_finish": False},               # stays up to be scraped, then ctl stop
+        "rollout": {"metrics_port": 0, "max_concurrency": 16, "threads": 1},
+    }
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SLIPSTREAM_CACHE=str(builtin_cache))
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    run = module_process_groups.watch([*CLI, "run", "--config", str(tmp / "cfg.yaml")], env=env, cwd=tmp)
+    learner = _ready(run, "learner")
+    server = _ready(run, "rollout-0")
+    run.wait_for_line(r"^\[learner\] finished ", 180)
+    live = Live(run, run_dir, env, learner, server)
+    live.prometheus_url = _start_prometheus(module_process_groups, live, tmp, env)
+    return live
+
+
+def test_prometheus_scrapes_the_learners_and_each_servers_version(live):
+    up = live.wait_query("up == 1", 30, n=2)
+    assert {s["metric"]["job"] for s in up} == {"slipstream-learner", "slipstream-rollout"}
+    versions = live.wait_query("slipstream_policy_version > 0", 30, n=2)
+    by_job = {s["metric"]["job"]: float(s["value"][1]) for s in versions}
+    assert by_job == {"slipstream-learner": STEPS, "slipstream-rollout": STEPS}
+    # The learner's view of each server: one series per server id, at the learner's version.
+    servers = live.wait_query("slipstream_server_policy_version", 30)
+    assert {s["metric"]["server"]: float(s["value"][1]) for s in servers} == {live.server["server_id"]: STEPS}
+    # The statistics the alert rules select on are there under their names.
+    stats = {s["metric"]["name"] for s in live.query("slipstream_train_stat")}
+    rules = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    assert set(re.findall(r'slipstream_train_stat\{name="(\w+)"\}', rules)) <= stats
+
+
+def test_the_alert_rules_evaluate_on_live_data(live):
+    """Every rule has been evaluated against the real series without an error."""
+    deadline = time.monotonic() + 30
+    while True:
+        body = json.loads(_get(f"{live.prometheus_url}/api/v1/rules"))
+        rules = [r for g in body["data"]["groups"] for r in g["rules"]]
+        if rules and all(r["health"] == "ok" for r in rules):      # "unknown" until evaluated
+            break
+        assert not [r for r in rules if r["health"] == "err"], rules
+        assert time.monotonic() < deadline, [(r["name"], r["health"], r.get("lastError")) for r in rules]
+        time.sleep(0.25)
+    names = {r["name"] for r in rules}
+    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    assert names == {r["alert"] for g in alerts["groups"] for r in g["rules"]}
+    # The run is healthy: nothing reports a process down.
+    firing = json.loads(_get(f"{live.prometheus_url}/api/v1/alerts"))["data"]["alerts"]
+    assert not [a for a in firing if a["labels"]["alertname"].endswith("Down")], firing
+
+
+@pytest.mark.parametrize("process", ["learner", "server"])
+def test_promtool_check_metrics_passes_on_a_live_scrape(live, process):
+    text = _get(getattr(live, process)["metrics"])
+    r = run_tool([require("promtool"), "check", "metrics"], input=text.decode())
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout
