@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import dashboard_queries
 import pytest
 import yaml
 from external_tools import DEPLOY, REPO, require, run_tool
@@ -157,3 +158,41 @@ def test_promtool_check_metrics_passes_on_a_live_scrape(live, process):
     text = _get(getattr(live, process)["metrics"])
     r = run_tool([require("promtool"), "check", "metrics"], input=text.decode())
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout
+
+
+def _exposed(text: str) -> tuple[set[str], dict[str, set[str]]]:
+    """Names a scrape answers for: its samples' names and every declared family (a labelled
+    counter nobody has counted yet has no sample but is declared), and each sample's label values
+    (``{"name": {...}}`` of ``slipstream_train_stat``)."""
+    names: set[str] = set()
+    stat_names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split(" ", 3)
+            suffixes = ("_bucket", "_sum", "_count") if kind in ("histogram", "summary") else ("",)
+            names.update(family + s for s in suffixes)
+        elif line and not line.startswith("#"):
+            name = re.match(r"[a-zA-Z_:][\w:]*", line).group(0)
+            names.add(name)
+            if name == "slipstream_train_stat":
+                stat_names.add(re.search(r'name="([^"]*)"', line).group(1))
+    return names, {"name": stat_names}
+
+
+def test_every_metric_the_dashboard_queries_exists_in_a_live_scrape(live):
+    """Each panel's metrics are served by the process its job names (vllm: ones are checked on a
+    live vLLM engine in tests/rollout_server/test_engine_vllm.py); every query is valid PromQL."""
+    scraped = {"slipstream-learner": _exposed(_get(live.learner["metrics"]).decode()),
+               "slipstream-rollout": _exposed(_get(live.server["metrics"]).decode())}
+    checked = 0
+    for expr in dashboard_queries.exprs():
+        live.query(expr)                                 # Prometheus parses and evaluates it
+        for name, labels in dashboard_queries.selectors(expr):
+            if name.startswith("vllm:") or name == "up":     # up: made by Prometheus (queried above)
+                continue
+            jobs = [j for j in scraped if re.fullmatch(labels.get("job", ".*"), j)]
+            assert any(name in scraped[j][0] for j in jobs), f"{name} ({labels}) is not served: {expr}"
+            if name == "slipstream_train_stat":
+                assert labels["name"] in scraped["slipstream-learner"][1]["name"], expr
+            checked += 1
+    assert checked > 50

@@ -8,7 +8,10 @@ base weights the engine serves, so the HF reference model can be rebuilt for any
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -314,6 +317,12 @@ async def test_vllm_metrics_are_served_with_ours(ctx):
     text = generate_latest(RolloutMetrics().registry).decode()
     assert "slipstream_rollout_generated_tokens_total" in text
     assert "vllm:" in text
+    # Every vllm: metric the Grafana dashboard (deploy/grafana/slipstream.json) queries is served.
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy/grafana/slipstream.json").read_text())
+    queried = {name for p in dashboard["panels"] for t in p.get("targets", [])
+               for name in re.findall(r"(vllm:[\w:]+)", t["expr"])}
+    served = set(re.findall(r"^(vllm:[\w:]+)", text, re.MULTILINE))
+    assert len(queried) >= 5 and queried <= served, queried - served
 
 
 
