@@ -274,7 +274,8 @@ class LearnerService:
             m.step_stats.labels(name=k).set(v)
         self.record_sanity(stats)
         self.update_gauges()
-        record = {"step": self.version, "version": self.version, "time": time.time(), **stats,
+        record = {"run_id": self.run_id, "step": self.version, "version": self.version,
+                  "time": time.time(), **stats,
                   "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
         self.jsonl.write(record)
         self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
