@@ -57,6 +57,7 @@ with another.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import struct
@@ -68,7 +69,15 @@ import msgpack
 
 from protocol.errors import ProtocolError
 from protocol.messages import MESSAGE_TYPES, Message
-from protocol.schema import Frame, Struct, StructList, frame_fields
+from protocol.schema import (
+    MAX_LIST_ITEMS,
+    MAX_MAP_ITEMS,
+    MAX_STR_CHARS,
+    Frame,
+    Struct,
+    StructList,
+    frame_fields,
+)
 
 PROTOCOL_VERSION: tuple[int, int] = (3, 0)
 
@@ -80,6 +89,17 @@ MAX_FRAMES = 16
 _packer = msgpack.Packer(use_bin_type=True, autoreset=True)
 _pack = _packer.pack
 _unpackb = msgpack.unpackb      # defaults: raw=False, strict_map_key=True, use_list=True
+# Untrusted input: msgpack checks a declared length only against the input's size by default,
+# so a 64 MiB frame could declare a 64 Mi-element array (half a GiB of pointers before the first
+# element is read). Inputs larger than _SMALL_BYTES are unpacked with explicit limits, twice
+# what the schema accepts (so the schema's own check, which names the field, speaks first for a
+# value just over, while a length far beyond is refused before anything is allocated for it);
+# ext types are never used. Smaller inputs keep the defaults (limits = their size, at most
+# _SMALL_BYTES) and skip the keyword parsing, a sixth of a small body's unpack time.
+_SMALL_BYTES = MAX_LIST_ITEMS
+_unpackb_limited = functools.partial(
+    msgpack.unpackb, max_str_len=8 * MAX_STR_CHARS, max_bin_len=MAX_BODY_BYTES,
+    max_array_len=2 * MAX_LIST_ITEMS, max_map_len=2 * MAX_MAP_ITEMS, max_ext_len=0)
 _time = time.time
 _FLOAT64 = 0xCB                 # msgpack float 64: the marker, then a big-endian double
 _float64 = struct.Struct(">Bd").pack
@@ -181,7 +201,7 @@ def _unpack(data: Any, what: str, limit: int) -> Any:
         if nbytes > limit:
             raise ProtocolError(f"{what}: {nbytes} bytes exceed the limit of {limit}")
     try:
-        return _unpackb(data)
+        return _unpackb_limited(data)
     except Exception as e:  # ExtraData, FormatError, StackError, ValueError, UnicodeDecodeError ...
         raise ProtocolError(f"{what}: not valid msgpack ({type(e).__name__}: {e})") from None
 
@@ -261,7 +281,7 @@ def decode(frames: Sequence[Any]) -> Message:
                 and len(data) <= MAX_BODY_BYTES):
             try:
                 header = _unpackb(head)
-                body = _unpackb(data)
+                body = _unpackb(data) if len(data) <= _SMALL_BYTES else _unpackb_limited(data)
             except Exception:
                 pass
             else:
