@@ -1,4 +1,4 @@
-"""The ``slipstream`` command: learner, rollout, run, ctl, keys.
+"""The ``slipstream`` command: learner, rollout, run, ctl, keys, report.
 
 Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
 is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operator", action="append", default=None, metavar="NAME",
                    help="an operator's key pair, allowed on the control socket (repeatable; "
                         "default: operator)")
+    p = sub.add_parser("report", help="plots and a summary of a run's metrics.jsonl (deploy/report.py)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the learner's run directory")
+    p.add_argument("--run-id", default=None, help="which run of the file (default: the last one)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: RUN_DIR/report)")
     return parser
 
 
@@ -85,6 +89,13 @@ def _keys(args) -> int:
     args.client = args.client if args.client is not None else ["rollout"]
     args.operator = args.operator if args.operator is not None else ["operator"]
     return keys(args)
+
+
+def _report(args) -> int:
+    from deploy.report import write_report
+
+    print(write_report(args.run_dir, args.run_id, args.out))
+    return 0
 
 
 def _run(args) -> int:
@@ -123,7 +134,8 @@ def _rollout(args) -> int:
     return serve(rollout, model_path)
 
 
-COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout, "keys": _keys}
+COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout, "keys": _keys,
+            "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:
