@@ -196,6 +196,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     exit_code = 0
+    run_id = None                             # the learner's, from its events: whose report to write
     try:
         learner = children["learner"] = Child(
             "learner", [*base, "learner", "--config", str(cfg_file)], events, env)
@@ -224,6 +225,8 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
                     break
             else:
                 ev = _print_line(name, line, verbose)
+                if ev and name == "learner":
+                    run_id = ev.get("run_id", run_id)
                 if (ev and name == "learner" and ev.get("event") == "ready"
                         and "rollout-0" not in children):
                     start_servers(ev["rollout"])
@@ -231,10 +234,30 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
         _stop_all(list(children.values()), cfg.launcher.shutdown_timeout_s)
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
+    _write_report(run_dir, run_id)
     final = run_dir / "final"
     if exit_code == 0 and final.exists():
         print(f"[run] done: metrics in {run_dir / 'metrics.jsonl'}, final model in {final}", flush=True)
     return exit_code
+
+
+def _write_report(run_dir: Path, run_id: str | None) -> None:
+    """``slipstream report`` of this run (deploy/report.py), also after Ctrl-C or a crash; its path
+    is said on stdout. A run that trained no step has none; a report that fails says so and never
+    changes the run's exit code."""
+    from deploy.report import write_report
+    from protocol.errors import StartupError
+
+    if run_id is None or not (run_dir / "metrics.jsonl").exists():
+        return
+    try:
+        path = write_report(run_dir, run_id)
+    except StartupError:                       # this run has no row in metrics.jsonl
+        print("[run] no report: this run trained no step", flush=True)
+    except Exception as e:  # noqa: BLE001 -- plots must not turn a finished run into a failed one
+        print(f"[run] the report failed: {type(e).__name__}: {e}", flush=True)
+    else:
+        print(f"[run] report: {path}", flush=True)
 
 
 def _stop_all(children: list[Child], timeout_s: float) -> None:
