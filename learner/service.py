@@ -95,7 +95,8 @@ class LearnerService:
         self.ready = asyncio.Event()
         self.finished = False
         self.endpoints: dict[str, str] = {}
-        self.http = HttpEndpoint(self.metrics.render, self.health)
+        self.http = HttpEndpoint(self.metrics.render, self.health, on_error=lambda status: (
+            self.metrics.protocol_errors.labels(socket="http").inc()))
         self.ctx: zmq.asyncio.Context | None = None
         self.curve: LearnerCurve | None = None
         self.sockets: dict[str, RouterSocket] = {}

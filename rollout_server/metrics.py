@@ -26,6 +26,7 @@ weights_timeout          no chunk within ``chunk_timeout_s`` (the fetch fails)
 weights                  a fetch that failed for another reason, or an update the engine refused
 learner_handshake        the learner refused the CURVE handshake (a key not allowed, CURVE mismatch;
                          counted once per kind of failure)
+http_request             a malformed request or a method other than GET/HEAD on /metrics, /healthz
 new_run                  a Welcome from another run (a learner restarted without --resume): leases
                          and unacknowledged results of the old run dropped, its weights fetched
 ======================== =========================================================================

@@ -112,7 +112,8 @@ class RolloutService:
         self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
                              on_change=self.progress.set)
         self.pipeline: Pipeline | None = None          # needs the engine (its vocabulary)
-        self.http = HttpEndpoint(self.metrics.render, self.health)
+        self.http = HttpEndpoint(self.metrics.render, self.health,
+                                 on_error=lambda status: self.metrics.count("http_request"))
         try:
             port = self._serve_metrics()
             self.metrics_url = f"http://{cfg.metrics_host}:{port}"
