@@ -125,13 +125,44 @@ class Plot:
     draw: Callable[[object, Run], bool]
 
 
-def _lines(ax, run: Run, columns: list[tuple[str, str]], x: list[float] | None = None) -> bool:
+SMOOTH_FROM_STEPS = 40
+"""Runs this long also get a rolling mean over ``steps // 20`` steps drawn over the faint raw line."""
+
+
+def rolling_mean(values: list[float], k: int) -> list[float]:
+    """Mean of the last ``k`` finite values at each point (NaN until there is one)."""
+    out, window = [], []
+    for v in values:
+        if math.isfinite(v):
+            window.append(v)
+            if len(window) > k:
+                window.pop(0)
+        out.append(sum(window) / len(window) if window else math.nan)
+    return out
+
+
+def _plot_smoothed(ax, x: list[float], v: list[float], label: str, **kwargs) -> None:
+    """The raw line, faint, under its rolling mean once the run is long enough."""
+    if len(v) >= SMOOTH_FROM_STEPS:
+        k = max(2, len(v) // 20)
+        (raw,) = ax.plot(x, v, linewidth=0.8, alpha=0.3, **kwargs)
+        ax.plot(x, rolling_mean(v, k), color=raw.get_color(), linewidth=1.6, label=f"{label} ({k}-step mean)")
+    else:
+        ax.plot(x, v, label=label, linewidth=1.2, **kwargs)
+
+
+def _lines(ax, run: Run, columns: list[tuple[str, str]], x: list[float] | None = None,
+           smooth: bool = True) -> bool:
     drawn = False
     x = run.steps if x is None else x
     for column, label in columns:
-        if run.has(column):
+        if not run.has(column):
+            continue
+        if smooth:
+            _plot_smoothed(ax, x, run.values(column), label)
+        else:
             ax.plot(x, run.values(column), label=label, linewidth=1.2)
-            drawn = True
+        drawn = True
     if drawn:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
@@ -149,15 +180,12 @@ def _positive_log(ax, run: Run, columns: list[str]) -> None:
 
 def _draw_reward(fig, run: Run) -> bool:
     ax = fig.subplots()
-    steps, mean, std = run.steps, run.values("reward_mean"), run.values("reward_std")
+    steps, mean = run.steps, run.values("reward_mean")
     cols = [("reward_mean", "reward mean")]
     if run.has("score_mean") and run.values("score_mean") != mean:     # shaping changed the reward
         cols.append(("score_mean", "score mean (before shaping)"))
+    cols.append(("reward_std", "reward std (in the batch)"))
     drawn = _lines(ax, run, cols)
-    if drawn and run.has("reward_std"):
-        lo = [m - s for m, s in zip(mean, std)]
-        hi = [m + s for m, s in zip(mean, std)]
-        ax.fill_between(steps, lo, hi, alpha=0.15, label="± reward std")
     evals = [c for c in run.columns() if c.startswith("eval_")]
     for c in evals:
         pts = [(s, v) for s, v in zip(steps, run.values(c)) if math.isfinite(v)]
@@ -182,10 +210,11 @@ def _draw_kl(fig, run: Run) -> bool:
     return drawn
 
 
-def _simple(columns: list[tuple[str, str]], ylabel: str = "", log: bool = False, ylim=None):
+def _simple(columns: list[tuple[str, str]], ylabel: str = "", log: bool = False, ylim=None,
+            smooth: bool = True):
     def draw(fig, run: Run) -> bool:
         ax = fig.subplots()
-        drawn = _lines(ax, run, columns)
+        drawn = _lines(ax, run, columns, smooth=smooth)
         if log:
             _positive_log(ax, run, [c for c, _ in columns])
         if ylim:
@@ -214,7 +243,7 @@ def _draw_importance(fig, run: Run) -> bool:
 
 def _draw_staleness(fig, run: Run) -> bool:
     left, right = fig.subplots(1, 2)
-    drawn = _lines(left, run, [("staleness_mean", "mean"), ("staleness_max", "max")])
+    drawn = _lines(left, run, [("staleness_mean", "mean"), ("staleness_max", "max")], smooth=False)
     left.set_xlabel("policy step")
     left.set_ylabel("policy steps behind")
     if run.has("staleness_max"):
@@ -247,13 +276,13 @@ def _draw_throughput(fig, run: Run) -> bool:
         return False
     ax = fig.subplots()
     steps, sps, tps = throughput(run)
-    ax.plot(steps, sps, label="samples/s", linewidth=1.2)
+    _plot_smoothed(ax, steps, sps, "samples/s")
     ax.set_ylabel("samples/s")
     ax.set_xlabel("policy step")
     ax.grid(True, alpha=0.3)
     if any(math.isfinite(v) for v in tps):
         twin = ax.twinx()
-        twin.plot(steps, tps, color="tab:green", linewidth=1, alpha=0.7, label="completion tokens/s")
+        _plot_smoothed(twin, steps, tps, "completion tokens/s", color="tab:green")
         twin.set_ylabel("tokens/s")
         twin.legend(fontsize=8, loc="upper right")
     ax.legend(fontsize=8, loc="upper left")
@@ -371,10 +400,10 @@ PLOTS = (
     Plot("loss", "Loss, gradient norm, learning rate", _draw_loss),
     Plot("idle", "Idle ratios", _draw_idle),
 )
-OVERVIEW = (("reward", _draw_reward), ("mismatch_kl", _simple([("mismatch_kl", "mismatch KL")], log=True)),
+OVERVIEW = (("reward", _draw_reward), ("mismatch KL", _simple([("mismatch_kl", "mismatch KL")], log=True)),
             ("entropy", _simple([("entropy", "entropy")])),
             ("ESS ratio", _simple([("is_ess_ratio", "ESS ratio")], ylim=(-0.02, 1.02))),
-            ("staleness", _simple([("staleness_mean", "mean"), ("staleness_max", "max")])),
+            ("staleness", _simple([("staleness_mean", "mean"), ("staleness_max", "max")], smooth=False)),
             ("samples/s", None))
 
 
@@ -401,7 +430,7 @@ def _draw_throughput_single(fig, run: Run) -> bool:
         return False
     ax = fig.subplots()
     steps, sps, _ = throughput(run)
-    ax.plot(steps, sps, linewidth=1.2)
+    _plot_smoothed(ax, steps, sps, "samples/s")
     ax.set_xlabel("policy step")
     ax.grid(True, alpha=0.3)
     return True

@@ -196,3 +196,23 @@ def test_every_metric_the_dashboard_queries_exists_in_a_live_scrape(live):
                 assert labels["name"] in scraped["slipstream-learner"][1]["name"], expr
             checked += 1
     assert checked > 50
+
+
+def test_ctl_stop_ends_the_run_and_slipstream_run_writes_the_report(live, module_process_groups):
+    """Last in the module: the run ends as an operator ends it; its report is of this run."""
+    run_id = json.loads((live.run_dir / "learner.json").read_text())["run_id"]
+    stop = module_process_groups.run([*CLI, "ctl", "--endpoint", live.learner["control"], "stop"],
+                                     timeout=60, env=live.env)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    path = Path(live.run.wait_for_line(r"^\[run\] report: (\S+)$", 120).group(1))
+    assert live.run.proc.wait(timeout=60) == 0, live.run.output()
+    rows = [json.loads(line) for line in (live.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert {r["run_id"] for r in rows} == {run_id}
+    assert path == live.run_dir / "report" / "report.md"
+    md = path.read_text()
+    assert md.startswith(f"# slipstream run `{run_id}`") and f"{STEPS} policy steps" in md
+    assert f"servers at the end: {live.server['server_id']} v" in md
+    pngs = {p.stem for p in path.parent.glob("*.png")}
+    assert {"reward", "kl", "entropy", "importance", "mismatch_kl", "staleness", "versions",
+            "step_time", "overview"} <= pngs
