@@ -17,9 +17,11 @@ forward *is* at the starting weights, so its detached log-probs are the numbers 
 would give, for half the forwards (the single-step shortcut). A separate pass runs whenever that is
 not so: several optimizer steps; KL in the reward or V-trace targets (the advantages need π_prox
 before any update); M2PO (its mask is a batch statistic, needed before the first micro-batch's
-backward). The pass runs in eval mode over exactly the micro-batches of the first mini-batch (same
-rows, same widths), so the gradient forward of that mini-batch repeats it bit for bit unless the
-two passes compute different functions: dropout left on, or padding handled differently. That is
+backward). The pass runs in eval mode over the first epoch's micro-batches in their order (same
+rows, same widths), so the gradient forward of the first mini-batch repeats it bit for bit unless
+the two passes compute different functions: dropout left on, or padding handled differently
+(PF-PPO alone draws the plan after the pass, on the resampled rows: there the two agree to
+rounding, not bit for bit). That is
 the seeds' sanity check (``sanity_*`` stats): mean and max |ratio − 1| and KL(current ‖ proximal)
 on the first mini-batch before any update; ``sanity_failed`` when over tolerance. Where the
 shortcut makes the ratio 1 by construction, the check is not applicable (``sanity_applicable`` 0,
@@ -343,7 +345,14 @@ class Trainer:
             s.n_updates > 1 or cfg.m2po_threshold is not None)))
         s.sanity_on = s.separate and cfg.recompute_logprobs and s.train_policy
         s.moments_before = self.reward_moments.state_dict()
+        if cfg.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
+            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
         return s
+
+    @staticmethod
+    def _first_micro_batches(s: _StepData) -> list[torch.Tensor]:
+        """The micro-batches of the first epoch, in order (the first mini-batch's come first)."""
+        return [rows for mb in s.plan[0] for rows in mb]
 
     def _proximal_of(self, s: _StepData, pass_lp: torch.Tensor) -> torch.Tensor:
         if self.cfg.recompute_logprobs:
@@ -352,21 +361,23 @@ class Trainer:
 
     def _no_grad_passes(self, s: _StepData, phases: _Phases) -> None:
         """Reference log-probs, critic values and (when the advantages need it) the proximal pass,
-        all at the step's starting weights, in the batch's order."""
-        natural = list(torch.arange(len(s.bt)).split(self.cfg.micro_batch_samples))
+        all at the step's starting weights, over the first epoch's micro-batches (the batch's
+        order before a PF-PPO resampling, which draws the plan afterwards)."""
+        chunks = (self._first_micro_batches(s) if s.plan
+                  else list(torch.arange(len(s.bt)).split(self.cfg.micro_batch_samples)))
         if s.use_kl:
             with phases("reference"):
-                s.ref_lp = self._reference_pass(s.bt, natural)                      # (B, L-1)
+                s.ref_lp = self._reference_pass(s.bt, chunks)                       # (B, L-1)
         if self.critic is not None:
             with phases("values"):
-                s.old_values = self._values_pass(s.bt, natural)                     # (B, L-1)
+                s.old_values = self._values_pass(s.bt, chunks)                      # (B, L-1)
         if s.separate and (s.needed_early or self.cfg.batch_filter == "pf_ppo"):
             with phases("proximal"):
-                s.prox_pass = self._proximal_pass(s.bt, natural)
+                s.prox_pass = self._proximal_pass(s.bt, chunks)
 
     def _advantages(self, s: _StepData) -> None:
         """Scores, per-token rewards, advantages and critic targets (learner.returns); then the
-        PF-PPO resampling, and the update plan."""
+        PF-PPO resampling and its update plan."""
         cfg, bt = self.cfg, s.bt
         early_prox = None
         if s.prox_pass is not None:
@@ -390,7 +401,7 @@ class Trainer:
                 value = getattr(s, name)
                 if value is not None:
                     setattr(s, name, value[idx])
-        s.plan = plan_updates(len(s.bt), cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
+            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
 
     def _proximal_and_weights(self, s: _StepData, phases: _Phases) -> None:
         """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),
@@ -399,8 +410,7 @@ class Trainer:
         cfg, bt = self.cfg, s.bt
         if s.separate and s.prox_pass is None:
             with phases("proximal"):
-                first = [rows for mb in s.plan[0] for rows in mb]
-                s.prox_pass = self._proximal_pass(bt, first)
+                s.prox_pass = self._proximal_pass(bt, self._first_micro_batches(s))
         with phases("advantages"):
             if s.prox_pass is not None:
                 s.proximal = self._proximal_of(s, s.prox_pass)

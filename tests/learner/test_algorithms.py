@@ -43,12 +43,15 @@ def dropout_model_dir(tiny_model_dir: str, tmp_path, p: float = 0.5) -> str:
 
 # ---- the proximal pass and the sanity check --------------------------------------------------
 
-@pytest.mark.parametrize("mini,eval_forwards", [(0, 3), (4, 4)])
-def test_ppo_epochs_2_makes_a_separate_proximal_pass_with_ratio_one(tiny_model_dir, mini, eval_forwards):
-    """Two epochs: one no-grad pass in eval mode over the first mini-batch's micro-batches (3 + 3
-    + 2 rows: 3 forwards; with mini-batches of 4: 2 + 2 micro-batches of plan[0]'s two mini-batches),
-    then 2 epochs of gradient forwards; at the first mini-batch the ratio is 1 within 1e-6."""
-    tr = make_trainer(tiny_model_dir, ppo_epochs=2, mini_batch_samples=mini, micro_batch_samples=3)
+@pytest.mark.parametrize("mini,eval_forwards,extra", [
+    (0, 3, {}), (4, 4, {}),
+    (4, 4, dict(kl_coef=0.1, kl_in_reward=True)),    # the pass runs before the advantages
+])
+def test_ppo_epochs_2_makes_a_separate_proximal_pass_with_ratio_one(tiny_model_dir, mini, eval_forwards, extra):
+    """Two epochs: one no-grad pass in eval mode over the first epoch's micro-batches (3 + 3 + 2
+    rows: 3 forwards; with mini-batches of 4: 2 + 2), then 2 epochs of gradient forwards; at the
+    first mini-batch the ratio is 1 within 1e-6 (the same rows in the same micro-batches)."""
+    tr = make_trainer(tiny_model_dir, ppo_epochs=2, mini_batch_samples=mini, micro_batch_samples=3, **extra)
     counts = count_forwards(tr.model)
     stats = tr.step(make_batch())
     per_epoch = 3 if mini == 0 else 4
