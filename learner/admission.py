@@ -28,6 +28,23 @@ order — the server given work least recently (or never) goes first — while:
   group_size``). Leases waiting for re-issue go first, and need no room: their samples are still
   counted in flight.
 
+Restarts. A server puts a per-process ``session`` in its Hello's metadata. A Hello from a known
+identity with another session is a restarted process (same ``server_id``): its old leases are
+released for re-issue at once and it joins as new capacity, instead of its work waiting for the
+leases to expire.
+
+Runs. A server that says Hello with a version above the learner's comes from another run (this
+learner was started without ``--resume``): the mismatch is logged, the server gets no work while
+its version is above the learner's (its tokens would be refused), and the newest manifest is
+announced to it (the learner publishes version 0 at start, so there is always one); the server
+fetches it, re-tags, and works from then on.
+
+Circuit breaker. A server reporting ``Error(code="weights_failed")`` ``weights_failure_limit``
+times in a row (fetch or update failed, manifest refused) is dropped from dispatch with a
+``server_dropped`` event: it would otherwise keep generating with weights ever more stale. It
+keeps its connection and its leases, gets the manifest re-announced, and re-joins dispatch
+(``server_readmitted``) once it applies a published version.
+
 Re-issue. Leases that expire (``RolloutBuffer.expire``, checked by :meth:`Admission.tick`) or whose
 holder was lost go to the next eligible server, same assignment id, attempt + 1, stamped with the
 current version. The buffer keeps the first copy of every sample and answers later ones
@@ -76,6 +93,9 @@ class ServerState:
     announced: int = -1                # newest manifest version queued to it
     announced_at: float = float("-inf")
     served: int = -1                   # dispatch sequence number of its last assignment
+    session: str = ""                  # per-process id from its Hello (a restart changes it)
+    weights_failures: int = 0          # weights_failed reports in a row
+    dropped: bool = False              # circuit breaker open: no dispatch until it applies weights
 
 
 class Admission:
@@ -96,10 +116,11 @@ class Admission:
                  *, version: Callable[[], int], welcome: Callable[[], protocol.Welcome],
                  metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
                  server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 weights_failure_limit: int = 3, clock: Callable[[], float] = time.monotonic):
         self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
         self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
         self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
+        self.weights_failure_limit = weights_failure_limit
         self.servers: dict[bytes, ServerState] = {}
         self._dispatched = 0
         self.reissue: deque[Lease] = deque()
@@ -118,6 +139,11 @@ class Admission:
         """The lag rule: more than ``max_staleness`` versions behind gets no new work."""
         return self.version() - srv.version > self.buffer.max_staleness
 
+    def eligible(self, srv: ServerState) -> bool:
+        """May get new work: not lagging, not ahead of the learner (another run's weights), and
+        its circuit breaker closed."""
+        return not srv.dropped and not self.lagging(srv) and srv.version <= self.version()
+
     def touch(self, identity: bytes) -> ServerState | None:
         """The server behind ``identity``, marked alive now; None if it has not said Hello."""
         srv = self.servers.get(identity)
@@ -128,7 +154,8 @@ class Admission:
     def status(self) -> dict[str, dict[str, Any]]:
         return {s.server_id: {"version": s.version, "credits": s.credits,
                               "outstanding": self.outstanding(s), "max_concurrency": s.max_concurrency,
-                              "lagging": self.lagging(s)}
+                              "lagging": self.lagging(s), "dropped": s.dropped,
+                              "weights_failures": s.weights_failures}
                 for s in self.servers.values()}
 
     def all_at(self, version: int) -> bool:
@@ -150,8 +177,14 @@ class Admission:
                         "rollout server its own server_id"))
             return
         srv = self.servers.get(identity)
+        session = msg.metadata.get("session")
+        session = session if isinstance(session, str) else ""
+        if srv is not None and session and srv.session and session != srv.session:
+            self.lose(srv, "restarted")           # its leases are re-issued now, not at expiry
+            srv = None
         if srv is None:
-            srv = self.servers[identity] = ServerState(msg.server_id, identity, msg.max_concurrency)
+            srv = self.servers[identity] = ServerState(msg.server_id, identity, msg.max_concurrency,
+                                                       session=session)
             self.metrics.servers.set(len(self.servers))
             self.log("server_joined", server=msg.server_id, server_version=msg.version,
                      max_concurrency=msg.max_concurrency)
@@ -169,9 +202,14 @@ class Admission:
         srv.last_seen = now
         srv.announced = -1            # it may have missed a manifest while away
         self._set_version(srv, msg.version, force=True)
+        if msg.version > self.version():
+            self.log("server_version_mismatch", level="warning", server=msg.server_id,
+                     server_version=msg.version, learner_version=self.version(),
+                     hint="the server holds weights of another run (this learner started without "
+                          "--resume?): no work until it applies this run's weights")
         if not await self._send(srv, self.welcome()):
             return
-        if self.latest is not None and self.latest.version > srv.version:
+        if self.latest is not None and self.latest.version != srv.version:
             if not await self._announce_to(srv, self.latest):
                 return
         await self.dispatch()
@@ -187,7 +225,7 @@ class Admission:
     async def heartbeat(self, srv: ServerState, msg: protocol.Heartbeat) -> None:
         changed = self._set_version(srv, msg.version)
         latest = self.latest
-        if (latest is not None and srv.version < latest.version
+        if (latest is not None and srv.version != latest.version
                 and (srv.announced < latest.version or self.clock() - srv.announced_at >= self.reannounce_s)):
             if not await self._announce_to(srv, latest):
                 return
@@ -202,8 +240,23 @@ class Admission:
         if not ok:
             self.log("checksum_mismatch", server=srv.server_id, server_version=msg.version,
                      checksum=msg.checksum, expected=expected)
+        else:
+            srv.weights_failures = 0
+            if srv.dropped:
+                srv.dropped = False
+                self.log("server_readmitted", server=srv.server_id, server_version=msg.version)
         await self.dispatch()
         return ok
+
+    async def weights_failed(self, srv: ServerState, message: str) -> None:
+        """``srv`` could not fetch or apply announced weights; the circuit breaker counts it."""
+        srv.weights_failures += 1
+        if srv.weights_failures >= self.weights_failure_limit and not srv.dropped:
+            srv.dropped = True
+            self.metrics.servers_dropped.inc()
+            self.log("server_dropped", level="warning", server=srv.server_id, reason="weights",
+                     failures=srv.weights_failures, last_error=message[:500],
+                     hint="no new work until it applies a published version")
 
     async def refused(self, srv: ServerState, assignment_id: str, reason: str) -> None:
         """``srv`` refused an assignment (``Error(code="assignment_refused")``): its lease goes back
@@ -253,7 +306,7 @@ class Admission:
         """Turn credits into assignments while the rules above allow (see the module docstring)."""
         g = self.buffer.group_size
         while True:
-            eligible = [s for s in self.servers.values() if s.credits >= g and not self.lagging(s)]
+            eligible = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
             if not eligible:
                 return
             srv = min(eligible, key=lambda s: s.served)

@@ -44,6 +44,9 @@ class LearnerMetrics:
         self.auth_denied = Counter(
             "slipstream_auth_denied", "Client keys refused by CURVE authentication (not in the "
             "socket's allow-list), by socket", ["socket"], registry=r)
+        self.servers_dropped = Counter(
+            "slipstream_rollout_servers_dropped", "Rollout servers dropped from dispatch by the "
+            "circuit breaker (weights failed weights_failure_limit times in a row)", registry=r)
         self.servers_lost = Counter("slipstream_rollout_servers_lost",
                                     "Rollout servers dropped (timed out or unreachable)", ["reason"],
                                     registry=r)

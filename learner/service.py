@@ -8,7 +8,9 @@ Sockets (all ROUTER, DESIGN.md §6), each served by one :class:`learner.router.R
     weights   WeightChunkRequest in, WeightChunk (zero-copy) out
     control   ControlRequest in, ControlReply out (``slipstream ctl``)
 
-plus HTTP ``/metrics`` and ``/healthz``. Every socket has ``ZMQ_MAXMSGSIZE`` set (a larger frame
+plus HTTP ``/metrics`` and ``/healthz``. The run directory gets ``learner.json`` (endpoints, and
+the CURVE public key), ``metrics.jsonl`` (one row per step) and ``trained_ids.jsonl`` (the sample
+ids of every applied step: an audit that nothing was trained twice). Every socket has ``ZMQ_MAXMSGSIZE`` set (a larger frame
 disconnects its sender before it is buffered) and sends never wait (:mod:`learner.router`).
 Everything runs on one asyncio loop; the policy step and the weight snapshot run in a worker
 thread, so the sockets stay responsive during training.
@@ -67,7 +69,7 @@ def vocab_size(trainer) -> int:
     return int(size) if size is not None else int(trainer.model.get_input_embeddings().num_embeddings)
 
 
-SERVER_ERROR_CODES = ("assignment_refused", "protocol_error")
+SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
 """Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
 
 
@@ -103,7 +105,8 @@ class LearnerService:
         self.admission = Admission(
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
-            server_timeout_s=cfg.server_timeout_s, reannounce_s=cfg.reannounce_s)
+            server_timeout_s=cfg.server_timeout_s, reannounce_s=cfg.reannounce_s,
+            weights_failure_limit=cfg.weights_failure_limit)
         self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
                                stop=self.stopping.set, after_set=self.admission.dispatch, log=self.log)
 
@@ -113,11 +116,15 @@ class LearnerService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         tasks: list[asyncio.Task] = []
-        jsonl = None
+        jsonl = trained = None
         try:
             self._open()                      # ports first: a taken port fails before the model loads
             self._load()
+            # Version 0 is published too: a server still holding another run's weights (this
+            # learner started without --resume) must find something to fetch (learner.admission).
+            await self.publish()
             jsonl = self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
+            trained = self.trained_ids = JsonlLog(self.run_dir / "trained_ids.jsonl")
             (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
             train = asyncio.create_task(self.train_loop(), name="train")
@@ -144,6 +151,8 @@ class LearnerService:
             self._close()
             if jsonl is not None:
                 jsonl.close()
+            if trained is not None:
+                trained.close()
         self.log("stopped", exit_code=code)
         return code
 
@@ -160,6 +169,10 @@ class LearnerService:
         for name, port, max_bytes, hwm in specs:
             sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=max_bytes, hwm=hwm,
                                curve=self.curve.server(name) if self.curve else None)
+            if name == "rollout":
+                # A restarted server (same server_id, so the same identity) takes over at once,
+                # even while the dead process's connection has not timed out yet.
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self.sockets[name] = RouterSocket(sock, name, self.metrics, self.log)
             port = bind(sock, cfg.bind_host, port, f"learner.{name}_port")
             self.endpoints[name] = f"tcp://{host}:{port}"
@@ -217,7 +230,9 @@ class LearnerService:
         await self.admission.broadcast(protocol.Error(code="learner_finished",
                                                       message=f"run {self.run_id} finished"))
         self.finished = True
-        self.log("finished", checkpoint=str(out), counters=self.buffer.counters)
+        self.log("finished", checkpoint=str(out), counters=self.buffer.counters,
+                 pending_samples=self.buffer.pending_samples,
+                 inflight_samples=self.buffer.inflight_samples, gate=self.buffer.gate.state_dict())
 
     # ---- training --------------------------------------------------------------------------
     async def train_loop(self) -> None:
@@ -230,6 +245,7 @@ class LearnerService:
                 await self.admission.dispatch()
                 continue
             stats.update(self.batch_versions(batch))
+            self.record_trained(batch)
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
             stats["publish_s"] = await self.publish()
             self.record_step(stats)
@@ -248,6 +264,12 @@ class LearnerService:
         self.metrics.skipped_steps.inc()
         self.log("step_skipped", reason=skip.reason, trained_on_version=self.version, samples=n,
                  sample_ids=[s.sample_id for s in batch.samples])
+
+    def record_trained(self, batch: Batch) -> None:
+        """trained_ids.jsonl: the sample ids of every applied step, one line per step (an audit
+        that nothing was trained twice; a few KiB per step)."""
+        self.trained_ids.write({"run_id": self.run_id, "trained_on_version": self.version,
+                                "sample_ids": [s.sample_id for s in batch.samples]})
 
     def batch_versions(self, batch: Batch) -> dict[str, float]:
         return {"trained_on_version": float(self.version),
@@ -375,6 +397,8 @@ class LearnerService:
             else:
                 self.log("server_error", server=srv.server_id, code=msg.code[:100],
                          message=msg.message[:500])
+                if msg.code == "weights_failed":
+                    await a.weights_failed(srv, msg.message)
         else:
             await a.weights_applied(srv, msg)
         return None

@@ -89,6 +89,15 @@ class Outbox:
             self.on_change()
         return newly
 
+    def clear(self) -> int:
+        """Forget every unacknowledged result (a new learner run cannot take them); returns how
+        many samples were dropped."""
+        n = self.samples
+        self.pending.clear()
+        self._recent.clear()
+        self.on_change()
+        return n
+
     def _remember(self, aid: str, indices: frozenset[int]) -> None:
         self._recent[aid] = indices
         while len(self._recent) > RECENT_RESULTS:

@@ -84,6 +84,7 @@ class Pipeline:
         self.assigned = 0                 # samples queued or generating (credits in use)
         self.generating = False
         self._queued = asyncio.Event()
+        self._epoch = 0                   # bumped by drop(): results of older batches are discarded
 
     # ---- admission --------------------------------------------------------------------------
     def check(self, a: protocol.Assignment) -> None:
@@ -118,6 +119,18 @@ class Pipeline:
         self.assigned += a.group_size
         self._queued.set()
 
+    def drop(self) -> int:
+        """Forget every queued assignment, and the results of the batch generating now (a new
+        learner run: these leases mean nothing to it). Returns the samples dropped from the
+        queue; the generating batch's credits come back when it ends, as usual."""
+        n = sum(a.group_size for a in self.queue)
+        self.queue = []
+        self._queued.clear()
+        self.assigned -= n
+        self._epoch += 1
+        self.on_change()
+        return n
+
     # ---- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Batches until cancelled; keeps going while stopping (the drain finishes leases)."""
@@ -131,8 +144,13 @@ class Pipeline:
                 await self.run_batch(batch)
 
     async def run_batch(self, batch: list[protocol.Assignment]) -> None:
+        epoch = self._epoch
         if self.before_batch is not None:
             await self.before_batch()
+        if epoch != self._epoch:              # dropped while waiting for weights
+            self.log("results_dropped", assignments=len(batch), reason="a new learner run")
+            await self._done(batch)
+            return
         requests = [GenRequest.from_sampling(a.prompt_token_ids, a.group_size, a.sampling)
                     for a in batch]
         start = self.clock()
@@ -153,8 +171,15 @@ class Pipeline:
         results = await asyncio.gather(*(
             self.samples(a, c, gen_s) if error is None else self.failed_samples(a, error)
             for a, c in zip(batch, groups)))
-        for samples in results:
-            await self.emit(protocol.RolloutResult(server_id=self.server_id, samples=samples))
+        if epoch == self._epoch:
+            for samples in results:
+                await self.emit(protocol.RolloutResult(server_id=self.server_id, samples=samples))
+        else:
+            self.log("results_dropped", assignments=len(batch), reason="a new learner run")
+        await self._done(batch)
+
+    async def _done(self, batch: list[protocol.Assignment]) -> None:
+        """``batch`` is out (or dropped): its credits are free again."""
         done = sum(a.group_size for a in batch)
         self.assigned -= done
         self.on_change()

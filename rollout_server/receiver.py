@@ -25,7 +25,14 @@ already received answers nothing (counted, skipped); more than two replies per r
 fetch, so a flood cannot keep it busy. No reply within
 ``chunk_timeout_s`` fails the fetch (``weights_timeout``: a dead or unreachable endpoint); an
 ``Error`` reply (the version is gone) fails it at once. A failed fetch keeps the old weights and
-lets generation go on; the next announcement is fetched afresh.
+lets generation go on; the next announcement is fetched afresh. Every failure and refusal (not a
+repeat) is reported through ``on_failed(message)``, which the service sends to the learner as
+``Error(code="weights_failed")`` (the learner's circuit breaker counts them).
+
+A new run (:meth:`WeightsReceiver.rebase`, when a Welcome names another run or a learner version
+below the one served): the weights served belong to another run, so the next manifest is
+fetched whatever its version number (even a lower one), and until one is applied
+:meth:`wait_settled` does not return, so no work runs on another run's weights (``before_batch``).
 """
 
 from __future__ import annotations
@@ -111,8 +118,10 @@ class WeightsReceiver:
                  version: Callable[[], int], server_id: str, metrics: RolloutMetrics,
                  log: Callable[..., None], max_weights_bytes: int, chunk_timeout_s: float = 30.0,
                  chunk_window: int = 4, chunk_retries: int = 3,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_failed: Callable[[str], Awaitable[None]] | None = None):
         self.connect, self.apply, self.report, self.version = connect, apply, report, version
+        self.on_failed = on_failed
         self.server_id, self.metrics, self.log, self.clock = server_id, metrics, log, clock
         self.max_weights_bytes = max_weights_bytes
         self.chunk_timeout_s, self.chunk_window, self.chunk_retries = (
@@ -120,9 +129,13 @@ class WeightsReceiver:
         self.endpoint: str | None = None
         self.announced: protocol.WeightsAvailable | None = None   # newest manifest not yet settled
         self.newest = -1                  # newest version announced since the last Welcome
+        self.rebasing = False             # the weights served are another run's (see rebase)
         self._wake = asyncio.Event()
         self._settled = asyncio.Event()   # set while no announced version waits to be applied
         self._settled.set()
+        self._reports: set[asyncio.Task] = set()
+        self._rebased = asyncio.Event()   # clear while the weights served are another run's
+        self._rebased.set()
 
     # ---- announcements ----------------------------------------------------------------------
     def welcome(self, endpoint: str) -> None:
@@ -130,9 +143,17 @@ class WeightsReceiver:
         self.endpoint = endpoint
         self.newest = self.announced.version if self.announced is not None else -1
 
+    def rebase(self) -> None:
+        """A learner of another run welcomed us: fetch its next manifest whatever the version,
+        and hold new work until it is applied (see the module docstring)."""
+        self.rebasing = True
+        self.announced = None
+        self.newest = -1
+        self._rebased.clear()
+
     def offer(self, m: protocol.WeightsAvailable) -> bool:
         """Accept ``m`` for fetching (True) or refuse it (False, counted unless a repeat)."""
-        current = self.version()
+        current = -1 if self.rebasing else self.version()
         newest = max(current, self.newest)
         if m.version == current or (self.announced is not None and m.version == self.announced.version):
             return False                                        # a repeat: nothing to do
@@ -161,7 +182,15 @@ class WeightsReceiver:
     def _refuse(self, kind: str, m: protocol.WeightsAvailable, why: str) -> bool:
         self.metrics.count(kind)
         self.log("weights_refused", weights_version=m.version, kind=kind, reason=why)
+        self._report_failure(f"version {m.version} refused: {kind}: {why}")
         return False
+
+    def _report_failure(self, message: str) -> None:
+        if self.on_failed is not None:
+            # Not awaited here (offer is synchronous): a task that sends one Error.
+            task = asyncio.ensure_future(self.on_failed(message[:1000]))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
 
     @property
     def pending(self) -> bool:
@@ -169,7 +198,12 @@ class WeightsReceiver:
         return not self._settled.is_set()
 
     async def wait_settled(self, timeout_s: float) -> bool:
-        """Wait (bounded) until no announced version is pending; returns whether none is."""
+        """Wait (bounded) until no announced version is pending; returns whether none is.
+
+        While rebasing, first wait (unbounded) until this run's weights are applied: another
+        run's weights must never generate for this one."""
+        if self.rebasing:
+            await self._rebased.wait()
         if self._settled.is_set():
             return True
         try:
@@ -191,7 +225,7 @@ class WeightsReceiver:
             m = self.announced
             if m is None:
                 continue
-            if m.version <= self.version():
+            if m.version <= self.version() and not self.rebasing:
                 self._settle(m)
                 continue
             await self.receive(m)
@@ -205,6 +239,7 @@ class WeightsReceiver:
             except FetchError as e:
                 self.metrics.count(e.kind)
                 self.log("weights_failed", weights_version=m.version, kind=e.kind, error=str(e))
+                self._report_failure(f"version {m.version}: {e.kind}: {e}")
                 return False
             try:
                 update = WeightUpdate(version=m.version, kind=m.kind, tensors=unflatten(buffer, m.tensors),
@@ -214,7 +249,10 @@ class WeightsReceiver:
                 self.metrics.count("weights")
                 self.log("weights_failed", weights_version=m.version, kind="weights",
                          error=f"{type(e).__name__}: {e}")
+                self._report_failure(f"version {m.version}: weights: {type(e).__name__}: {e}")
                 return False
+            self.rebasing = False
+            self._rebased.set()
             seconds = self.clock() - start
             self.metrics.weight_update_seconds.observe(seconds)
             self.metrics.policy_version.set(m.version)

@@ -28,6 +28,16 @@ not decode is counted (``slipstream_protocol_errors_total``) and answered with
 answered with ``Error(code="assignment_refused", ref_id=<its message id>)`` (the learner sends an
 Assignment with its assignment id as message id, releases the lease at once and re-issues it).
 
+Restarts and runs: every Hello carries a per-process ``session`` (metadata), so the learner tells
+a restarted server (same ``server_id``) from a reconnect and re-issues the old process's leases
+at once. A Welcome from another run than the last one (another ``run_id``, or a learner version
+below the one this server serves: a learner restarted without ``--resume``) drops the leases and
+unacknowledged results of the old run (counted ``new_run``) and rebases the weights receiver:
+the learner's current weights are fetched whatever their version, and no work runs before they
+are applied (:meth:`WeightsReceiver.rebase`). A failed fetch or update is reported to the learner
+as ``Error(code="weights_failed")`` (its circuit breaker). When the learner says
+``learner_finished``, the server drains and exits 0 (``exit_on_learner_finished``).
+
 Health (``/healthz``): 200 while welcomed, the link is up and not stopping. ZeroMQ heartbeats
 (``ZMQ_HEARTBEAT_IVL`` / ``_TIMEOUT``, answered by the learner's libzmq) take the link down within
 ``learner_timeout_s`` even when no TCP reset arrives. The learner echoes every Heartbeat, so a
@@ -50,6 +60,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -86,6 +97,7 @@ class RolloutService:
         check_endpoint(cfg.learner, "rollout.learner")
         self.curve = self._curve_keys()           # key files are checked before the model loads
         self.server_id = cfg.server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.session = uuid.uuid4().hex[:16]      # this process (a restart is a new session)
         self.engine: Engine | None = None
         self.run_id: str | None = None
         self.metrics = RolloutMetrics()
@@ -152,7 +164,8 @@ class RolloutService:
             server_id=self.server_id, metrics=self.metrics, log=self.log,
             max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
             chunk_timeout_s=cfg.chunk_timeout_s, chunk_window=cfg.chunk_window,
-            chunk_retries=cfg.chunk_retries, clock=self.clock)
+            chunk_retries=cfg.chunk_retries, clock=self.clock,
+            on_failed=lambda message: self.send(protocol.Error(code="weights_failed", message=message)))
         self.metrics.learner_connected.set_function(lambda: float(self.connected()))
         self.metrics.requests_inflight.set_function(
             lambda: float(self.pipeline.assigned + self.outbox.samples))
@@ -301,7 +314,8 @@ class RolloutService:
         self.hello_sent_at = self.clock()
         await self.send(protocol.Hello(server_id=self.server_id, engine=self.engine.name,
                                        model=self.model_name, version=self.engine.version,
-                                       max_concurrency=self.cfg.max_concurrency))
+                                       max_concurrency=self.cfg.max_concurrency,
+                                       metadata={"session": self.session}))
 
     def hello_outstanding(self) -> bool:
         """A Hello is waiting for its Welcome, and not for longer than ``learner_timeout_s``."""
@@ -404,6 +418,9 @@ class RolloutService:
                 if msg.code == "learner_finished":
                     self.learner_finished = True
                     self.progress.set()
+                    if self.cfg.exit_on_learner_finished and not self.stopping.is_set():
+                        self.log("learner_finished", action="exiting")
+                        self.stopping.set()
                 self.log("learner_error", code=msg.code[:100], message=msg.message[:500])
         else:
             self.metrics.count("unexpected_message")
@@ -414,13 +431,29 @@ class RolloutService:
             self.log("welcome_ignored", reason="no Hello outstanding")
             return
         self.hello_sent_at = None
-        self.run_id = msg.run_id
+        previous, self.run_id = self.run_id, msg.run_id
         self.receiver.welcome(msg.weights_endpoint)
+        if (previous is not None and msg.run_id != previous) or msg.version < self.engine.version:
+            self.new_run(previous, msg)
         self.welcomed.set()
         self.log("welcome", learner_version=msg.version, weights_endpoint=msg.weights_endpoint)
         self.withheld = 0 if self.stopping.is_set() else self.cfg.max_concurrency - self.pipeline.assigned
         await self.grant()
         await self.outbox.resend_all()
+
+
+    def new_run(self, previous: str | None, msg: protocol.Welcome) -> None:
+        """The learner is another run's (see the module docstring): forget the old run's work and
+        fetch this run's weights before generating again."""
+        queued = self.pipeline.drop()
+        unacked = self.outbox.clear()
+        self.receiver.rebase()
+        self.learner_finished = False
+        self.metrics.count("new_run")
+        self.log("new_run", level="warning", previous_run_id=previous, learner_version=msg.version,
+                 server_version=self.engine.version, dropped_queued_samples=queued,
+                 dropped_unacked_samples=unacked,
+                 hint="the learner restarted without --resume: fetching its weights, re-tagging")
 
 
 def serve(cfg: RolloutConfig, model_path: str) -> int:

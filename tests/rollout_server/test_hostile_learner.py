@@ -143,6 +143,10 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
         await wait_until(lambda: m.error_count("weights_timeout") == 1, timeout_s=30,
                          what="the fetch from a dead endpoint to time out")
         assert svc.engine.version == 0
+        # Each failure is reported to the learner (its circuit breaker counts them).
+        for kind in ("weights_manifest", "weights_timeout"):
+            _, err = await learner.expect(protocol.Error)
+            assert err.code == "weights_failed" and kind in err.message, err
         # A Welcome nobody asked for does not move the weights endpoint.
         await learner.welcome(ident, weights_endpoint=weights.endpoint)
         assert svc.receiver.endpoint == dead
@@ -158,6 +162,8 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
         for name, p in svc.engine.model.named_parameters():
             assert torch.equal(p, dict(named)[name])
         await learner.send(ident, v1)                                 # backwards: refused
+        _, err = await learner.expect(protocol.Error)
+        assert err.code == "weights_failed" and "weights_version" in err.message
         await learner.send(ident, v2)                                 # a repeat: ignored
 
         # -- still serving: a good assignment, generated on the new weights -------------------
