@@ -129,3 +129,16 @@ def test_without_matplotlib_the_summary_is_written_and_says_why_there_are_no_plo
     assert "no plots: matplotlib is not installed (pip install 'slipstream[report]')" in md
     assert "| reward mean |" in md
     assert not list((run_dir / "plain").glob("*.png"))
+
+
+def test_slipstream_run_writes_the_report_of_its_own_run(tmp_path, capsys):
+    """The launcher's end of run: the report of the learner's run id, or a line saying why not."""
+    from deploy.launcher import _write_report
+
+    rows = [{"run_id": "earlier", "step": 1, "reward_mean": 0.2}, {"run_id": "this", "step": 1, "reward_mean": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    _write_report(tmp_path, "this")
+    assert capsys.readouterr().out == f"[run] report: {tmp_path / 'report' / 'report.md'}\n"
+    assert (tmp_path / "report" / "report.md").read_text().startswith("# slipstream run `this`")
+    _write_report(tmp_path, "crashed-before-step-1")
+    assert capsys.readouterr().out == "[run] no report: this run trained no step\n"

@@ -34,6 +34,9 @@ def test_default_demo_reward_rises(tmp_path, subprocess_env, process_groups):
     # Measured: ~0.17 -> ~0.40 over 200 steps; the noise of a 30-step mean is ~0.015.
     assert last > first + 0.08, (first, last)
     assert (run_dir / "final" / "model.safetensors").exists()
+    # slipstream run ends with the run's report (deploy/report.py).
+    assert f"[run] report: {run_dir / 'report' / 'report.md'}" in r.stdout
+    assert (run_dir / "report" / "reward.png").exists()
 
 
 def test_ctrl_c_stops_all_processes(tmp_path, subprocess_env, process_groups):
