@@ -93,8 +93,7 @@ class LearnerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     """Policy gradient clipping by global norm, once per optimizer step (after accumulation)."""
     disable_dropout: bool = True
-    """Set every dropout of the policy and critic to 0: the proximal pass and the gradient forward
-    must see the same function, or the ratio is not 1 at the first mini-batch."""
+    """Zero every dropout of policy and critic (else the ratio is not 1 at the first mini-batch)."""
 
     advantage: Literal[ADVANTAGE_METHODS] = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo (groups), gae (critic), reinforce_pp (whitened returns)."""
@@ -115,11 +114,9 @@ class LearnerConfig(BaseModel):
     loss_agg: Literal[LOSS_AGG_MODES] = "token_mean"
     """How token losses are aggregated."""
     target_kl: float | None = Field(None, gt=0)
-    """Stop the rest of the step's updates once a mini-batch's approx KL to the proximal policy
-    exceeds this (checked before each update after the first; null = never)."""
+    """Stop the step's remaining updates once a mini-batch's approx KL exceeds this (null = never)."""
     recompute_logprobs: bool = True
-    """Recompute proximal log-probs with the learner's weights at step start (DESIGN §4); false
-    uses the behavior log-probs (w = 1)."""
+    """Proximal log-probs from the learner's weights at step start (DESIGN §4); false: behavior's."""
     is_mode: Literal[IS_MODES] = "tis"
     """Behavior importance-weight correction mode."""
     is_cap: float = Field(2.0, gt=1)
@@ -127,12 +124,10 @@ class LearnerConfig(BaseModel):
     is_veto: float = Field(1e-4, gt=0, lt=1)
     """geo_mis per-token veto: a sequence with one token of weight below this is masked whole."""
     m2po_threshold: float | None = Field(None, ge=0)
-    """M2PO: mask the tokens of largest (log w)^2 until its batch mean is <= this (null = off; 0.04
-    in the paper)."""
+    """M2PO: mask tokens of largest (log w)^2 until its batch mean is <= this (null = off; paper: 0.04)."""
 
     kl_coef: float = Field(0.0, ge=0)
-    """KL-to-reference coefficient beta (0 = no reference model is loaded); the start value when
-    kl_controller is adaptive."""
+    """KL-to-reference coefficient beta (0 = no reference model); the start value if adaptive."""
     kl_in_reward: bool = False
     """true: -beta * KL per token in the reward (InstructGPT); false: beta * KL as a loss term (GRPO)."""
     kl_kind: Literal[KL_KINDS] = "k3"
@@ -181,10 +176,9 @@ class LearnerConfig(BaseModel):
     """V-trace truncation of the trace coefficients c."""
 
     sanity_ratio_tolerance: float = Field(1e-3, gt=0)
-    """Sanity check at the first mini-batch of a step with a proximal pass: a max |ratio - 1|
-    above this logs a warning event."""
+    """Sanity check (first mini-batch, proximal pass): a max |ratio - 1| above this warns."""
     sanity_kl_tolerance: float = Field(1e-6, gt=0)
-    """Sanity check: a KL(current || proximal) above this (nats per token) logs a warning event."""
+    """Sanity check: a KL(current || proximal) above this (nats per token) warns."""
 
     max_staleness: int = Field(1, ge=0)
     """eta: how many policy steps behind the learner a sample may be (0 = strict on-policy)."""
@@ -198,8 +192,7 @@ class LearnerConfig(BaseModel):
     temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
     top_p: float = Field(1.0, ge=1e-9, le=1)
-    """Nucleus sampling threshold sent with every assignment; only 1.0 is accepted (the learner's
-    log-probs are of the whole distribution, the engine's of the truncated one)."""
+    """Nucleus sampling threshold; only 1.0 (the recompute has no truncation: see the validator)."""
     max_new_tokens: int = Field(4, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     """Completion length limit sent with every assignment; a longer completion is refused."""
 
@@ -227,6 +220,11 @@ class LearnerConfig(BaseModel):
         if self.advantage in GROUP_ADVANTAGE_METHODS and self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 for advantage={self.advantage} "
                              "(a group of one has no baseline)")
+        # Sampling below neutral: refused rather than recomputed with the same truncation. The
+        # engines report log-probs of the truncated, renormalized distribution; a recompute of the
+        # full one would make every weight w = π/μ < 1, and truncating in the learner would put the
+        # gradient through the nucleus boundary (and give −inf where the two nuclei differ). top_k
+        # has no key: the learner always sends 0 (neutral).
         if self.top_p < 1.0:
             raise ValueError(f"top_p={self.top_p} is not supported: the learner recomputes log-probs "
                              "of the untruncated distribution; set top_p: 1.0")
