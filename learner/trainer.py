@@ -37,12 +37,9 @@ taken before the first optimizer step (only steps with several optimizer steps p
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,43 +53,12 @@ from learner.dropout import disable_dropout
 from learner.reference import ReferencePolicy
 from learner.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.schedules import lr_factor
+from learner.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog
 
-__all__ = ["FLAGGED_IS_MODE", "BatchTensors", "SkippedStep", "Trainer", "collate"]
+__all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
 
 FLAGGED_IS_MODE = "tis"
 """Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
-
-PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
-"""The timed phases of a step (``time_<phase>_s`` in its stats); publishing is the service's."""
-
-
-class SkippedStep(Exception):
-    """A policy step that changed nothing: a loss or gradient norm was not finite.
-
-    ``reason`` says which and where; ``stats`` holds what was measured before the stop. The policy,
-    critic, optimizers and running statistics are as before the step.
-    """
-
-    def __init__(self, reason: str, stats: dict[str, float]):
-        super().__init__(reason)
-        self.reason = reason
-        self.stats = stats
-
-
-class _Phases:
-    """Wall-clock seconds per named phase of a step."""
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - t0
-
 
 class Trainer:
     """Owns the policy model, its tokenizer and optimizer; the reference and the critic when the
@@ -297,7 +263,7 @@ class Trainer:
         ``ops.merge_stats``; entropy over the first epoch's forwards. Raises :class:`SkippedStep`
         when a loss or gradient is not finite (nothing applied).
         """
-        phases = _Phases()
+        phases = Phases()
         start = time.monotonic()
         with phases("collate"):
             s = self._prepare(batch)
@@ -314,7 +280,7 @@ class Trainer:
         stats["step_s"] = time.monotonic() - start
         return stats
 
-    def _prepare(self, batch: Batch) -> _StepData:
+    def _prepare(self, batch: Batch) -> StepData:
         """Collate, check, and decide what this step computes."""
         cfg = self.cfg
         B = len(batch.samples)
@@ -328,7 +294,7 @@ class Trainer:
         if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
             bad = low if low < 0 else top
             raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        s = _StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool), version=int(batch.version))
+        s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool), version=int(batch.version))
         s.lr, s.critic_lr = self._set_learning_rates(s.version)
         s.train_policy = self.critic is None or s.version >= cfg.critic_warmup_steps
         s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
@@ -350,16 +316,16 @@ class Trainer:
         return s
 
     @staticmethod
-    def _first_micro_batches(s: _StepData) -> list[torch.Tensor]:
+    def _first_micro_batches(s: StepData) -> list[torch.Tensor]:
         """The micro-batches of the first epoch, in order (the first mini-batch's come first)."""
         return [rows for mb in s.plan[0] for rows in mb]
 
-    def _proximal_of(self, s: _StepData, pass_lp: torch.Tensor) -> torch.Tensor:
+    def _proximal_of(self, s: StepData, pass_lp: torch.Tensor) -> torch.Tensor:
         if self.cfg.recompute_logprobs:
             return pass_lp
         return torch.where(s.flagged[:, None], pass_lp, s.bt.behavior_logprobs)
 
-    def _no_grad_passes(self, s: _StepData, phases: _Phases) -> None:
+    def _no_grad_passes(self, s: StepData, phases: Phases) -> None:
         """Reference log-probs, critic values and (when the advantages need it) the proximal pass,
         all at the step's starting weights, over the first epoch's micro-batches (the batch's
         order before a PF-PPO resampling, which draws the plan afterwards)."""
@@ -375,7 +341,7 @@ class Trainer:
             with phases("proximal"):
                 s.prox_pass = self._proximal_pass(s.bt, chunks)
 
-    def _advantages(self, s: _StepData) -> None:
+    def _advantages(self, s: StepData) -> None:
         """Scores, per-token rewards, advantages and critic targets (learner.returns); then the
         PF-PPO resampling and its update plan."""
         cfg, bt = self.cfg, s.bt
@@ -403,7 +369,7 @@ class Trainer:
                     setattr(s, name, value[idx])
             s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
 
-    def _proximal_and_weights(self, s: _StepData, phases: _Phases) -> None:
+    def _proximal_and_weights(self, s: StepData, phases: Phases) -> None:
         """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),
         then the importance weights and the M2PO mask of the whole batch, where π_prox is known
         before the updates (the shortcut computes them per micro-batch instead)."""
@@ -425,10 +391,10 @@ class Trainer:
                                                    cfg.m2po_threshold)
                 s.weights = torch.where(keep, s.weights, torch.zeros_like(s.weights))
 
-    def _update(self, s: _StepData, start: float) -> _UpdateLog:
+    def _update(self, s: StepData, start: float) -> UpdateLog:
         """ppo_epochs × mini-batches: accumulate, check, clip, step (or stop, or skip the step)."""
         cfg = self.cfg
-        log = _UpdateLog(filled=torch.zeros_like(s.bt.mask) if s.proximal is None else s.proximal)
+        log = UpdateLog(filled=torch.zeros_like(s.bt.mask) if s.proximal is None else s.proximal)
         snapshot = None
         for epoch, minibatches in enumerate(s.plan):
             for m, micros in enumerate(minibatches):
@@ -472,7 +438,7 @@ class Trainer:
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
 
-    def _skip(self, s: _StepData, snapshot: dict | None, log: _UpdateLog, reason: str,
+    def _skip(self, s: StepData, snapshot: dict | None, log: UpdateLog, reason: str,
               start: float) -> SkippedStep:
         """Undo what this step changed and say why (raised by the caller)."""
         if snapshot is not None:
@@ -482,13 +448,13 @@ class Trainer:
         return SkippedStep(reason, {"updates_applied_before_skip": float(log.applied),
                                     "step_s": time.monotonic() - start})
 
-    def _accumulate(self, s: _StepData, log: _UpdateLog, micros: list[torch.Tensor], epoch: int,
-                    first: bool) -> _MiniBatch:
+    def _accumulate(self, s: StepData, log: UpdateLog, micros: list[torch.Tensor], epoch: int,
+                    first: bool) -> MiniBatch:
         """Forward and backward of one mini-batch's micro-batches (gradients accumulate)."""
         cfg, bt = self.cfg, s.bt
         normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.loss_agg)
         self._zero_grad()
-        mb = _MiniBatch()
+        mb = MiniBatch()
         for rows in micros:
             sub = bt.rows(rows)
             L = sub.input_ids.shape[1]
@@ -506,7 +472,7 @@ class Trainer:
                 mb.vf_parts.append((vf_stats, n_tok))
         return mb
 
-    def _policy_micro(self, s: _StepData, log: _UpdateLog, mb: _MiniBatch, sub: BatchTensors,
+    def _policy_micro(self, s: StepData, log: UpdateLog, mb: MiniBatch, sub: BatchTensors,
                       rows: torch.Tensor, normalizer: float, n_tok: int, epoch: int, first: bool) -> None:
         """The policy's forward and backward on one micro-batch."""
         cfg = self.cfg
@@ -550,14 +516,14 @@ class Trainer:
         mb.add("loss", total)
         mb.pg_parts.append((pg_stats, n_tok))
 
-    def _reference_kl(self, s: _StepData, log: _UpdateLog) -> tuple[float, float]:
+    def _reference_kl(self, s: StepData, log: UpdateLog) -> tuple[float, float]:
         """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting
         policy and the reference (behavior log-probs where neither a pass nor a forward ran)."""
         source = log.filled if (s.proximal is not None or s.train_policy) else s.bt.behavior_logprobs
         kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl_kind)                   # (B, L-1)
         return float(ops.masked_mean(kl, s.bt.mask)), float(ops.masked_sum(kl, s.bt.mask, dim=-1).mean())
 
-    def _stats(self, batch: Batch, s: _StepData, log: _UpdateLog) -> dict[str, float]:
+    def _stats(self, batch: Batch, s: StepData, log: UpdateLog) -> dict[str, float]:
         cfg = self.cfg
         samples, B = batch.samples, len(batch.samples)
         raw = torch.tensor([x.reward for x in samples], dtype=torch.float32)
@@ -615,95 +581,3 @@ class Trainer:
                               for k, v in ops.merge_stats(log.vf_parts).items()})
         stats.update(s.filter_stats)
         return stats
-
-
-@dataclass
-class _StepData:
-    """The tensors and choices of one policy step, filled phase by phase."""
-
-    bt: BatchTensors
-    flagged: torch.Tensor                          # (B,) bool
-    version: int
-    lr: float = 0.0
-    critic_lr: float = 0.0
-    train_policy: bool = True
-    generator: torch.Generator | None = None
-    mini: int = 0
-    n_updates: int = 1
-    beta: float = 0.0
-    use_kl: bool = False
-    group_sizes: list[int] = field(default_factory=list)
-    current_rows: bool = True
-    needed_early: bool = False
-    separate: bool = False
-    sanity_on: bool = False
-    moments_before: dict = field(default_factory=dict)
-    ref_lp: torch.Tensor | None = None             # (B, L-1)
-    old_values: torch.Tensor | None = None         # (B, L-1)
-    prox_pass: torch.Tensor | None = None          # (B, L-1) the proximal pass's log-probs
-    proximal: torch.Tensor | None = None           # (B, L-1) π_prox; None: filled by the shortcut
-    weights: torch.Tensor | None = None            # (B, L-1) behavior weights (M2PO applied)
-    scores: torch.Tensor | None = None             # (B,)
-    rewards_t: torch.Tensor | None = None          # (B, L-1)
-    adv: torch.Tensor | None = None                # (B, L-1)
-    targets: torch.Tensor | None = None            # (B, L-1) critic targets
-    plan: list = field(default_factory=list)
-    is_parts: list = field(default_factory=list)
-    m2po_stats: dict = field(default_factory=dict)
-    filter_stats: dict = field(default_factory=dict)
-    kl_next: float = 0.0
-
-
-class _Sanity:
-    """The seeds' check on the first mini-batch: |ratio − 1| and KL(current ‖ proximal)."""
-
-    def __init__(self) -> None:
-        self.dev_sum = self.dev_max = self.kl_sum = 0.0
-        self.tokens = 0
-
-    @torch.no_grad()
-    def add(self, current: torch.Tensor, proximal: torch.Tensor, mask: torch.Tensor) -> None:
-        keep = mask != 0
-        n = int(keep.sum())
-        if not n:
-            return
-        dev = (torch.exp(current - proximal) - 1.0).abs()[keep]
-        self.dev_sum += float(dev.sum())
-        self.dev_max = max(self.dev_max, float(dev.max()))
-        self.kl_sum += float(ops.masked_sum(ops.kl_estimate(current, proximal, "k3"), mask))
-        self.tokens += n
-
-    def stats(self, ratio_tolerance: float, kl_tolerance: float) -> dict[str, float]:
-        kl = self.kl_sum / self.tokens
-        return {"sanity_ratio_dev_mean": self.dev_sum / self.tokens, "sanity_ratio_dev_max": self.dev_max,
-                "sanity_kl": kl,
-                "sanity_failed": float(self.dev_max > ratio_tolerance or kl > kl_tolerance)}
-
-
-@dataclass
-class _MiniBatch:
-    """What one mini-batch's micro-batches measured before its optimizer step."""
-
-    losses: dict[str, float] = field(default_factory=dict)
-    pg_parts: list = field(default_factory=list)
-    vf_parts: list = field(default_factory=list)
-
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.losses[name] = self.losses.get(name, 0.0) + float(value.detach())
-
-
-@dataclass
-class _UpdateLog:
-    """What the applied updates of a step measured."""
-
-    filled: torch.Tensor                           # (B, L-1) π_prox as the shortcut filled it
-    applied: int = 0
-    early_stopped: bool = False
-    losses: dict[str, list[float]] = field(default_factory=dict)
-    pg_parts: list = field(default_factory=list)
-    vf_parts: list = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    critic_grad_norms: list[float] = field(default_factory=list)
-    entropy_sum: float = 0.0
-    entropy_tokens: float = 0.0
-    sanity: _Sanity = field(default_factory=_Sanity)
