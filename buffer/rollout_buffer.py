@@ -55,9 +55,14 @@ Counters (all in samples; ``counters`` returns a copy):
     dropped_incomplete       accepted samples dropped because their group cannot complete
     consumed, corrected      samples trained / trained with needs_correction
     batches                  batches handed out
+    stale_late               stale acks for samples of a group already dropped for staleness
+                             (their slots were counted abandoned when it was dropped)
+    failed_reported          samples a server reported failed (also in accepted and failed)
     stale_dropped            stale + dropped_stale (every sample discarded for staleness)
 
-Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete``.
+Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete``;
+and every issued slot ends once: ``issued == accepted + (stale - stale_late) + abandoned +
+(failed - failed_reported) + cancelled + inflight_samples`` (re-issues move no slot).
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ _min = np.minimum.reduce         # ndarray.min without its Python-level wrapper 
 
 COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invalid", "expired",
                  "released", "failed", "cancelled", "abandoned", "dropped_stale",
-                 "dropped_incomplete", "consumed", "corrected", "batches")
+                 "dropped_incomplete", "consumed", "corrected", "batches", "stale_late",
+                 "failed_reported")
 
 _ACCEPTED, _DUPLICATE, _STALE, _INVALID = (AckStatus.ACCEPTED, AckStatus.DUPLICATE, AckStatus.STALE,
                                            AckStatus.INVALID)
@@ -392,6 +398,7 @@ class RolloutBuffer:
                 return self._invalid(f"unknown assignment {aid!r}"), False
             if why == "stale" and s.sample_id not in self._seen:
                 n["stale"] += 1
+                n["stale_late"] += 1
                 return _STALE, False
             n["duplicate"] += 1
             return _DUPLICATE, False
@@ -416,6 +423,7 @@ class RolloutBuffer:
             self._seen.add(s.sample_id)
             n["accepted"] += 1
             n["failed"] += 1
+            n["failed_reported"] += 1
             n["dropped_incomplete"] += 1
             g.resolved += 1
             self.gate.on_failed(1)

@@ -38,6 +38,15 @@ class LauncherConfig(BaseModel):
     shutdown_timeout_s: float = Field(30.0, gt=0)
     """Seconds to wait for processes to exit after SIGTERM before killing them (keep it above
     rollout.drain_timeout_s, so a server finishing its leases is not killed)."""
+    restart_limit: int = Field(5, ge=0)
+    """Restarts of a dead rollout server within restart_window_s before it is given up (0 = never
+    restarted; the run goes on while another server is left)."""
+    restart_backoff_s: float = Field(1.0, ge=0)
+    """Delay before a server's first restart; it doubles with each restart in the window."""
+    restart_backoff_max_s: float = Field(30.0, ge=0)
+    """Longest delay before a restart."""
+    restart_window_s: float = Field(600.0, gt=0)
+    """Restarts older than this no longer count toward restart_limit."""
 
 
 class SlipstreamConfig(BaseModel):

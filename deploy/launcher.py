@@ -4,8 +4,16 @@ The launcher checks the dataset, builds/resolves the model once, shares the core
 processes (:mod:`deploy.cores`), writes the resolved config into the run directory, starts the
 learner, waits for its ``ready`` line (endpoints), starts the servers pointed at it, and prints a
 live table of the learner's steps. It stops everything — SIGTERM, then SIGKILL after
-``launcher.shutdown_timeout_s`` — when the learner exits, when any process fails, or on Ctrl-C.
-Each child is signalled by its own pid.
+``launcher.shutdown_timeout_s`` — when the learner exits, when a process fails to start (exit 2,
+a config error), when no rollout server is left, or on Ctrl-C. Each child is signalled by its own
+pid.
+
+Supervision: a rollout server that dies (a crash, a signal, an OOM kill) is not a reason to stop
+the run — the learner re-issues its leases — it is started again, with the same server id, after
+``restart_backoff_s`` doubling per restart up to ``restart_backoff_max_s``, at most
+``restart_limit`` times within ``restart_window_s`` (:class:`RestartPolicy`); each death, restart
+and give-up is an event line (``[run] server_died {...}``, ``server_restarted``,
+``server_given_up``). A server that exits 0 (the learner said the run finished) is not restarted.
 
 A child's stderr is not lost: its one-line startup error (``slipstream: ...``, exit code 2) is
 printed as it comes, and when a child crashes the last lines of its stderr (the traceback) are.
@@ -34,7 +42,8 @@ TABLE_COLUMNS = (("step", "{:>5}"), ("reward_mean", "{:>7.3f}"), ("entropy", "{:
                  ("mismatch_kl", "{:>11.2e}"), ("staleness_mean", "{:>6.2f}"), ("step_s", "{:>6.2f}"))
 TABLE_HEADER = "  step  reward  entropy  mismatch_kl  stale  step_s  server versions"
 SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
-                "control_set", "protocol_error")
+                "control_set", "protocol_error", "server_dropped", "server_readmitted",
+                "server_version_mismatch", "new_run")
 STDERR_TAIL_LINES = 30
 """Lines of a crashed child's stderr shown (enough for a Python traceback)."""
 STDERR_DRAIN_S = 5.0
@@ -121,6 +130,33 @@ def _report_exit(child: Child, code: int) -> None:
             print(f"[{child.name}] {line}", flush=True)
 
 
+class RestartPolicy:
+    """When a dead server is started again: its k-th restart within ``window_s`` waits
+    ``min(backoff_max_s, backoff_s · 2^(k-1))``; past ``limit`` restarts in the window it is given
+    up (:meth:`delay` returns None)."""
+
+    def __init__(self, limit: int, backoff_s: float, backoff_max_s: float, window_s: float,
+                 clock=time.monotonic):
+        self.limit, self.backoff_s, self.backoff_max_s, self.window_s = limit, backoff_s, backoff_max_s, window_s
+        self.clock = clock
+        self.restarts: dict[str, list[float]] = {}
+
+    def delay(self, name: str) -> float | None:
+        """Seconds to wait before restarting ``name`` (recorded as a restart), or None."""
+        now = self.clock()
+        recent = [t for t in self.restarts.get(name, []) if now - t < self.window_s]
+        if len(recent) >= self.limit:
+            self.restarts[name] = recent
+            return None
+        recent.append(now)
+        self.restarts[name] = recent
+        return min(self.backoff_max_s, self.backoff_s * 2 ** (len(recent) - 1))
+
+
+def _event(event: str, **fields) -> None:
+    print(f"[run] {event} {json.dumps(fields)}", flush=True)
+
+
 def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int]:
     """Threads for the learner and each server (:func:`deploy.cores.share_cores`), printed."""
     cores = available_cores()
@@ -182,21 +218,41 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
     def on_signal(signum, frame):
         interrupted.set()
 
+    server_cmds: dict[str, list[str]] = {}
+    restart_at: dict[str, float] = {}          # server -> monotonic time of its next start
+    lc = cfg.launcher
+    policy = RestartPolicy(lc.restart_limit, lc.restart_backoff_s, lc.restart_backoff_max_s,
+                           lc.restart_window_s)
+
     def start_servers(endpoint: str) -> None:
         print(TABLE_HEADER, flush=True)
         for i in range(cfg.launcher.num_rollout_servers):
             port = _server_metrics_port(cfg, i)
-            cmd = [*base, "rollout", "--config", str(cfg_file), "--learner", endpoint,
-                   "--set", f"rollout.server_id=rollout-{i}",
-                   "--set", f"rollout.metrics_port={port}",
-                   "--set", f"rollout.seed={cfg.rollout.seed + i}"]
-            child = children[f"rollout-{i}"] = Child(f"rollout-{i}", cmd, events, env)
+            server_cmds[f"rollout-{i}"] = [
+                *base, "rollout", "--config", str(cfg_file), "--learner", endpoint,
+                "--set", f"rollout.server_id=rollout-{i}", "--set", f"rollout.metrics_port={port}",
+                "--set", f"rollout.seed={cfg.rollout.seed + i}"]
+            child = children[f"rollout-{i}"] = Child(f"rollout-{i}", server_cmds[f"rollout-{i}"],
+                                                     events, env)
             print(f"[run] rollout-{i} pid {child.proc.pid}", flush=True)
+
+    def restart_due() -> None:
+        now = time.monotonic()
+        for name, at in list(restart_at.items()):
+            if at <= now:
+                del restart_at[name]
+                child = children[name] = Child(name, server_cmds[name], events, env)
+                _event("server_restarted", server=name, pid=child.proc.pid)
+
+    def servers_left() -> bool:
+        return bool(restart_at) or any(c.proc.poll() is None for n, c in children.items()
+                                       if n != "learner")
 
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     exit_code = 0
     run_id = None                             # the learner's, from its events: whose report to write
+    finished = False                          # the learner said the run is over: no restarts
     try:
         learner = children["learner"] = Child(
             "learner", [*base, "learner", "--config", str(cfg_file)], events, env)
@@ -206,6 +262,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
                 print("[run] interrupted: stopping all processes", flush=True)
                 exit_code = 130
                 break
+            restart_due()
             try:
                 name, kind, line = events.get(timeout=0.2)
             except queue.Empty:
@@ -218,15 +275,34 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
                 if interrupted.is_set():
                     continue                   # stopped by our Ctrl-C: reported at the top
                 _report_exit(child, code)
-                if name == "learner" or code != 0:
-                    exit_code = code if name == "learner" else (code or 1)
-                    if name != "learner":
-                        print(f"[run] stopping the run: {name} failed", flush=True)
+                if name == "learner":
+                    exit_code = code
+                    break
+                if code == EXIT_STARTUP:             # a config error: a restart cannot help
+                    exit_code = code
+                    print(f"[run] stopping the run: {name} failed to start", flush=True)
+                    break
+                if code != 0 and not finished:
+                    delay = policy.delay(name)
+                    if delay is None:
+                        _event("server_given_up", server=name, exit_code=code,
+                               restarts=lc.restart_limit, window_s=lc.restart_window_s)
+                    else:
+                        restart_at[name] = time.monotonic() + delay
+                        _event("server_died", server=name, exit_code=code, restart_in_s=delay,
+                               restart=len(policy.restarts[name]))
+                if not finished and not servers_left():
+                    exit_code = 1
+                    print("[run] stopping the run: no rollout server left", flush=True)
                     break
             else:
                 ev = _print_line(name, line, verbose)
                 if ev and name == "learner":
                     run_id = ev.get("run_id", run_id)
+                # A server's "learner_finished" precedes its exit 0 on its own stream: the run
+                # is over even if the learner's "finished" line has not been read yet.
+                if ev and ev.get("event") in ("finished", "learner_finished"):
+                    finished = True
                 if (ev and name == "learner" and ev.get("event") == "ready"
                         and "rollout-0" not in children):
                     start_servers(ev["rollout"])

@@ -236,6 +236,10 @@ class BufferMachine(RuleBasedStateMachine):
         assert c["accepted"] == (c["consumed"] + self.buf.pending_samples + c["dropped_stale"]
                                  + c["dropped_incomplete"])
         assert c["consumed"] == len(self.yielded_ids) == sum(self.buf.staleness_histogram.values())
+        # Every issued slot ended once (or is in flight); re-issues move no slot.
+        assert c["issued"] == (c["accepted"] + c["stale"] - c["stale_late"] + c["abandoned"]
+                               + c["failed"] - c["failed_reported"] + c["cancelled"]
+                               + self.buf.inflight_samples)
 
 
 def test_buffer_state_machine():

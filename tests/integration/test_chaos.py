@@ -1,0 +1,45 @@
+"""R1 in CI (modest counts; the long variant is tests/bench/bench_chaos.py): `slipstream run` with
+3 rollout servers, a serving one SIGKILLed 3 times and restarted by the launcher each time; the
+run finishes, nothing is trained twice, the buffer's identities hold (tests/integration/chaos_kit.py).
+Whether a restarted server rejoins before the end depends on the machine (a model load); the
+bench waits for every rejoin and reports the time.
+Also the launcher's restart policy (backoff, limit, window) on its own."""
+
+from __future__ import annotations
+
+import pytest
+from chaos_kit import ChaosRun, chaos, check_run, config
+
+from deploy.launcher import RestartPolicy
+
+STEPS, KILLS, SERVERS = 160, 3, 3
+
+
+def test_restart_policy_backs_off_and_gives_up():
+    now = [0.0]
+    p = RestartPolicy(limit=3, backoff_s=1.0, backoff_max_s=3.0, window_s=100.0, clock=lambda: now[0])
+    assert [p.delay("a") for _ in range(3)] == [1.0, 2.0, 3.0]       # doubling, capped
+    assert p.delay("a") is None                                      # the limit
+    assert p.delay("b") == 1.0                                       # per server
+    now[0] = 150.0                                                   # old restarts expire
+    assert p.delay("a") == 1.0
+    assert RestartPolicy(0, 1.0, 1.0, 10.0).delay("x") is None       # 0: never restarted
+
+
+@pytest.mark.slow
+def test_killed_servers_are_restarted_and_nothing_is_lost_or_trained_twice(
+        tmp_path, tiny_model_dir, subprocess_env, process_groups):
+    cfg = config(tmp_path / "run", tiny_model_dir, total_steps=STEPS, servers=SERVERS)
+    run = ChaosRun(cfg, tmp_path, subprocess_env, popen=process_groups.popen)
+    try:
+        chaos(run, kills=KILLS, servers=SERVERS, seed=1, steps_between=4)
+        code = run.finish(600)
+        assert code == 0, "".join(run.lines[-60:])
+        figures = check_run(run, STEPS, batch_samples=4)
+    finally:
+        run.stop()
+    assert figures["kills"] == KILLS and figures["restarts"] >= KILLS
+    # A kill (another server still serving) costs the learner no lease timeout (600 s here):
+    # the dead server's leases are re-issued at once.
+    assert figures["longest_stall_across_a_kill_s"] < 30, figures
+    print("R1 chaos:", figures)
