@@ -26,7 +26,10 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
                     "total_steps": STEPS, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4,
                     "max_staleness": 1, "run_dir": str(run_dir), "threads": 1,
                     "exit_on_finish": False},                # stays up to be scraped, then ctl stop
-        "rollout": {"metrics_port": 0, "max_concurrency": 16, "threads": 1},
+        # The server stays up after the run too (its default is to exit 0 when the learner says the
+        # run finished), so its /metrics can be scraped; SIGTERM ends it at the end of the test.
+        "rollout": {"metrics_port": 0, "max_concurrency": 16, "threads": 1,
+                    "exit_on_learner_finished": False},
     }
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
