@@ -43,7 +43,7 @@ TABLE_COLUMNS = (("step", "{:>5}"), ("reward_mean", "{:>7.3f}"), ("entropy", "{:
 TABLE_HEADER = "  step  reward  entropy  mismatch_kl  stale  step_s  server versions"
 SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
                 "control_set", "protocol_error", "server_dropped", "server_readmitted",
-                "server_version_mismatch", "new_run")
+                "server_version_mismatch", "new_run", "step_skipped")
 STDERR_TAIL_LINES = 30
 """Lines of a crashed child's stderr shown (enough for a Python traceback)."""
 STDERR_DRAIN_S = 5.0

@@ -4,7 +4,7 @@ script, not a test (CI runs 3 kills: tests/integration/test_chaos.py).
 
     python tests/bench/bench_chaos.py [--kills 10] [--steps 2500] [--seed 0] [--out bench_results/bench_chaos.json]
 
-Checks everything the CI test checks (tests/integration/chaos_kit.py: the step count reached, no
+Then (R7) rewards of 1e300 until ``--nan-skips`` steps were skipped. Checks everything the CI test checks (tests/integration/chaos_kit.py: the step count reached, no
 sample id trained twice, the buffer's identities) and reports: kills, restarts, rejoins, the
 longest time from a kill to the killed server's rejoin, the learner's longest stall (overall and
 across a kill), the median step gap, and the buffer's counters. The tiny model is built in a
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO))
 
-from chaos_kit import ChaosRun, chaos, check_run, config  # noqa: E402
+from chaos_kit import ChaosRun, chaos, chaos_env, check_run, config, nan_window  # noqa: E402
 
 
 def main() -> int:
@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2500, help="the run's total_steps (must outlast the kills)")
     ap.add_argument("--servers", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nan-skips", type=int, default=3, help="R7: skipped steps to provoke after the kills")
     ap.add_argument("--out", default="bench_results/bench_chaos.json")
     args = ap.parse_args()
 
@@ -45,13 +46,16 @@ def main() -> int:
     tok = build_tokenizer()
     build_model(tok).save_pretrained(model)
     tok.save_pretrained(model)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    cfg = config(work / "run", str(model), total_steps=args.steps, servers=args.servers, seed=args.seed)
+    env = chaos_env(dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)), work)
+    cfg = config(work / "run", str(model), total_steps=args.steps, servers=args.servers, seed=args.seed,
+                 spiky_reward=True)
     start = time.monotonic()
     run = ChaosRun(cfg, work, env)
     try:
         chaos(run, kills=args.kills, servers=args.servers, seed=args.seed, steps_between=5,
               rejoin=True)
+        if args.nan_skips:
+            nan_window(run, skips=args.nan_skips)
         code = run.finish(3600)
         assert code == 0, "".join(run.lines[-60:])
         figures = check_run(run, args.steps, batch_samples=4)

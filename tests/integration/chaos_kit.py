@@ -12,6 +12,12 @@ What is checked (:func:`check_run`), from the run directory and the learner's ow
 - every issued sample slot ended exactly once (the buffer's second identity): issued == accepted
   + (stale - stale_late) + abandoned + (failed - failed_reported) + cancelled + in flight;
 - the longest stall: the longest time between two steps, and the longest after a kill.
+
+R7 variant (:func:`nan_window`): the servers' reward is ``chaos_rewards:spiky``; while a trigger
+file exists it returns 1e300, which becomes inf in the learner's float32 rewards, so the step's
+loss is NaN: such a step must be skipped (``step_skipped``), publish nothing (the version and
+the step rows go on without a gap), and train none of its samples (they are consumed, not
+trained: the gate gives their capacity back).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from pathlib import Path
 import yaml
 
 
-def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, seed: int = 0) -> dict:
-    return {
+def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, seed: int = 0,
+           spiky_reward: bool = False) -> dict:
+    cfg = {
         "model": model,
         "learner": {"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": total_steps, "batch_prompts": 2, "group_size": 2,
@@ -42,6 +49,16 @@ def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, see
         "launcher": {"num_rollout_servers": servers, "restart_backoff_s": 0.2,
                      "restart_backoff_max_s": 2.0, "restart_limit": 1000, "shutdown_timeout_s": 20},
     }
+    if spiky_reward:
+        cfg["rollout"]["reward"] = "chaos_rewards:spiky"
+    return cfg
+
+
+def chaos_env(env: dict, workdir: Path) -> dict:
+    """``env`` with this directory importable (the reward plugin) and the R7 trigger file named."""
+    here = str(Path(__file__).resolve().parent)
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")])),
+                SLIPSTREAM_CHAOS_NAN_FILE=str(workdir / "nan.trigger"))
 
 
 class ChaosRun:
@@ -63,6 +80,8 @@ class ChaosRun:
         self.pids: dict[str, int] = {}
         self.kills: list[tuple[float, str, int]] = []      # (time, server, pid)
         self.steps = 0
+        self.skipped: list[dict] = []                        # the learner's step_skipped events
+        self.trigger = Path(env.get("SLIPSTREAM_CHAOS_NAN_FILE", workdir / "nan.trigger"))
         self.joins: list[tuple[float, str]] = []            # (time, server) of the learner's events
         self.started: dict[str, float] = {}                 # server -> time its process started
         self._queue: queue.Queue = queue.Queue()
@@ -90,6 +109,8 @@ class ChaosRun:
         elif line.startswith("[run] server_restarted "):
             ev = json.loads(line.split(" ", 2)[2])
             self.pids[ev["server"]], self.started[ev["server"]] = ev["pid"], time.time()
+        elif line.startswith("[learner] step_skipped "):
+            self.skipped.append(json.loads(line.split(" ", 2)[2]))
         elif line.startswith("[learner] server_joined "):
             self.joins.append((time.time(), json.loads(line.split(" ", 2)[2])["server"]))
         elif line.split()[:1] and line.split()[0].isdigit():          # a row of the step table
@@ -175,6 +196,15 @@ def chaos(run: ChaosRun, *, kills: int, servers: int, seed: int, steps_between: 
             run.wait(lambda: run.serving(name), restart_timeout_s, f"{name} joined again")
 
 
+def nan_window(run: ChaosRun, skips: int = 1, timeout_s: float = 300) -> None:
+    """R7: rewards of 1e300 until the learner skipped ``skips`` steps, then normal again."""
+    run.trigger.write_text("nan")
+    try:
+        run.wait(lambda: len(run.skipped) >= skips, timeout_s, f"{skips} skipped step(s)")
+    finally:
+        run.trigger.unlink(missing_ok=True)
+
+
 def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
     """The checks of the module docstring; returns the figures."""
     rows = [json.loads(x) for x in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -189,7 +219,15 @@ def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
     c, gate = ev["counters"], ev["gate"]
     assert c["accepted"] == (c["consumed"] + ev["pending_samples"] + c["dropped_stale"]
                              + c["dropped_incomplete"]), c
-    assert c["consumed"] == total_steps * batch_samples == gate["consumed_total"], (c, gate)
+    # A skipped step consumed its batch without training it (the gate gives its capacity back).
+    skipped = sum(1 for line in run.lines if line.startswith("[learner] step_skipped "))
+    assert c["consumed"] == (total_steps + skipped) * batch_samples, (c, skipped)
+    assert gate["consumed_total"] == total_steps * batch_samples, gate
+    not_trained = {sid for e in run.skipped for sid in e["sample_ids"]}
+    assert not not_trained & set(ids), "a skipped step's samples were trained"
+    for e in run.skipped:                 # nothing published: the next applied step is v -> v+1
+        v = e["trained_on_version"]
+        assert rows[v]["trained_on_version"] == v and rows[v]["step"] == v + 1
     assert gate["in_flight"] == ev["inflight_samples"], (gate, ev["inflight_samples"])
     assert c["issued"] == (c["accepted"] + c["stale"] - c["stale_late"] + c["abandoned"] + c["failed"]
                            - c["failed_reported"] + c["cancelled"] + ev["inflight_samples"]), c
@@ -212,4 +250,5 @@ def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
             "samples_trained": len(ids), "longest_stall_s": round(max(gaps, default=0.0), 3),
             "longest_stall_across_a_kill_s": round(max(after_kill, default=0.0), 3),
             "median_step_gap_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
+            "skipped_steps": skipped,
             "counters": c}

@@ -1,6 +1,7 @@
 """R1 in CI (modest counts; the long variant is tests/bench/bench_chaos.py): `slipstream run` with
 3 rollout servers, a serving one SIGKILLed 3 times and restarted by the launcher each time; the
 run finishes, nothing is trained twice, the buffer's identities hold (tests/integration/chaos_kit.py).
+Then (R7) a reward of 1e300 mid-run: NaN loss, the step skipped, nothing published or trained.
 Whether a restarted server rejoins before the end depends on the machine (a model load); the
 bench waits for every rejoin and reports the time.
 Also the launcher's restart policy (backoff, limit, window) on its own."""
@@ -8,7 +9,7 @@ Also the launcher's restart policy (backoff, limit, window) on its own."""
 from __future__ import annotations
 
 import pytest
-from chaos_kit import ChaosRun, chaos, check_run, config
+from chaos_kit import ChaosRun, chaos, chaos_env, check_run, config, nan_window
 
 from deploy.launcher import RestartPolicy
 
@@ -29,16 +30,17 @@ def test_restart_policy_backs_off_and_gives_up():
 @pytest.mark.slow
 def test_killed_servers_are_restarted_and_nothing_is_lost_or_trained_twice(
         tmp_path, tiny_model_dir, subprocess_env, process_groups):
-    cfg = config(tmp_path / "run", tiny_model_dir, total_steps=STEPS, servers=SERVERS)
-    run = ChaosRun(cfg, tmp_path, subprocess_env, popen=process_groups.popen)
+    cfg = config(tmp_path / "run", tiny_model_dir, total_steps=STEPS, servers=SERVERS, spiky_reward=True)
+    run = ChaosRun(cfg, tmp_path, chaos_env(subprocess_env, tmp_path), popen=process_groups.popen)
     try:
         chaos(run, kills=KILLS, servers=SERVERS, seed=1, steps_between=4)
+        nan_window(run)                                # R7: a NaN loss mid-run, step skipped
         code = run.finish(600)
         assert code == 0, "".join(run.lines[-60:])
         figures = check_run(run, STEPS, batch_samples=4)
     finally:
         run.stop()
-    assert figures["kills"] == KILLS and figures["restarts"] >= KILLS
+    assert figures["kills"] == KILLS and figures["restarts"] >= KILLS and figures["skipped_steps"] >= 1
     # A kill (another server still serving) costs the learner no lease timeout (600 s here):
     # the dead server's leases are re-issued at once.
     assert figures["longest_stall_across_a_kill_s"] < 30, figures
