@@ -71,7 +71,7 @@ def config_snippet(directory: str | Path, secrets: dict[str, Path], clients: lis
 
 def keys(args) -> int:
     secrets = generate(args.dir, args.client, args.operator)
-    for name, path in secrets.items():
+    for path in secrets.values():
         print(f"wrote {path} (secret) and {path.with_suffix('.key')}")
     print(config_snippet(args.dir, secrets, args.client, args.operator))
     return 0

@@ -186,14 +186,15 @@ def chaos(run: ChaosRun, *, kills: int, servers: int, seed: int, steps_between: 
              300, "every server serving and a first step")
     for _ in range(kills):
         at = run.steps
-        run.wait(lambda: run.steps >= at + steps_between, 300, f"step {at + steps_between}")
+        run.wait(lambda at=at: run.steps >= at + steps_between, 300, f"step {at + steps_between}")
         run.wait(lambda: sum(run.serving(f"rollout-{i}") for i in range(servers)) > keep_serving,
                  restart_timeout_s, f"{keep_serving + 1} servers serving")
         name = run.kill_random(rng, servers)
         killed = run.pids[name]
-        run.wait(lambda: run.pids[name] != killed, restart_timeout_s, f"{name} restarted")
+        run.wait(lambda name=name, killed=killed: run.pids[name] != killed, restart_timeout_s,
+                 f"{name} restarted")
         if rejoin:
-            run.wait(lambda: run.serving(name), restart_timeout_s, f"{name} joined again")
+            run.wait(lambda name=name: run.serving(name), restart_timeout_s, f"{name} joined again")
 
 
 def nan_window(run: ChaosRun, skips: int = 1, timeout_s: float = 300) -> None:
