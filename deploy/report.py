@@ -271,15 +271,20 @@ def throughput(run: Run) -> tuple[list[float], list[float], list[float]]:
     return run.steps, sps, tps
 
 
-def _draw_throughput(fig, run: Run) -> bool:
+def _draw_throughput(fig, run: Run, tokens: bool = True) -> bool:
+    """Samples/s per step (and completion tokens/s on a second axis unless ``tokens`` is False:
+    the overview's small panel)."""
     if not (run.has("time") and run.has("samples")) or len(run.rows) < 2:
         return False
     ax = fig.subplots()
     steps, sps, tps = throughput(run)
     _plot_smoothed(ax, steps, sps, "samples/s")
-    ax.set_ylabel("samples/s")
+    if tokens:
+        ax.set_ylabel("samples/s")
     ax.set_xlabel("policy step")
     ax.grid(True, alpha=0.3)
+    if not tokens:
+        return True
     if any(math.isfinite(v) for v in tps):
         twin = ax.twinx()
         _plot_smoothed(twin, steps, tps, "completion tokens/s", color="tab:green")
@@ -417,23 +422,13 @@ def _overview(run: Run, path: Path) -> bool:
     for sub, (title, draw) in zip(subfigs.flat, OVERVIEW):
         sub.suptitle(title, fontsize=9)
         if draw is None:
-            drawn |= _draw_throughput_single(sub, run)
+            drawn |= _draw_throughput(sub, run, tokens=False)
         else:
             drawn |= bool(draw(sub, run))
     if drawn:
         fig.savefig(path)
     return drawn
 
-
-def _draw_throughput_single(fig, run: Run) -> bool:
-    if not (run.has("time") and run.has("samples")) or len(run.rows) < 2:
-        return False
-    ax = fig.subplots()
-    steps, sps, _ = throughput(run)
-    _plot_smoothed(ax, steps, sps, "samples/s")
-    ax.set_xlabel("policy step")
-    ax.grid(True, alpha=0.3)
-    return True
 
 
 def draw_plots(run: Run, out: Path) -> list[tuple[Plot, Path]]:
