@@ -114,6 +114,14 @@ class StalenessGate:
             raise ValueError(f"on_consumed({n}) with only {self.buffered} samples buffered")
         self.consumed_total += n
 
+    def on_untrained(self, n: int) -> None:
+        """``n`` consumed samples were not trained after all (a skipped step): they leave the
+        gate's history as dropped work does, so their capacity comes back."""
+        if _check_count(n, "on_untrained") > self.consumed_total:
+            raise ValueError(f"on_untrained({n}) with only {self.consumed_total} samples consumed")
+        self.consumed_total -= n
+        self.accepted_total -= n
+
     def set_max_staleness(self, eta: int) -> None:
         """Change η; the next :meth:`capacity` uses it (growing η lets more be issued at once)."""
         self.max_staleness = _check_count(eta, "max_staleness")

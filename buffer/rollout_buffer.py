@@ -359,6 +359,13 @@ class RolloutBuffer:
         self._n["reissued"] += self.remaining(lease.assignment_id)
         return lease
 
+    def untrained(self, batch: Batch) -> None:
+        """``batch`` (from :meth:`next_batch`) was not trained: the step applied nothing (a
+        non-finite loss). Its capacity goes back to the gate (else, under ``max_staleness`` 0, the
+        gate would never open again); the counters still say ``consumed`` (the samples left the
+        buffer and are not trained again)."""
+        self.gate.on_untrained(len(batch.samples))
+
     def cancel(self, assignment_id: str) -> bool:
         """Give up an open assignment: capacity returned, buffered members dropped."""
         g = self._groups.get(assignment_id)

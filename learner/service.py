@@ -258,9 +258,7 @@ class LearnerService:
         as dropped work's does (else, with max_staleness 0, the gate would never open again).
         """
         n = len(batch.samples)
-        gate = self.buffer.gate   # TODO(buffer): a RolloutBuffer method for "consumed, not trained"
-        gate.consumed_total -= n
-        gate.accepted_total -= n
+        self.buffer.untrained(batch)
         self.metrics.skipped_steps.inc()
         self.log("step_skipped", reason=skip.reason, trained_on_version=self.version, samples=n,
                  sample_ids=[s.sample_id for s in batch.samples])

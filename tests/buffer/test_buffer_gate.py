@@ -133,3 +133,16 @@ def test_state_dict_round_trip_keeps_capacity():
     bad = dict(state, consumed_total=1000)
     with pytest.raises(ValueError):
         other.load_state_dict(bad)
+
+
+def test_untrained_samples_give_their_capacity_back():
+    # B = 4, eta = 0: (0 + 0 + 1) * 4 = 4 may be issued at version 0.
+    gate = StalenessGate(4, 0)
+    gate.on_issued(4)
+    gate.on_accepted(4)
+    gate.on_consumed(4)
+    assert gate.capacity(0) == 0            # 4 - (4 accepted + 0 in flight)
+    gate.on_untrained(4)                    # the step was skipped: nothing was trained
+    assert gate.capacity(0) == 4 and gate.consumed_total == 0
+    with pytest.raises(ValueError, match="on_untrained"):
+        gate.on_untrained(1)
