@@ -24,6 +24,25 @@ REWARD_NORMS = ("none", "batch", "running")
 BATCH_FILTERS = ("none", "pf_ppo")
 KL_CONTROLLERS = ("fixed", "adaptive")
 CRITIC_TARGETS = ("gae", "vtrace")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CHECKPOINT_FAILURES = ("continue", "stop")
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapters through PEFT (``learner.lora``): only the adapter is trained and published."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1)
+    """Adapter rank."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA alpha (the update is scaled by alpha / r)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (0 keeps the sanity check exact)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (or suffixes) that get an adapter, or all-linear (every linear layer but the
+    output head)."""
 
 
 class LearnerConfig(BaseModel):
@@ -188,7 +207,35 @@ class LearnerConfig(BaseModel):
     """Seconds a rollout server has to return an assignment before it is re-issued."""
 
     dataset: str = "builtin:arith"
-    """Prompt source: builtin:arith or a JSONL file with {"prompt", "answer"} per line."""
+    """Prompt source: builtin:arith, a .jsonl / .json / .parquet file, or a directory written by
+    datasets' save_to_disk; each row needs prompt_key and answer_key."""
+    dataset_split: str = "train"
+    """Split to read from a datasets directory holding a DatasetDict."""
+    prompt_key: str = "prompt"
+    """Column (key) of a row holding the prompt: a string, or a list of chat messages."""
+    answer_key: str = "answer"
+    """Column (key) of a row holding the answer the reward function checks."""
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    """Format prompts with the tokenizer's chat template: auto (when the prompt is a list of
+    messages, or system_prompt is set, and the tokenizer has a template), always (refuse to start
+    without one), never (the prompt text as it is)."""
+    system_prompt: str | None = None
+    """A system message put before every prompt (with the chat template)."""
+    max_prompt_tokens: int = Field(0, ge=0)
+    """Prompts longer than this many tokens are skipped and counted (0 = no limit)."""
+    shuffle: bool = True
+    """Shuffle the rows of a file dataset, with a new seeded order every epoch."""
+    epochs: int = Field(0, ge=0)
+    """Passes over a file dataset; the run ends early when they are used up (0 = endless)."""
+    length_buckets: int = Field(0, ge=0)
+    """Sample prompts of similar length together: rows are sorted into this many length buckets
+    and each batch's prompts come from one bucket (0 = off)."""
+    eval_data: str | None = None
+    """Held-out prompts (same formats as dataset) for evaluation; never trained on."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every this many policy steps (0 = never), greedily, outside the staleness gate."""
+    eval_prompts: int = Field(0, ge=0)
+    """Prompts per evaluation (0 = all of eval_data)."""
     temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
     top_p: float = Field(1.0, ge=1e-9, le=1)
@@ -206,6 +253,30 @@ class LearnerConfig(BaseModel):
     """Exit after the last step; false keeps /metrics and control up until SIGTERM or `ctl stop`."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
+
+    # ---- model and device (issue 10) ----
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
+    """Where the policy (and critic, reference) train: auto (cuda when there is one, else cpu),
+    cpu, cuda, cuda:N."""
+    dtype: Literal[DTYPES] = "auto"
+    """Training dtype of the weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16,
+    float16. Full-weight publishes send tensors in this dtype."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, about a third more compute)."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (PEFT) instead of the full model; the reference is the base model
+    (adapter disabled) and publishes carry the adapter only (null = full fine-tuning)."""
+
+    # ---- checkpoints (issue 10) ----
+    save_every: int = Field(50, ge=0)
+    """Write a checkpoint every this many policy steps (0 = only on SIGTERM / ctl stop and at the end)."""
+    keep_last: int = Field(5, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a new one is complete."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go (null = RUN_DIR/checkpoints)."""
+    checkpoint_failure: Literal[CHECKPOINT_FAILURES] = "continue"
+    """A checkpoint that cannot be written (disk full, not writable): log an error event and go on
+    training (the previous checkpoint stays), or stop the run cleanly."""
 
     # ---- reliability and security (issue 14) ----
     security: LearnerSecurity = Field(default_factory=LearnerSecurity)

@@ -154,8 +154,11 @@ class RolloutConfig(BaseModel):
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default; under `slipstream run`, 0 = this server's share
     of the cores, see deploy/cores.py)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Engine dtype (float32 on CPU)."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """HF engine device: auto (cuda when there is one, else cpu), cpu, cuda, cuda:N (vLLM picks
+    its own)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16."""
     security: RolloutSecurity = Field(default_factory=RolloutSecurity)
     """CURVE keys for the link to the learner (off by default)."""
     exit_on_learner_finished: bool = True

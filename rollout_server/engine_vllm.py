@@ -124,8 +124,11 @@ class VLLMEngine(TokenizerEngine):
         if (model_max := _model_max_len(model_path)) is not None:
             max_len = min(max_len, int(model_max))
         self.max_model_len = max_len
+        # auto: float32 on the CPU build (as the HF engine and the learner there), the model's own
+        # dtype (vLLM's auto) on GPUs.
+        dtype = "float32" if cfg.dtype == "auto" and current_platform.is_cpu() else cfg.dtype
         kwargs: dict[str, Any] = dict(
-            model=model_path, tokenizer=model_path, dtype=cfg.dtype, seed=cfg.seed,
+            model=model_path, tokenizer=model_path, dtype=dtype, seed=cfg.seed,
             enforce_eager=opts.enforce_eager, max_model_len=max_len,
             tensor_parallel_size=opts.tensor_parallel_size,
             logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,

@@ -7,11 +7,23 @@ from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 
 
+def resolve_device(device: str, dtype: str) -> tuple[str, str]:
+    """``auto`` made concrete: (cuda when torch sees one, else cpu; bfloat16 on cuda, else float32)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
 def create_engine(cfg: RolloutConfig, model_path: str) -> Engine:
     if cfg.engine == "hf":
         from rollout_server.engine_hf import HFEngine
 
-        return HFEngine(model_path, dtype=cfg.dtype, seed=cfg.seed, inflight_update=cfg.inflight_update)
+        _, dtype = resolve_device(cfg.device, cfg.dtype)
+        return HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.inflight_update)
     if cfg.engine == "vllm":
         try:
             from rollout_server.engine_vllm import VLLMEngine

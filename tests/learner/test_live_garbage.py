@@ -40,23 +40,36 @@ def must_fail_inputs(seed: int, n: int) -> list[list[bytes]]:
     return out
 
 
+# Requests in flight per socket. The learner's sends never wait: a reply to a peer whose queue is
+# full (SNDHWM; 16 on the weights socket) is dropped and counted, so a flood that reads nothing
+# until it has sent everything could lose refusals by design. The window stays under every HWM.
+WINDOW = 8
+
+
 async def flood(endpoint: str, inputs: list[list[bytes]], control: bool) -> None:
-    """Send every input from one raw DEALER and read one refusal per input."""
+    """Send every input from one raw DEALER, at most WINDOW unanswered, and read one refusal each."""
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        for frames in inputs:
+        for i, frames in enumerate(inputs):
             await sock.send_multipart(frames)
-        for _ in inputs:
-            assert await sock.poll(30_000), f"{endpoint}: a refusal was not answered"
-            reply = protocol.decode(await sock.recv_multipart())
-            if control:
-                assert isinstance(reply, protocol.ControlReply) and not reply.ok
-            else:
-                assert isinstance(reply, protocol.Error) and reply.code == "protocol_error"
+            if i >= WINDOW - 1:
+                await read_refusal(sock, endpoint, control)
+        for _ in range(min(WINDOW - 1, len(inputs))):
+            await read_refusal(sock, endpoint, control)
+        assert not await sock.poll(100), f"{endpoint}: more replies than inputs"
     finally:
         sock.close(0)
+
+
+async def read_refusal(sock, endpoint: str, control: bool) -> None:
+    assert await sock.poll(30_000), f"{endpoint}: a refusal was not answered"
+    reply = protocol.decode(await sock.recv_multipart())
+    if control:
+        assert isinstance(reply, protocol.ControlReply) and not reply.ok
+    else:
+        assert isinstance(reply, protocol.Error) and reply.code == "protocol_error"
 
 
 def raw_tcp(host_port: tuple[str, int], data: bytes) -> bytes:
