@@ -14,6 +14,7 @@ single update keeps the batch's order (groups stay contiguous, no shuffle to dra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,10 @@ class BatchTensors:
             targets=self.targets[idx], mask=self.mask[idx],
             behavior_logprobs=self.behavior_logprobs[idx], rewards=self.rewards[idx],
             lengths=self.lengths[idx], seq_lens=self.seq_lens[idx])
+
+    def to(self, device: torch.device | str) -> BatchTensors:
+        """Every tensor on ``device`` (collated on the CPU, trained where the model is)."""
+        return BatchTensors(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
     def rows(self, idx: torch.Tensor) -> BatchTensors:
         """The rows ``idx`` (1-D long), cut to their longest row."""

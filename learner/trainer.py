@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,7 +50,9 @@ from buffer import Batch
 from learner.batching import BatchTensors, collate, plan_updates, take
 from learner.config import LearnerConfig
 from learner.critic import Critic
+from learner.devices import resolve_device, resolve_dtype
 from learner.dropout import disable_dropout
+from learner.models.logprobs import LogprobForward
 from learner.reference import ReferencePolicy
 from learner.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.schedules import lr_factor
@@ -60,24 +63,62 @@ __all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer"
 FLAGGED_IS_MODE = "tis"
 """Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
 
+LORA_PUBLISH_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora",
+                       "fan_in_fan_out")
+"""The PEFT ``LoraConfig`` fields a LoRA publish carries (``metadata["lora"]``): what a rollout
+engine needs to build the same adapter (the HF engine passes them to ``LoraConfig``, vLLM's writes
+them into ``adapter_config.json``)."""
+
+
 class Trainer:
     """Owns the policy model, its tokenizer and optimizer; the reference and the critic when the
-    config uses them."""
+    config uses them.
+
+    Device and dtype: ``learner.device`` / ``learner.dtype`` (:mod:`learner.devices`). The weights
+    are held and updated in that dtype (bfloat16: no float32 master copy, so an update smaller than
+    about 1/256 of a weight rounds away; LoRA adapters stay float32, PEFT's default); batches are
+    collated on the CPU and moved to the device; log-probs, entropies and all of ``ops`` compute in
+    float32; every returned statistic is a Python float.
+
+    LoRA (``learner.lora``): the policy is wrapped by PEFT and only the adapter's parameters are
+    trained (and in the optimizer); the reference is the base with the adapter disabled; a publish
+    (:meth:`named_tensors`) carries the adapter's tensors under ``get_peft_model_state_dict`` names,
+    with :meth:`publish_metadata` the adapter config.
+    """
 
     def __init__(self, cfg: LearnerConfig, model_path: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         if cfg.disable_dropout:
-            disable_dropout(self.model)
+            disable_dropout(model)          # the base's; an adapter's lora.dropout is the config's
+        model.to(self.device)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        self.lora_config = None
+        if cfg.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            self.lora_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                          lora_dropout=cfg.lora.dropout,
+                                          target_modules=cfg.lora.target_modules, bias="none",
+                                          task_type="CAUSAL_LM")
+            model = get_peft_model(model, self.lora_config)
+            if cfg.gradient_checkpointing:
+                model.enable_input_require_grads()   # the frozen embedding's output needs grad
+        self.model = model
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                           weight_decay=cfg.weight_decay)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.forward = LogprobForward(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
@@ -86,13 +127,20 @@ class Trainer:
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
         self.reference: ReferencePolicy | None = None
         if cfg.uses_reference:
-            self.reference = ReferencePolicy(self.model, "cpu" if cfg.reference_on_cpu else None)
+            if cfg.lora is not None:
+                self.reference = ReferencePolicy.adapter_disabled(self.model)
+            else:
+                self.reference = ReferencePolicy.copy_of(self.model, "cpu" if cfg.reference_on_cpu else None)
         self.critic: Critic | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if cfg.uses_critic:
-            self.critic = Critic(cfg.critic_model or model_path)
+            self.critic = Critic(cfg.critic_model or model_path, dtype=self.dtype)
             if cfg.disable_dropout:
                 disable_dropout(self.critic)
+            self.critic.to(self.device)
+            if cfg.gradient_checkpointing:
+                self.critic.backbone.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
             self.critic.train()
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
                                                       weight_decay=cfg.weight_decay)
@@ -110,15 +158,71 @@ class Trainer:
             ids = [bos, *ids]
         return np.asarray(ids, dtype=np.int32)
 
+    @property
+    def publish_kind(self) -> str:
+        """``lora`` (adapter tensors only) or ``full`` — the manifests' ``kind``."""
+        return "lora" if self.lora_config is not None else "full"
+
+    def publish_metadata(self) -> dict:
+        """What a publish's manifest carries besides the tensors: for LoRA ``{"lora": {...}}``, the
+        ``LoraConfig`` fields of :data:`LORA_PUBLISH_FIELDS` (target modules as PEFT resolved them,
+        e.g. ``all-linear`` -> the module names, sorted; plain msgpack types)."""
+        if self.lora_config is None:
+            return {}
+        live = self.model.peft_config["default"]
+        out = {}
+        for name in LORA_PUBLISH_FIELDS:
+            value = getattr(live, name)
+            if isinstance(value, (set, frozenset, list, tuple)):
+                value = sorted(value)
+            out[name] = value
+        return {"lora": out}
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """What a full-weights publish sends (tied parameters once)."""
+        """What a publish sends. Full: every parameter in the training dtype, tied parameters once
+        (``named_parameters`` yields a shared tensor under its first name only, e.g. the embedding
+        and not ``lm_head.weight``; both engines re-tie on load). LoRA: the adapter's tensors
+        under ``get_peft_model_state_dict`` names (``base_model.model.<module>.lora_A.weight``)."""
+        if self.lora_config is not None:
+            from peft import get_peft_model_state_dict
+
+            return [(n, t.detach()) for n, t in get_peft_model_state_dict(self.model).items()]
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
 
+    def save_policy(self, path: str | Path) -> Path:
+        """``save_pretrained`` of the policy — the full model in the training dtype, or the PEFT
+        adapter (``adapter_config.json`` + ``adapter_model.safetensors``, which transformers with
+        PEFT, PEFT itself and vLLM's ``LoRARequest`` load as they are) — and the tokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
     # ---- checkpoint hooks ------------------------------------------------------------------
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        if self.lora_config is not None:
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.model)
+        return self.model.state_dict()
+
+    def _load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora_config is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.model, state)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"checkpoint policy: adapter tensors unknown here: {unexpected[:3]}")
+            return
+        self.model.load_state_dict(state)
+
     def state_dict(self) -> dict:
-        """Everything a resume needs besides the config: policy, critic, reference, optimizers,
-        KL controller and running reward moments (plain tensors and numbers)."""
-        state = {"policy": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """Everything a resume needs besides the config: policy (the adapter alone under LoRA: the
+        base is the loaded model, frozen), critic, reference (empty under LoRA), optimizers, KL
+        controller and running reward moments (plain tensors and numbers)."""
+        state = {"policy": self._policy_state(), "optimizer": self.optimizer.state_dict(),
                  "kl_controller": self.kl_controller.state_dict(),
                  "reward_moments": self.reward_moments.state_dict()}
         if self.reference is not None:
@@ -129,7 +233,7 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["policy"])
+        self._load_policy_state(state["policy"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.reward_moments.load_state_dict(state["reward_moments"])
@@ -143,14 +247,16 @@ class Trainer:
             self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
     # ---- passes ----------------------------------------------------------------------------
-    def _logits(self, sub: BatchTensors) -> torch.Tensor:
-        out = self.model(input_ids=sub.input_ids, attention_mask=sub.attention_mask, use_cache=False)
-        return out.logits[:, :-1]                                                  # (b, L-1, V)
+    def _logprobs(self, sub: BatchTensors, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log π (b, L-1), entropy (b, L-1) or None) of the policy; the same function in every
+        pass (learner.models.logprobs), so a no-grad pass and a gradient forward agree bit for bit."""
+        return self.forward(sub.input_ids, sub.attention_mask, sub.targets, self.cfg.temperature,
+                            entropy=entropy)
 
     @torch.no_grad()
     def _no_grad_pass(self, bt: BatchTensors, chunks: list[torch.Tensor], fn) -> torch.Tensor:
         """``fn(sub)`` -> (b, L_sub-1) over the row chunks, gathered into a (B, L-1) tensor."""
-        out = torch.zeros(bt.mask.shape, dtype=torch.float32)
+        out = torch.zeros(bt.mask.shape, dtype=torch.float32, device=bt.mask.device)
         for rows in chunks:
             sub = bt.rows(rows)
             out[rows, :sub.mask.shape[1]] = fn(sub).float()
@@ -158,11 +264,9 @@ class Trainer:
 
     def _proximal_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
         """log π at the current weights, no grad, in eval mode (dropout off whatever the config)."""
-        temperature = self.cfg.temperature
         self.model.eval()
         try:
-            return self._no_grad_pass(
-                bt, chunks, lambda s: ops.token_logprobs(self._logits(s), s.targets, temperature=temperature))
+            return self._no_grad_pass(bt, chunks, lambda s: self._logprobs(s)[0])
         finally:
             self.model.train()
 
@@ -222,7 +326,7 @@ class Trainer:
 
     # ---- rollback --------------------------------------------------------------------------
     def _snapshot(self) -> dict:
-        snap = {"policy": [p.detach().clone() for p in self.model.parameters()],
+        snap = {"policy": [p.detach().clone() for p in self.trainable],   # frozen ones cannot change
                 "optimizer": copy.deepcopy(self.optimizer.state_dict())}
         if self.critic is not None:
             snap["critic"] = [p.detach().clone() for p in self.critic.parameters()]
@@ -231,7 +335,7 @@ class Trainer:
 
     @torch.no_grad()
     def _restore(self, snap: dict) -> None:
-        for p, saved in zip(self.model.parameters(), snap["policy"], strict=True):
+        for p, saved in zip(self.trainable, snap["policy"], strict=True):
             p.copy_(saved)
         self.optimizer.load_state_dict(snap["optimizer"])
         if self.critic is not None:
@@ -294,7 +398,9 @@ class Trainer:
         if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
             bad = low if low < 0 else top
             raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool), version=int(batch.version))
+        bt = bt.to(self.device)
+        s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool, device=self.device),
+                     version=int(batch.version))
         s.lr, s.critic_lr = self._set_learning_rates(s.version)
         s.train_policy = self.critic is None or s.version >= cfg.critic_warmup_steps
         s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
@@ -360,7 +466,7 @@ class Trainer:
         if cfg.batch_filter == "pf_ppo":
             B = len(bt)
             w = ops.pf_ppo_weights(s.rewards_t.sum(dim=-1), cfg.pf_ppo_method, cfg.pf_ppo_weight_pow)
-            idx = ops.pf_ppo_resample(w, B, generator=s.generator)                 # (B,)
+            idx = ops.pf_ppo_resample(w.cpu(), B, generator=s.generator)           # (B,) CPU generator
             s.filter_stats = {"pf_ppo_unique_fraction": len(set(idx.tolist())) / B}
             s.bt = bt.select(idx)
             for name in ("flagged", "adv", "rewards_t", "targets", "old_values", "ref_lp", "prox_pass"):
@@ -411,7 +517,7 @@ class Trainer:
                     raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
                 gn = cn = 0.0
                 if s.train_policy:
-                    gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+                    gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm))
                     if not math.isfinite(gn):
                         raise self._skip(s, snapshot, log, f"non-finite policy gradient norm at {where}", start)
                 if self.critic is not None:
@@ -478,13 +584,7 @@ class Trainer:
         cfg = self.cfg
         L = sub.input_ids.shape[1]
         mask, behavior = sub.mask, sub.behavior_logprobs
-        logits = self._logits(sub)                                                 # (b, L-1, V)
-        logprobs = ops.token_logprobs(logits, sub.targets, temperature=cfg.temperature)
-        if cfg.entropy_coef > 0:
-            entropy = ops.entropy_from_logits(logits, temperature=cfg.temperature)
-        else:
-            with torch.no_grad():
-                entropy = ops.entropy_from_logits(logits.detach(), temperature=cfg.temperature)
+        logprobs, entropy = self._logprobs(sub, "grad" if cfg.entropy_coef > 0 else "stat")  # (b, L-1)
         if epoch == 0:
             log.entropy_sum += float(ops.masked_sum(entropy.detach(), mask))
             log.entropy_tokens += float(mask.sum())

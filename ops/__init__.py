@@ -21,7 +21,7 @@ from .controllers import AdaptiveKLController, FixedKLController
 from .filtration import PF_PPO_METHODS, pf_ppo_resample, pf_ppo_weights
 from .importance import IS_MODES, importance_weights
 from .kl import KL_KINDS, kl_estimate
-from .logprobs import entropy_from_logits, token_logprobs, token_logprobs_from_hidden
+from .logprobs import entropy_from_hidden, entropy_from_logits, token_logprobs, token_logprobs_from_hidden
 from .losses import dpo_loss, entropy_loss, kl_loss, ppo_policy_loss, value_loss
 from .m2po import m2po_mask
 from .masked import (
@@ -59,6 +59,7 @@ __all__ = [
     "clip_rewards",
     "discounted_reverse_cumsum",
     "dpo_loss",
+    "entropy_from_hidden",
     "entropy_from_logits",
     "entropy_loss",
     "gae",

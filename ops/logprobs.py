@@ -28,7 +28,7 @@ import torch
 
 from .masked import compute_dtype
 
-__all__ = ["entropy_from_logits", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["entropy_from_hidden", "entropy_from_logits", "token_logprobs", "token_logprobs_from_hidden"]
 
 # Default chunk: about 1 Mi elements (4 MiB of float32) per temporary. Measured on CPU: chunks of
 # 1-4 Mi elements run 2-3x faster than one [T, V] row at a time (cache reuse across the passes, and
@@ -349,3 +349,33 @@ def token_logprobs_from_hidden(
     flat_t = tokens.reshape(-1).long()  # [N]
     out = _TokenLogprobsFromHidden.apply(flat_h, lm_head_weight, flat_t, temperature, int(chunk_size))
     return out.reshape(tokens.shape)
+
+
+def entropy_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Entropy of softmax(hidden @ W.T / τ) at every position -> [B, T] float32, logits one chunk
+    of ``chunk_size`` tokens at a time (the twin of :func:`token_logprobs_from_hidden`).
+
+    Each chunk's logits go through :func:`entropy_from_logits` (float32 reduction). Under
+    ``torch.no_grad`` (entropy as a statistic) a chunk's logits are freed before the next one is
+    built: peak extra memory O(chunk_size · V). With gradients, autograd keeps every chunk's
+    logits for the backward, as the logits path would: use it for an entropy bonus only when the
+    [B, T, V] logits fit.
+    """
+    temperature = _check_temperature(temperature)
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [V, H={hidden.shape[-1]}], got {tuple(lm_head_weight.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    parts = [entropy_from_logits(flat_h[i : i + chunk_size] @ lm_head_weight.T, temperature=temperature)
+             for i in range(0, flat_h.shape[0], chunk_size)]  # each [n]
+    if not parts:
+        return torch.zeros(hidden.shape[:-1], dtype=compute_dtype(hidden.dtype), device=hidden.device)
+    return torch.cat(parts).reshape(hidden.shape[:-1])

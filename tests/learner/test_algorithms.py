@@ -150,8 +150,8 @@ def test_nan_in_a_later_update_rolls_the_whole_step_back(tiny_model_dir, critic)
     moments = tr.reward_moments.state_dict()
     armed = {"on": False}
     tr.optimizer.register_step_post_hook(lambda *a: armed.__setitem__("on", True))
-    tr.model.register_forward_hook(
-        lambda mod, args, out: (setattr(out, "logits", out.logits * float("nan")) or out)
+    tr.model.get_decoder().register_forward_hook(     # NaN hidden states: NaN logits
+        lambda mod, args, out: (setattr(out, "last_hidden_state", out.last_hidden_state * float("nan")) or out)
         if armed["on"] else out)
     with pytest.raises(SkippedStep) as info:
         tr.step(make_batch())

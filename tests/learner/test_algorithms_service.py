@@ -76,8 +76,8 @@ async def test_a_non_finite_step_is_skipped_publishes_nothing_and_training_resum
         svc.log.stream = log = io.StringIO()
         published = list(svc.weights.versions)              # what start-up published, if anything
         poison = {"on": True}
-        svc.trainer.model.register_forward_hook(
-            lambda mod, args, out: (setattr(out, "logits", out.logits * float("nan")) or out)
+        svc.trainer.model.get_decoder().register_forward_hook(     # NaN hidden states: NaN logits
+            lambda mod, args, out: (setattr(out, "last_hidden_state", out.last_hidden_state * float("nan")) or out)
             if poison["on"] else out)
         async with HonestServer(svc.endpoints["rollout"]) as good:
             await wait_until(lambda: metric(svc, "slipstream_skipped_steps_total") >= 2,

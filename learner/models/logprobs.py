@@ -1,0 +1,134 @@
+"""Per-token log-probs (and entropies) of a Hugging Face causal LM without its ``[B, T, V]`` logits.
+
+    log π(y_t) = log_softmax(h_t @ Wᵀ / τ)[y_t]      h: the decoder's last hidden state (after the
+                                                     final norm), W: the LM head's weight
+
+The model is called as usual (``model(...)``: hooks, PEFT adapters, gradient checkpointing all
+apply) with ``logits_to_keep`` an empty index, so its head computes logits for no position; the
+decoder's last hidden state is taken with a forward hook, and ``ops.token_logprobs_from_hidden``
+builds the logits ``chunk_size`` tokens at a time, in the forward and again in its backward. At
+SmolLM2-135M's vocabulary (49,152) a micro-batch of 32 × 512 tokens would hold 3 GiB of float32
+logits (and as much again for their gradient); here one chunk is 0.2 GiB.
+
+This path is used only where it computes the same function as ``model(...).logits``: the head is a
+plain ``nn.Linear`` without bias (not a LoRA layer), the forward takes ``logits_to_keep``, and a
+probe at load (:func:`exact_head_weight`) finds ``h @ Wᵀ`` equal to the model's own logits —
+a model that rescales or soft-caps its logits after the head (Gemma 2, Cohere, Granite) fails the
+probe and keeps the logits path. Every pass of a trainer goes through the same function with the
+same chunking, so a no-grad pass and a gradient forward at the same weights and rows compute the
+same numbers bit for bit (the trainer's sanity check relies on it).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import ops
+
+__all__ = ["LogprobForward", "exact_head_weight"]
+
+CHUNK_TOKENS = 1024
+"""Tokens per logits chunk (ops.token_logprobs_from_hidden's default)."""
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _call(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+          hidden_only: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One forward -> (last hidden state (b, L, H) or None, logits (b, L or 0, V))."""
+    captured: list[torch.Tensor] = []
+    hook = None
+    kwargs = {}
+    if hidden_only:
+        decoder = _base(model).get_decoder()
+
+        def grab(module, args, out):
+            captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+        hook = decoder.register_forward_hook(grab)
+        kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+    finally:
+        if hook is not None:
+            hook.remove()
+    return (captured[-1] if captured else None), out.logits
+
+
+@torch.no_grad()
+def exact_head_weight(model: torch.nn.Module) -> torch.Tensor | None:
+    """The LM head's weight W when ``model``'s logits are exactly ``h @ Wᵀ`` (probed on a few
+    tokens), else None (the caller keeps the logits path)."""
+    base = _base(model)
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return None
+    try:
+        base.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None
+    device = head.weight.device
+    V = head.weight.shape[0]
+    ids = (torch.arange(6, device=device) * 7 % V)[None]                          # (1, 6)
+    attn = torch.ones_like(ids)
+    training = model.training
+    model.eval()
+    try:
+        hidden, _ = _call(model, ids, attn, hidden_only=True)
+        _, logits = _call(model, ids, attn, hidden_only=False)
+    except Exception:  # noqa: BLE001 - any model that cannot do it keeps the logits path
+        return None
+    finally:
+        model.train(training)
+    if hidden is None or logits.shape[1] != ids.shape[1]:
+        return None
+    mine = (hidden @ head.weight.T).float()
+    if not torch.allclose(mine, logits.float(), rtol=1e-3, atol=1e-3 * float(logits.float().abs().max()) + 1e-6):
+        return None
+    return head.weight
+
+
+class LogprobForward:
+    """``(log π (b, L-1), entropy (b, L-1) or None)`` of right-padded rows of one model, through
+    the hidden-state path when :func:`exact_head_weight` allows it, else through its logits."""
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = CHUNK_TOKENS):
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.uses_hidden = exact_head_weight(model) is not None
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
+                 temperature: float, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``entropy``: ``none``, ``stat`` (detached, computed without gradients) or ``grad``."""
+        if self.uses_hidden:
+            hidden, _ = _call(self.model, input_ids, attention_mask, hidden_only=True)
+            h = hidden[:, :-1]                                                     # (b, L-1, H)
+            w = _base(self.model).get_output_embeddings().weight                   # (V, H)
+            lp = ops.token_logprobs_from_hidden(h, w, targets, temperature=temperature,
+                                                chunk_size=self.chunk_tokens)
+            ent = None
+            if entropy == "grad":
+                ent = ops.entropy_from_hidden(h, w, temperature=temperature, chunk_size=self.chunk_tokens)
+            elif entropy == "stat":
+                with torch.no_grad():
+                    ent = ops.entropy_from_hidden(h.detach(), w.detach(), temperature=temperature,
+                                                  chunk_size=self.chunk_tokens)
+            return lp, ent
+        _, logits = _call(self.model, input_ids, attention_mask, hidden_only=False)
+        logits = logits[:, :-1]                                                    # (b, L-1, V)
+        lp = ops.token_logprobs(logits, targets, temperature=temperature)
+        ent = None
+        if entropy == "grad":
+            ent = ops.entropy_from_logits(logits, temperature=temperature)
+        elif entropy == "stat":
+            with torch.no_grad():
+                ent = ops.entropy_from_logits(logits.detach(), temperature=temperature)
+        return lp, ent
