@@ -183,6 +183,8 @@ class LearnerService:
     def _load(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.trainer = Trainer(self.cfg, self.model_path)
+        self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
+        self.weights.metadata = dict(self.trainer.publish_metadata())
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
                              max_new_tokens=lambda: self.cfg.max_new_tokens,
                              version=lambda: self.version, metrics=self.metrics, log=self.log)
@@ -218,8 +220,7 @@ class LearnerService:
         """After the last step: save, let servers fetch the last version, tell them the run ended."""
         self.admission.close()
         out = self.run_dir / "final"
-        await asyncio.to_thread(self.trainer.model.save_pretrained, out)
-        await asyncio.to_thread(self.trainer.tokenizer.save_pretrained, out)
+        await asyncio.to_thread(self.trainer.save_policy, out)   # the model, or the PEFT adapter
         deadline = time.monotonic() + self.cfg.final_sync_s
         while not self.admission.all_at(self.version) and time.monotonic() < deadline:
             self.admission.versions_changed.clear()
