@@ -26,6 +26,10 @@ service batches its own queue (``rollout.batch_wait_s``) and makes one call per 
 LoRA: ``WeightUpdate(kind="lora")`` carries PEFT-named adapter tensors (``get_peft_model_state_dict``
 names) and the ``LoraConfig`` fields; the first one wraps the model with PEFT, later ones copy the
 tensors into the adapter in place (a changed config replaces the adapter).
+
+Device and dtype (``rollout.device`` / ``rollout.dtype``, resolved by
+:func:`rollout_server.engines.resolve_device`): the model, the decode loop's tensors and every
+weight update live on that device; completions come back as CPU numpy arrays.
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ class HFEngine(TokenizerEngine):
     name = "hf"
 
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0,
-                 inflight_update: str = "finish"):
+                 inflight_update: str = "finish", device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device)
         self.model.eval()
         self.model.generation_config.pad_token_id = self.tokenizer.pad_token_id
         self.version = 0
@@ -156,7 +162,7 @@ class HFEngine(TokenizerEngine):
         params = dict(self.model.named_parameters())
         _check_tensors(params, tensors, "weights do not match the model")
         for name, p in params.items():
-            p.copy_(tensors[name])
+            p.copy_(tensors[name])                        # to the engine's device and dtype
 
     def _apply_lora(self, version: int, tensors: dict[str, torch.Tensor], lora_config: dict) -> None:
         from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -245,10 +251,11 @@ class HFEngine(TokenizerEngine):
         for r, p in enumerate(prompts):
             seq[r, width - len(p):] = torch.from_numpy(p.astype(np.int64))
             attn[r, width - len(p):] = 1
+        seq, attn = seq.to(self.device), attn.to(self.device)
         procs = self._warpers(temperature, top_p, top_k)
         logits, past = self._forward(seq, attn)
         logits_version = self.version
-        done = torch.zeros(n, dtype=torch.bool)
+        done = torch.zeros(n, dtype=torch.bool, device=self.device)
         toks, lps, vers = [], [], []
         for step in range(max_new):
             scores = procs(seq, logits)                                              # (N, V) processed
@@ -260,7 +267,7 @@ class HFEngine(TokenizerEngine):
             vers.append(logits_version)
             done |= nxt == self.eos_id
             seq = torch.cat([seq, nxt[:, None]], dim=1)
-            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype)], dim=1)
+            attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=attn.device)], dim=1)
             if bool(done.all()) or step == max_new - 1:
                 break
             changed = self._step_boundary()
@@ -269,8 +276,8 @@ class HFEngine(TokenizerEngine):
             else:
                 logits, past = self._forward(nxt[:, None], attn, past)
             logits_version = self.version
-        new = torch.stack(toks, dim=1)                                               # (N, T)
-        logprobs = torch.stack(lps, dim=1)
+        new = torch.stack(toks, dim=1).cpu()                                         # (N, T)
+        logprobs = torch.stack(lps, dim=1).float().cpu()
         versions = torch.tensor(vers, dtype=torch.int32)
         comps = []
         for r in range(n):

@@ -13,6 +13,9 @@ def resolve_device(device: str, dtype: str) -> tuple[str, str]:
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise protocol.StartupError(f"rollout.device={device}: torch sees no CUDA device here; "
+                                    "set rollout.device: cpu (or auto)")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return device, dtype
@@ -22,8 +25,9 @@ def create_engine(cfg: RolloutConfig, model_path: str) -> Engine:
     if cfg.engine == "hf":
         from rollout_server.engine_hf import HFEngine
 
-        _, dtype = resolve_device(cfg.device, cfg.dtype)
-        return HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.inflight_update)
+        device, dtype = resolve_device(cfg.device, cfg.dtype)
+        return HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.inflight_update,
+                        device=device)
     if cfg.engine == "vllm":
         try:
             from rollout_server.engine_vllm import VLLMEngine
