@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["hf", "vllm"], help="generation engine (rollout.engine)")
     p = sub.add_parser("run", help="start a learner and N rollout servers, supervise them")
     _add_config_args(p, required=False)
-    p = sub.add_parser("ctl", help="talk to a live learner: status, set KEY VALUE, stop")
+    p = sub.add_parser("ctl", help="talk to a live learner: status, get KEY, set KEY VALUE, pause, "
+                                   "resume, checkpoint, stop")
     p.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="the learner's control endpoint (default: read RUN_DIR/learner.json)")
     p.add_argument("--run-dir", default="runs/default", help="run directory of the learner")
@@ -48,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learner-key", default=None, metavar="FILE",
                    help="the learner's CURVE public key file (default: $SLIPSTREAM_CTL_LEARNER_KEY, "
                         "else the key in RUN_DIR/learner.json)")
-    p.add_argument("action", choices=["status", "set", "stop"])
+    p.add_argument("--json", action="store_true", help="print the reply as JSON (for scripts)")
+    p.add_argument("action", choices=["status", "get", "set", "pause", "resume", "checkpoint", "stop"])
     p.add_argument("key", nargs="?")
-    p.add_argument("value", nargs="?")
+    p.add_argument("value", nargs="?", help="a JSON value (1, 0.5, null, true) or a bare string")
     p = sub.add_parser("keys", help="generate CURVE key pairs and allow-lists for a run")
     p.add_argument("dir", help="directory to write the keys into")
     p.add_argument("--client", action="append", default=None, metavar="NAME",

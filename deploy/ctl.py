@@ -119,6 +119,31 @@ def _error(message: str, code: int) -> int:
     return code
 
 
+def parse_value(text: str):
+    """A ``set`` value from the command line: JSON when it parses (1, 0.5, null, true), else the
+    bare string (tis, correct); the learner validates it against the key's type."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def human(result: dict, indent: str = "") -> str:
+    """A reply as aligned ``key  value`` lines (nested dicts indented), for a terminal."""
+    if not result:
+        return f"{indent}(empty)"
+    width = max(len(str(k)) for k in result)
+    lines = []
+    for k in sorted(result, key=str):
+        v = result[k]
+        if isinstance(v, dict) and v:
+            lines.append(f"{indent}{k}:")
+            lines.append(human(v, indent + "  "))
+        else:
+            lines.append(f"{indent}{str(k).ljust(width)}  {json.dumps(v) if not isinstance(v, str) else v}")
+    return "\n".join(lines)
+
+
 def ctl(args) -> int:
     learner_public = None
     if args.endpoint:
@@ -131,8 +156,12 @@ def ctl(args) -> int:
     if args.action == "set":
         if args.key is None or args.value is None:
             return _error("usage: slipstream ctl set KEY VALUE (e.g. slipstream ctl set max_staleness 1)", 2)
-        req = protocol.ControlRequest(command="set", args={"key": args.key, "value": args.value})
+        req = protocol.ControlRequest(command="set", args={"key": args.key, "value": parse_value(args.value)})
+    elif args.action == "get":
+        req = protocol.ControlRequest(command="get", args={"key": args.key} if args.key is not None else {})
     else:
+        if args.key is not None:
+            return _error(f"{args.action} takes no arguments", 2)
         req = protocol.ControlRequest(command=args.action)
     try:
         reply = request(endpoint, req, args.timeout_s, curve)
@@ -142,5 +171,11 @@ def ctl(args) -> int:
         return _error(str(e), 1)
     if not reply.ok:
         return _error(reply.error, 2)
-    print(json.dumps(reply.result, indent=2, sort_keys=True))
+    if getattr(args, "json", False):
+        print(json.dumps(reply.result, indent=2, sort_keys=True))
+    elif args.action == "get" and args.key is not None and len(reply.result) == 1:
+        value = next(iter(reply.result.values()))
+        print(value if isinstance(value, str) else json.dumps(value))
+    else:
+        print(human(reply.result))
     return 0

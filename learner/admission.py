@@ -116,11 +116,14 @@ class Admission:
                  *, version: Callable[[], int], welcome: Callable[[], protocol.Welcome],
                  metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
                  server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
-                 weights_failure_limit: int = 3, clock: Callable[[], float] = time.monotonic):
+                 weights_failure_limit: int = 3, max_inflight: Callable[[], int] = lambda: 0,
+                 clock: Callable[[], float] = time.monotonic):
         self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
         self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
         self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
         self.weights_failure_limit = weights_failure_limit
+        self.max_inflight = max_inflight          # the operator's cap on a server's samples (0 = none)
+        self.paused = False                       # ctl pause: no new or re-issued work until resume
         self.servers: dict[bytes, ServerState] = {}
         self._dispatched = 0
         self.reissue: deque[Lease] = deque()
@@ -140,8 +143,11 @@ class Admission:
         return self.version() - srv.version > self.buffer.max_staleness
 
     def eligible(self, srv: ServerState) -> bool:
-        """May get new work: not lagging, not ahead of the learner (another run's weights), and
-        its circuit breaker closed."""
+        """May get new work: not lagging, not ahead of the learner (another run's weights), its
+        circuit breaker closed, and under the operator's ``max_inflight_per_server`` cap."""
+        cap = self.max_inflight()
+        if cap and self.outstanding(srv) + self.buffer.group_size > cap:
+            return False
         return not srv.dropped and not self.lagging(srv) and srv.version <= self.version()
 
     def touch(self, identity: bytes) -> ServerState | None:
@@ -319,7 +325,7 @@ class Admission:
             await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
 
     def _next_work(self, srv: ServerState) -> protocol.Assignment | None:
-        if self.closed:
+        if self.closed or self.paused:
             return None
         while self.reissue and not self._reissuable(self.reissue[0]):
             self.reissue.popleft()               # finished meanwhile by its first holder

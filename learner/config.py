@@ -205,6 +205,9 @@ class LearnerConfig(BaseModel):
     """What happens to buffered samples that exceed max_staleness after it shrinks."""
     lease_timeout_s: float = Field(120.0, gt=0)
     """Seconds a rollout server has to return an assignment before it is re-issued."""
+    max_inflight_per_server: int = Field(0, ge=0)
+    """Samples one rollout server may be generating at once, below what it offers (0 = what it
+    offers: its max_concurrency). Lowering it live takes effect as its leases finish."""
 
     dataset: str = "builtin:arith"
     """Prompt source: builtin:arith, a .jsonl / .json / .parquet file, or a directory written by

@@ -59,6 +59,11 @@ class LearnerMetrics:
         self.staleness_mean = Gauge("slipstream_staleness_mean",
                                     "Mean staleness (policy steps) of the last batch", registry=r)
         self.max_staleness = Gauge("slipstream_max_staleness", "Current staleness limit eta", registry=r)
+        self.setting = Gauge("slipstream_setting", "Current value of each runtime setting (ctl set)",
+                             ["key"], registry=r)
+        self.control_changes = Counter("slipstream_control_changes",
+                                       "Runtime settings changed through ctl set", ["key"], registry=r)
+        self.paused = Gauge("slipstream_paused", "1 while the run is paused (ctl pause)", registry=r)
         self.buffered = Gauge("slipstream_buffer_samples", "Samples buffered, not yet trained", registry=r)
         self.inflight = Gauge("slipstream_inflight_samples", "Samples issued, not yet returned", registry=r)
         self.servers = Gauge("slipstream_rollout_servers", "Rollout servers connected", registry=r)

@@ -93,6 +93,7 @@ class LearnerService:
         self.trainer = None
         self.intake: Intake | None = None
         self.assignment_counter = 0
+        self.train_busy = False               # a step (and its publish) is running
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.finished = False
@@ -106,9 +107,13 @@ class LearnerService:
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
             server_timeout_s=cfg.server_timeout_s, reannounce_s=cfg.reannounce_s,
-            weights_failure_limit=cfg.weights_failure_limit)
+            weights_failure_limit=cfg.weights_failure_limit,
+            max_inflight=lambda: self.cfg.max_inflight_per_server)
         self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
-                               stop=self.stopping.set, after_set=self.admission.dispatch, log=self.log)
+                               stop=self.stopping.set, after_set=self.admission.dispatch,
+                               pause=lambda paused: setattr(self.admission, "paused", paused),
+                               has_reference=lambda: getattr(self.trainer, "reference", None) is not None,
+                               log=self.log)
 
     # ---- main ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -182,7 +187,9 @@ class LearnerService:
 
     def _load(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.trainer = Trainer(self.cfg, self.model_path)
+        # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
+        # trainer's copy between steps (Control.before_step), so a step never sees half a change.
+        self.trainer = Trainer(self.cfg.model_copy(deep=True), self.model_path)
         self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
         self.weights.metadata = dict(self.trainer.publish_metadata())
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
@@ -238,7 +245,11 @@ class LearnerService:
     # ---- training --------------------------------------------------------------------------
     async def train_loop(self) -> None:
         while self.version < self.cfg.total_steps:
+            self.train_busy = False                  # waiting for a batch (or paused), not stepping
             batch = await self.buffer.next_batch(self.version)
+            await self.control.resumed.wait()        # ctl pause: no step until resume
+            self.control.before_step(self.trainer)   # ctl set of step settings lands here
+            self.train_busy = True
             try:
                 stats = await asyncio.to_thread(self.trainer.step, batch)
             except SkippedStep as skip:
@@ -405,6 +416,7 @@ class LearnerService:
     # ---- control ---------------------------------------------------------------------------
     def status(self) -> dict:
         return {"run_id": self.run_id, "version": self.version, "total_steps": self.cfg.total_steps,
+                "training": self.train_busy,
                 "buffered_samples": self.buffer.pending_samples,
                 "inflight_samples": self.buffer.inflight_samples,
                 "servers": self.admission.status(),

@@ -39,7 +39,7 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     ready = learner.wait_for_event("ready", 120)
     # Change the staleness limit on the live learner (`slipstream ctl`) before any server joins:
     # from then on training must be strictly on-policy.
-    r = process_groups.run([*cli, "ctl", "--endpoint", ready["control"], "set", "max_staleness", "0"],
+    r = process_groups.run([*cli, "ctl", "--json", "--endpoint", ready["control"], "set", "max_staleness", "0"],
                            timeout=60, env=subprocess_env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["max_staleness"] == 0

@@ -222,3 +222,21 @@ async def test_credits_below_a_group_get_no_work(max_concurrency):
     g = h.buffer.group_size
     assert len(h.assigned()) == max_concurrency // g
     assert srv.credits == max_concurrency % g
+
+
+async def test_max_inflight_per_server_caps_and_pause_stops_dispatch():
+    h = Harness(g=2, batch_prompts=4, eta=1)           # B = 8: the gate (16) is not the limit here
+    cap = {"n": 2}
+    h.adm.max_inflight = lambda: cap["n"]
+    a = await h.join("A", max_concurrency=8, credits=8)
+    assert h.assigned() == [(b"A", "a1")]               # 2 outstanding: one group under a cap of 2
+    cap["n"] = 4                                        # ctl set max_inflight_per_server 4
+    await h.adm.dispatch()
+    assert [aid for _, aid in h.assigned()] == ["a1", "a2"]
+    h.adm.paused = True                                 # ctl pause: nothing new, credits kept
+    cap["n"] = 0
+    await h.adm.dispatch()
+    assert len(h.assigned()) == 2 and a.credits == 4
+    h.adm.paused = False
+    await h.adm.dispatch()
+    assert [aid for _, aid in h.assigned()] == ["a1", "a2", "a3", "a4"] and a.credits == 0
