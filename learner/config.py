@@ -225,11 +225,13 @@ class LearnerConfig(BaseModel):
     system_prompt: str | None = None
     """A system message put before every prompt (with the chat template)."""
     max_prompt_tokens: int = Field(0, ge=0)
-    """Prompts longer than this many tokens are skipped and counted (0 = no limit)."""
+    """Prompts longer than this many tokens (after the chat template) are skipped and counted in
+    slipstream_prompts_skipped_total (0 = no limit)."""
     shuffle: bool = True
     """Shuffle the rows of a file dataset, with a new seeded order every epoch."""
     epochs: int = Field(0, ge=0)
-    """Passes over a file dataset; the run ends early when they are used up (0 = endless)."""
+    """Passes over a file dataset (0 = endless; built-in tasks always are); the run ends after the
+    last full batch when they are used up (a partial last batch is never generated)."""
     length_buckets: int = Field(0, ge=0)
     """Sample prompts of similar length together: rows are sorted into this many length buckets
     and each batch's prompts come from one bucket (0 = off)."""
@@ -238,7 +240,14 @@ class LearnerConfig(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Evaluate every this many policy steps (0 = never), greedily, outside the staleness gate."""
     eval_prompts: int = Field(0, ge=0)
-    """Prompts per evaluation (0 = all of eval_data)."""
+    """Prompts per evaluation, the same ones every round (0 = all of eval_data; a built-in task
+    needs a number)."""
+    eval_temperature: float = Field(1e-6, ge=1e-6, le=1e6)
+    """Sampling temperature of evaluation assignments (1e-6, the wire's smallest: greedy on both
+    engines; vLLM samples greedily below 1e-5)."""
+    eval_correct_threshold: float = 1.0
+    """An evaluation sample counts as correct (eval_accuracy) when its reward is at least this
+    (1.0: an exact-match reward's full score)."""
     temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
     top_p: float = Field(1.0, ge=1e-9, le=1)
@@ -311,6 +320,9 @@ class LearnerConfig(BaseModel):
         if self.kl_controller == "adaptive" and self.kl_coef == 0:
             raise ValueError("kl_controller=adaptive needs kl_coef > 0 (its start value; "
                              "the controller scales it)")
+        if self.eval_every and self.eval_data is None:
+            raise ValueError("eval_every > 0 needs eval_data (held-out prompts); set eval_data, or "
+                             "eval_every: 0")
         if self.mini_batch_samples > self.batch_samples:
             raise ValueError(f"mini_batch_samples={self.mini_batch_samples} is larger than the batch "
                              f"({self.batch_samples} samples); set it <= batch_prompts * group_size, "

@@ -88,6 +88,28 @@ class LearnerMetrics:
         self.sanity_failures = Counter(
             "slipstream_sanity_check_failures", "Steps whose first-mini-batch ratio or KL exceeded "
             "the sanity tolerance", registry=r)
+        # ---- prompts and held-out evaluation (learner.data, learner.evaluation) ----
+        self.prompts_skipped = Counter(
+            "slipstream_prompts_skipped", "Prompts left out of the stream (too_long: over "
+            "max_prompt_tokens), by reason", ["reason"], registry=r)
+        self.eval_reward_mean = Gauge(
+            "slipstream_eval_reward_mean", "Mean reward of the last complete held-out evaluation "
+            "(NaN before the first)", registry=r)
+        self.eval_accuracy = Gauge(
+            "slipstream_eval_accuracy", "Fraction of the last evaluation's samples with reward >= "
+            "eval_correct_threshold, 0-1 (NaN before the first)", registry=r)
+        self.eval_version = Gauge(
+            "slipstream_eval_policy_version", "Policy version the last complete evaluation asked for "
+            "(-1 before the first)", registry=r)
+        self.eval_rounds = Counter(
+            "slipstream_eval_rounds", "Evaluation rounds by outcome (complete; skipped: the previous "
+            "one was still running)", ["outcome"], registry=r)
+        self.eval_samples = Counter(
+            "slipstream_eval_samples", "Evaluation samples received, by ack status (never buffered "
+            "or trained)", ["status"], registry=r)
+        self.eval_reward_mean.set(float("nan"))
+        self.eval_accuracy.set(float("nan"))
+        self.eval_version.set(-1)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus exposition of this registry (what ``/metrics`` answers)."""

@@ -61,8 +61,8 @@ def test_jsonl_rows_pass_extra_keys_as_metadata_and_cover_every_row_each_epoch(t
 
 @pytest.mark.parametrize("text, needle", [
     ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n', "d.jsonl:2: not JSON"),
-    ('{"prompt": "a"}\n', "d.jsonl:1: each line needs an object with 'prompt' and 'answer'"),
-    ('[1, 2]\n', "d.jsonl:1: each line needs"),
+    ('{"prompt": "a"}\n', "d.jsonl:1: each row needs an object with 'prompt' and 'answer'"),
+    ('[1, 2]\n', "d.jsonl:1: each row needs"),
     ("\n\n", "has no rows"),
 ])
 def test_bad_jsonl_is_one_line_naming_file_and_line(tmp_path, text, needle):
