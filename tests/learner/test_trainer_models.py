@@ -1,0 +1,234 @@
+"""The trainer's model options with the tiny model: device/dtype (bf16 on the CPU trains and
+publishes half the bytes, which an HF engine applies), gradient checkpointing (same gradients),
+log-probs through the hidden state (same numbers as the logits), and LoRA through PEFT (only the
+adapter trains and is published, with its config; the reference is the base with the adapter
+disabled; state_dict and save_policy round-trip)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import make_batch, make_trainer, params
+
+import ops
+import protocol
+from learner.batching import collate
+from learner.devices import resolve_device, resolve_dtype
+from learner.trainer import LORA_PUBLISH_FIELDS
+from learner.weights_server import WeightsServer
+from rollout_server.engine import WeightUpdate
+from rollout_server.engine_hf import HFEngine
+
+LORA = {"r": 4, "alpha": 8.0, "target_modules": "all-linear"}
+ALL_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def randomize_lora_b(tr, std: float = 0.3, seed: int = 0) -> None:
+    """Give the adapter a real effect (lora_B starts at zero: an identity adapter)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in tr.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def batch_logprobs(model, batch, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain logits-path log-probs (b, L-1) of a batch and its mask: the reference numbers."""
+    bt = collate(batch.samples, pad_id)
+    with torch.no_grad():
+        logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask, use_cache=False).logits
+    return ops.token_logprobs(logits[:, :-1].float(), bt.targets), bt.mask.bool()
+
+
+# ---- devices and dtypes ----------------------------------------------------------------------
+
+def test_device_and_dtype_resolution():
+    cpu = resolve_device("cpu")
+    assert cpu.type == "cpu" and resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    if not torch.cuda.is_available():
+        assert resolve_device("auto").type == "cpu"
+        with pytest.raises(protocol.StartupError, match="no CUDA"):
+            resolve_device("cuda:0")
+
+
+def test_bf16_on_cpu_trains_a_step_and_publishes_half_the_bytes(tiny_model_dir):
+    fp32 = make_trainer(tiny_model_dir, device="cpu")
+    bf16 = make_trainer(tiny_model_dir, device="cpu", dtype="bfloat16")
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    before = params(bf16)
+    stats = bf16.step(make_batch())
+    assert all(type(v) is float for v in stats.values()), {k: type(v) for k, v in stats.items()}
+    assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
+    assert any(not torch.equal(before[n], p) for n, p in params(bf16).items())
+    # Publish: every tensor in bf16, tied parameters once (the embedding, no lm_head.weight).
+    named16, named32 = bf16.named_tensors(), fp32.named_tensors()
+    assert [n for n, _ in named16] == [n for n, _ in named32]
+    assert bf16.model.config.tie_word_embeddings and "lm_head.weight" not in dict(named16)
+    assert all(t.dtype == torch.bfloat16 for _, t in named16)
+    manifest16 = WeightsServer(1 << 20).publish(1, named16)
+    manifest32 = WeightsServer(1 << 20).publish(1, named32)
+    assert manifest16.kind == "full" and manifest16.total_bytes * 2 == manifest32.total_bytes
+    # An HF engine (float32) applies the bf16 tensors: its weights are the trainer's, upcast.
+    eng = HFEngine(tiny_model_dir, seed=0)
+    eng.load_weights(1, dict(named16))
+    assert eng.version == 1
+    engine_params = dict(eng.model.named_parameters())
+    for n, t in named16:
+        assert torch.equal(engine_params[n], t.float()), n
+    assert torch.equal(eng.model.get_output_embeddings().weight, engine_params["model.embed_tokens.weight"])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_dir):
+    plain = make_trainer(tiny_model_dir, ppo_epochs=2)
+    ckpt = make_trainer(tiny_model_dir, ppo_epochs=2, gradient_checkpointing=True)
+    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    a, b = plain.step(make_batch()), ckpt.step(make_batch())
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert b["sanity_ratio_dev_max"] <= 1e-6            # the proximal pass still agrees
+    ga = {n: p.grad for n, p in plain.model.named_parameters()}
+    gb = {n: p.grad for n, p in ckpt.model.named_parameters()}
+    assert set(ga) == set(gb)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-6, rtol=1e-5, msg=n)
+    for n, p in params(plain).items():
+        torch.testing.assert_close(params(ckpt)[n], p, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_log_probs_through_the_hidden_state_equal_the_logits_path(tiny_model_dir):
+    tr = make_trainer(tiny_model_dir)
+    assert tr.forward.uses_hidden
+    batch = make_batch()
+    bt = collate(batch.samples, tr.pad_id)
+    with torch.no_grad():
+        lp, ent = tr.forward(bt.input_ids, bt.attention_mask, bt.targets, 0.7, entropy="stat")
+        logits = tr.model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits[:, :-1]
+    torch.testing.assert_close(lp, ops.token_logprobs(logits, bt.targets, temperature=0.7), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ops.entropy_from_logits(logits, temperature=0.7), atol=1e-5, rtol=0)
+    # A LoRA-wrapped head (h @ W.T would ignore its adapter) keeps the logits path, and trains.
+    lora_head = make_trainer(tiny_model_dir, lora={"r": 2, "target_modules": ["q_proj", "lm_head"]})
+    assert not lora_head.forward.uses_hidden
+    assert math.isfinite(lora_head.step(make_batch())["loss"])
+
+
+# ---- LoRA -------------------------------------------------------------------------------------
+
+def test_lora_trains_only_the_adapter_and_publishes_it_with_its_config(tiny_model_dir):
+    from peft import get_peft_model_state_dict
+
+    tr = make_trainer(tiny_model_dir, lora=LORA)
+    trainable = {n for n, p in tr.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    in_optimizer = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for n, p in tr.model.named_parameters() if n in trainable}
+    before = params(tr)
+    for _ in range(2):
+        tr.step(make_batch())
+    after = params(tr)
+    changed = {n for n in after if not torch.equal(before[n], after[n])}
+    assert changed and changed <= trainable
+    assert any("lora_B" in n for n in changed)
+    # The publish: adapter tensors under get_peft_model_state_dict names, and the config.
+    named = tr.named_tensors()
+    assert tr.publish_kind == "lora"
+    assert [n for n, _ in named] == list(get_peft_model_state_dict(tr.model))
+    assert all(n.startswith("base_model.model.") and ".lora_" in n for n, _ in named)
+    meta = tr.publish_metadata()
+    assert set(meta) == {"lora"} and set(meta["lora"]) == set(LORA_PUBLISH_FIELDS)
+    assert meta["lora"]["r"] == 4 and meta["lora"]["lora_alpha"] == 8.0
+    assert meta["lora"]["target_modules"] == ALL_LINEAR           # all-linear as PEFT resolved it
+    ws = WeightsServer(1 << 20, kind=tr.publish_kind, metadata=tr.publish_metadata())
+    manifest = ws.publish(3, named)
+    full_bytes = sum(p.numel() * 4 for p in tr.model.get_base_model().parameters() if not p.requires_grad)
+    assert manifest.total_bytes < full_bytes / 5
+    decoded = protocol.decode(protocol.encode(manifest))               # msgpack-clean metadata
+    assert decoded.kind == "lora" and decoded.metadata == meta
+    # The HF engine builds the same adapter from it: its logits are the trainer's.
+    eng = HFEngine(tiny_model_dir, seed=0)
+    eng.apply_update(WeightUpdate(version=3, kind="lora", tensors=dict(named),
+                                  lora_config=decoded.metadata["lora"]))
+    ids = torch.tensor([[1, 10, 11, 12, 13]])
+    tr.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(eng.model(input_ids=ids).logits, tr.model(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
+
+
+def test_lora_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    tr = make_trainer(tiny_model_dir, lora=LORA, kl_coef=0.1)
+    assert tr.reference.model is tr.model and tr.reference.state_dict() == {}   # no second copy
+    randomize_lora_b(tr)
+    batch = make_batch()
+    bt = collate(batch.samples, tr.pad_id)
+    ref = tr.reference.logprobs(bt.input_ids, bt.attention_mask, bt.targets, 1.0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    want, mask = batch_logprobs(base, batch, tr.pad_id)
+    torch.testing.assert_close(ref[mask], want[mask], atol=1e-5, rtol=0)
+    adapted, _ = batch_logprobs(tr.model.eval(), batch, tr.pad_id)
+    assert (adapted[mask] - want[mask]).abs().max() > 0.05              # the adapter is live ...
+    tr.model.train()
+    stats = tr.step(batch)                                              # ... and the KL sees it
+    assert stats["ref_kl"] > 1e-3 and math.isfinite(stats["kl_loss"])
+
+
+def test_lora_state_dict_and_save_policy_round_trip(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tr = make_trainer(tiny_model_dir, lora=LORA)
+    tr.step(make_batch())
+    randomize_lora_b(tr, seed=5)
+    state = tr.state_dict()
+    assert state["policy"] and all(".lora_" in n for n in state["policy"])
+    fresh = make_trainer(tiny_model_dir, lora=LORA)
+    fresh.load_state_dict(state)
+    for n, p in tr.model.named_parameters():
+        assert torch.equal(dict(fresh.model.named_parameters())[n], p), n
+    with pytest.raises(ValueError, match="unknown"):
+        fresh.load_state_dict({**state, "policy": {"base_model.model.nope.lora_A.weight": torch.zeros(1)}})
+    # The saved policy is a PEFT adapter directory: PEFT and transformers load it as it is.
+    out = tr.save_policy(tmp_path / "final")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    ids = torch.tensor([[1, 20, 21, 22]])
+    tr.model.eval()
+    with torch.no_grad():
+        want = tr.model(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out).eval()
+        torch.testing.assert_close(peft(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        auto = AutoModelForCausalLM.from_pretrained(out).eval()       # transformers' PEFT integration
+        torch.testing.assert_close(auto(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+def test_full_bf16_save_policy_loads_with_from_pretrained(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tr = make_trainer(tiny_model_dir, dtype="bfloat16")
+    tr.step(make_batch())
+    out = tr.save_policy(tmp_path / "final")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    for n, p in tr.model.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[n], p), n
+    assert AutoTokenizer.from_pretrained(out).encode("1+2=") == tr.tokenizer.encode("1+2=")
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert size < sum(p.numel() for p in tr.model.parameters()) * 2 + (1 << 16)   # bf16 on disk
+
+
+def test_lora_with_gradient_checkpointing_trains(tiny_model_dir):
+    tr = make_trainer(tiny_model_dir, lora=LORA, gradient_checkpointing=True, ppo_epochs=2)
+    before = params(tr)
+    stats = tr.step(make_batch())
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert stats["sanity_ratio_dev_max"] <= 1e-6
+    assert any(not torch.equal(before[n], p) for n, p in params(tr).items() if "lora_B" in n)
+    assert np.isfinite(list(stats.values())).all()
