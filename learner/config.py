@@ -26,6 +26,7 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 CRITIC_TARGETS = ("gae", "vtrace")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CHECKPOINT_FAILURES = ("continue", "stop")
+STALENESS_CONTROLLERS = ("fixed", "adaptive")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
 
@@ -208,6 +209,22 @@ class LearnerConfig(BaseModel):
     max_inflight_per_server: int = Field(0, ge=0)
     """Samples one rollout server may be generating at once, below what it offers (0 = what it
     offers: its max_concurrency). Lowering it live takes effect as its leases finish."""
+    staleness_controller: Literal[STALENESS_CONTROLLERS] = "fixed"
+    """fixed: eta is max_staleness. adaptive: eta moves within [min_staleness, max_staleness],
+    down when the importance weights degrade, back up when they recover (learner/staleness.py)."""
+    min_staleness: int = Field(0, ge=0)
+    """Adaptive controller: the lowest eta it goes to."""
+    staleness_ess_min: float = Field(0.5, gt=0, le=1)
+    """Adaptive controller: a step whose importance-weight ESS ratio is below this cuts eta by one."""
+    staleness_mismatch_kl_max: float = Field(0.1, gt=0)
+    """Adaptive controller: a step whose mismatch KL (behavior to proximal, nats per token) is above
+    this cuts eta by one."""
+    staleness_ess_recover: float = Field(0.7, gt=0, le=1)
+    """Adaptive controller: a healthy step has an ESS ratio at least this (>= staleness_ess_min)."""
+    staleness_mismatch_kl_recover: float = Field(0.05, gt=0)
+    """Adaptive controller: a healthy step has a mismatch KL at most this (<= staleness_mismatch_kl_max)."""
+    staleness_recover_steps: int = Field(5, ge=1)
+    """Adaptive controller: healthy steps in a row before eta grows back by one."""
 
     dataset: str = "builtin:arith"
     """Prompt source: builtin:arith, a .jsonl / .json / .parquet file, or a directory written by
@@ -317,6 +334,16 @@ class LearnerConfig(BaseModel):
                 if value != neutral:
                     raise ValueError(f"{key}={value!r} needs a critic: set advantage: gae "
                                      f"(or {key}: {neutral!r})")
+        if self.staleness_controller == "adaptive":
+            if self.min_staleness > self.max_staleness:
+                raise ValueError(f"min_staleness={self.min_staleness} is above max_staleness="
+                                 f"{self.max_staleness}")
+            if (self.staleness_ess_recover < self.staleness_ess_min
+                    or self.staleness_mismatch_kl_recover > self.staleness_mismatch_kl_max):
+                raise ValueError("the adaptive staleness controller's recover thresholds must be at "
+                                 "least as strict as its shrink ones (staleness_ess_recover >= "
+                                 "staleness_ess_min, staleness_mismatch_kl_recover <= "
+                                 "staleness_mismatch_kl_max)")
         if self.kl_controller == "adaptive" and self.kl_coef == 0:
             raise ValueError("kl_controller=adaptive needs kl_coef > 0 (its start value; "
                              "the controller scales it)")

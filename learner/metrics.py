@@ -64,6 +64,9 @@ class LearnerMetrics:
         self.control_changes = Counter("slipstream_control_changes",
                                        "Runtime settings changed through ctl set", ["key"], registry=r)
         self.paused = Gauge("slipstream_paused", "1 while the run is paused (ctl pause)", registry=r)
+        self.staleness_changes = Counter("slipstream_staleness_changes",
+                                         "Changes of eta by the adaptive staleness controller",
+                                         ["reason"], registry=r)
         self.buffered = Gauge("slipstream_buffer_samples", "Samples buffered, not yet trained", registry=r)
         self.inflight = Gauge("slipstream_inflight_samples", "Samples issued, not yet returned", registry=r)
         self.servers = Gauge("slipstream_rollout_servers", "Rollout servers connected", registry=r)

@@ -56,6 +56,7 @@ from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.router import RouterSocket
 from learner.security import LearnerCurve
+from learner.staleness import StalenessController
 from learner.trainer import SkippedStep, Trainer
 from learner.weights_server import WeightsServer
 from protocol.http import HttpEndpoint
@@ -94,6 +95,11 @@ class LearnerService:
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
+        self.staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
+            min_staleness=cfg.min_staleness, ess_min=cfg.staleness_ess_min,
+            mismatch_kl_max=cfg.staleness_mismatch_kl_max, ess_recover=cfg.staleness_ess_recover,
+            mismatch_kl_recover=cfg.staleness_mismatch_kl_recover,
+            recover_steps=cfg.staleness_recover_steps)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.finished = False
@@ -306,6 +312,7 @@ class LearnerService:
         for k, v in stats.items():
             m.step_stats.labels(name=k).set(v)
         self.record_sanity(stats)
+        self.adapt_staleness(stats)
         self.update_gauges()
         record = {"run_id": self.run_id, "step": self.version, "version": self.version,
                   "time": time.time(), **stats,
@@ -313,6 +320,22 @@ class LearnerService:
         self.jsonl.write(record)
         self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
                             if k not in ("version", "time")})
+
+    def adapt_staleness(self, stats: dict[str, float]) -> None:
+        """``staleness_controller: adaptive`` (learner.staleness): the step's importance statistics
+        may move η; the buffer's gate takes it at once, with an event and a metric."""
+        if self.staleness is None:
+            return
+        eta = self.buffer.max_staleness
+        decision = self.staleness.update(eta, self.cfg.max_staleness, stats)
+        if decision is None or decision.eta == eta:
+            return
+        self.buffer.set_max_staleness(decision.eta)
+        self.metrics.max_staleness.set(decision.eta)
+        self.metrics.staleness_changes.labels(reason=decision.reason).inc()
+        self.log("staleness_changed", previous=eta, value=decision.eta, reason=decision.reason,
+                 is_ess_ratio=stats.get("is_ess_ratio"), mismatch_kl=stats.get("mismatch_kl"),
+                 bound=self.cfg.max_staleness)
 
     def record_sanity(self, stats: dict[str, float]) -> None:
         """The seeds' sanity check (learner.trainer): gauges (NaN when not applicable this step) and
