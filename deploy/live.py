@@ -1,0 +1,173 @@
+"""What ``slipstream run`` shows while it runs, and the summary at its end.
+
+On a terminal: a live view (rich) — a progress bar over ``total_steps`` with the elapsed time and
+an ETA, and a table of the latest steps that refreshes in place: step, version, reward (and eval
+accuracy when the run evaluates), KL to the reference, entropy, mismatch KL, ESS ratio, staleness,
+samples/s, learner and rollout idle ratios, and each server's version. Notable events (a server
+lost, a setting changed, ...) print above it. Not a terminal (a log file, CI, ``| tee``): one
+fixed-width table line per step, as plain text, and the events as ``[proc] event {json}`` lines.
+
+At the end, both print a short summary (:func:`summary`): reward first → last, trained samples/s,
+and where the run directory, the final policy, the latest checkpoint and the report are.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import deque
+from typing import Any, TextIO
+
+# (title, key in the step event, format); a missing or NaN value shows as "-".
+COLUMNS = (("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"),
+           ("eval acc", "eval_accuracy", "{:.3f}"), ("KL ref", "ref_kl", "{:.2e}"),
+           ("entropy", "entropy", "{:.3f}"), ("mismatch KL", "mismatch_kl", "{:.2e}"),
+           ("ESS", "is_ess_ratio", "{:.2f}"), ("stale", "staleness_mean", "{:.2f}"),
+           ("samples/s", "samples_per_s", "{:.1f}"), ("idle L", "learner_idle_ratio", "{:.2f}"),
+           ("idle R", "rollout_idle_ratio", "{:.2f}"))
+ROWS = 12
+"""Steps the live table keeps on screen."""
+
+
+def cell(ev: dict, key: str, fmt: str) -> str:
+    value = ev.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-" if value is None else str(value)
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    if fmt == "{:d}":
+        return str(int(value))
+    return fmt.format(value)
+
+
+def servers_cell(ev: dict) -> str:
+    versions = ev.get("server_versions") or {}
+    return " ".join(f"{name}:{v}" for name, v in sorted(versions.items())) or "-"
+
+
+def plain_header() -> str:
+    return " ".join(f"{title:>11}" for title, _, _ in COLUMNS) + "  servers"
+
+
+def plain_row(ev: dict) -> str:
+    return " ".join(f"{cell(ev, key, fmt):>11}" for _, key, fmt in COLUMNS) + "  " + servers_cell(ev)
+
+
+class StepRate:
+    """Trained samples per second over the steps seen (from the step events' wall times)."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.start: float | None = None
+        self.samples = 0.0
+
+    def add(self, ev: dict) -> float:
+        now = self.clock()
+        if self.start is None:
+            self.start = now - float(ev.get("step_s", 0.0) or 0.0)
+        self.samples += float(ev.get("samples", 0.0) or 0.0)
+        return self.samples / max(now - self.start, 1e-9)
+
+
+class LiveView:
+    """The run's view: ``step(ev)`` per step event, ``note(text)`` per notable event, ``close()``.
+
+    ``live`` chooses the rich view (default: when ``out`` is a terminal); ``width`` fixes its
+    width (default: the terminal's).
+    """
+
+    def __init__(self, total_steps: int, out: TextIO | None = None, live: bool | None = None,
+                 width: int | None = None):
+        self.out = out or sys.stdout
+        self.total_steps = total_steps
+        self.live = self.out.isatty() if live is None else live
+        self.rows: deque[dict] = deque(maxlen=ROWS)
+        self.rate = StepRate()
+        self.first: dict | None = None
+        self.last: dict | None = None
+        self._header_shown = False
+        self._live = None
+        if self.live:
+            from rich.console import Console
+            from rich.live import Live
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.console = Console(file=self.out, width=width)
+            self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                     console=self.console)
+            self.task = self.progress.add_task("steps", total=total_steps)
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4,
+                              transient=False)
+            self._live.start()
+
+    def _render(self):
+        from rich.console import Group
+        from rich.table import Table
+
+        table = Table(expand=False, header_style="bold")
+        for title, _, _ in COLUMNS:
+            table.add_column(title, justify="right")
+        table.add_column("servers")
+        for ev in self.rows:
+            table.add_row(*[cell(ev, key, fmt) for _, key, fmt in COLUMNS], servers_cell(ev))
+        return Group(self.progress, table)
+
+    def step(self, ev: dict) -> None:
+        ev = dict(ev)
+        ev["samples_per_s"] = self.rate.add(ev)
+        self.first = self.first or ev
+        self.last = ev
+        if self._live is not None:
+            self.rows.append(ev)
+            self.progress.update(self.task, completed=min(int(ev.get("step", 0)), self.total_steps))
+            self._live.update(self._render())
+            return
+        if not self._header_shown:
+            print(plain_header(), file=self.out, flush=True)
+            self._header_shown = True
+        print(plain_row(ev), file=self.out, flush=True)
+
+    def note(self, text: str) -> None:
+        if self._live is not None:
+            self.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.stop()
+            self._live = None
+
+    def summary(self, **where: Any) -> str:
+        text = summary(self.first, self.last, **where)
+        self.note(text)
+        return text
+
+
+def summary(first: dict | None, last: dict | None, **where: Any) -> str:
+    """The end-of-run lines: reward first → last, samples/s, and where things are (``where``:
+    name -> path or None)."""
+    lines = ["[run] summary"]
+    if first is None or last is None:
+        lines.append("  no policy step was trained")
+    else:
+        lines.append(f"  steps          {int(first.get('step', 0))} → {int(last.get('step', 0))}")
+        lines.append(f"  reward         {cell(first, 'reward_mean', '{:.3f}')} → "
+                     f"{cell(last, 'reward_mean', '{:.3f}')}")
+        if last.get("eval_accuracy") is not None:
+            lines.append(f"  eval accuracy  {cell(last, 'eval_accuracy', '{:.3f}')}")
+        lines.append(f"  samples/s      {cell(last, 'samples_per_s', '{:.1f}')}")
+    for name, path in where.items():
+        if path is not None:
+            lines.append(f"  {name:<14} {path}")
+    return "\n".join(lines)
