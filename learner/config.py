@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
 from learner.security import LearnerSecurity
+from learner.sinks import METRICS_SINKS
 from ops import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
 
@@ -282,6 +283,9 @@ class LearnerConfig(BaseModel):
     """Exit after the last step; false keeps /metrics and control up until SIGTERM or `ctl stop`."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
+    metrics_sinks: list[Literal[METRICS_SINKS]] = Field(default_factory=lambda: ["jsonl"])
+    """Where step statistics go besides Prometheus: jsonl (RUN_DIR/metrics.jsonl, always written)
+    and tensorboard (RUN_DIR/tensorboard/<run id>/, needs the tensorboard extra)."""
 
     # ---- model and device (issue 10) ----
     device: str = Field("auto", pattern=DEVICE_PATTERN)

@@ -56,6 +56,7 @@ from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.router import RouterSocket
 from learner.security import LearnerCurve
+from learner.sinks import open_sinks
 from learner.staleness import StalenessController
 from learner.trainer import SkippedStep, Trainer
 from learner.weights_server import WeightsServer
@@ -95,6 +96,7 @@ class LearnerService:
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
+        self.sinks: list = []                 # metrics sinks besides metrics.jsonl (learner.sinks)
         self.staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
             min_staleness=cfg.min_staleness, ess_min=cfg.staleness_ess_min,
             mismatch_kl_max=cfg.staleness_mismatch_kl_max, ess_recover=cfg.staleness_ess_recover,
@@ -135,6 +137,7 @@ class LearnerService:
             # learner started without --resume) must find something to fetch (learner.admission).
             await self.publish()
             jsonl = self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
+            self.sinks = open_sinks(self.cfg.metrics_sinks, self.run_dir, self.run_id)
             trained = self.trained_ids = JsonlLog(self.run_dir / "trained_ids.jsonl")
             (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
@@ -162,6 +165,8 @@ class LearnerService:
             self._close()
             if jsonl is not None:
                 jsonl.close()
+            for sink in self.sinks:
+                sink.close()
             if trained is not None:
                 trained.close()
         self.log("stopped", exit_code=code)
@@ -318,6 +323,8 @@ class LearnerService:
                   "time": time.time(), **stats,
                   "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
         self.jsonl.write(record)
+        for sink in self.sinks:
+            sink.write(record)
         self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
                             if k not in ("version", "time")})
 
