@@ -26,17 +26,25 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="override a config value, e.g. --set learner.lr=1e-4 (repeatable)")
 
 
+def _add_resume_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="resume the run from a checkpoint: the latest complete one under the "
+                        "checkpoint directory, or the checkpoint directory PATH")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("learner", help="run the learner process")
     _add_config_args(p, required=True)
+    _add_resume_arg(p)
     p = sub.add_parser("rollout", help="run one rollout server process")
     _add_config_args(p, required=True)
     p.add_argument("--learner", metavar="tcp://HOST:PORT", help="the learner's rollout endpoint")
     p.add_argument("--engine", choices=["hf", "vllm"], help="generation engine (rollout.engine)")
     p = sub.add_parser("run", help="start a learner and N rollout servers, supervise them")
     _add_config_args(p, required=False)
+    _add_resume_arg(p)
     p = sub.add_parser("ctl", help="talk to a live learner: status, get KEY, set KEY VALUE, pause, "
                                    "resume, checkpoint, stop")
     p.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
@@ -104,7 +112,8 @@ def _run(args) -> int:
     from deploy.config import load_config
     from deploy.launcher import launch
 
-    return launch(load_config(args.config, args.overrides), args.config, args.overrides)
+    return launch(load_config(args.config, args.overrides), args.config, args.overrides,
+                  resume=args.resume)
 
 
 def _learner(args) -> int:
@@ -116,7 +125,7 @@ def _learner(args) -> int:
     model_path = _resolve_model(cfg.model)
     from learner.service import serve
 
-    return serve(cfg.learner, model_path)
+    return serve(cfg.learner, model_path, resume=args.resume)
 
 
 def _rollout(args) -> int:

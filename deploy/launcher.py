@@ -191,7 +191,8 @@ def _server_metrics_port(cfg: SlipstreamConfig, index: int) -> int:
     return port
 
 
-def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str]) -> int:
+def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
+           resume: str | None = None) -> int:
     from deploy.builtin import resolve_model
     from learner.data import PromptSource
 
@@ -255,7 +256,8 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str])
     finished = False                          # the learner said the run is over: no restarts
     try:
         learner = children["learner"] = Child(
-            "learner", [*base, "learner", "--config", str(cfg_file)], events, env)
+            "learner", [*base, "learner", "--config", str(cfg_file),
+                        *(["--resume", resume] if resume else [])], events, env)
         print(f"[run] learner pid {learner.proc.pid}; run dir {run_dir}", flush=True)
         while True:
             if interrupted.is_set():

@@ -58,6 +58,10 @@ Weights. :meth:`Admission.announce` sends each new manifest to every server; a s
 rejoins, or is still behind the newest version ``reannounce_s`` after it was announced to it,
 gets it again (with its next heartbeat).
 
+Evaluation. ``side_work`` (a :class:`learner.evaluation.Evaluation`) is work outside the gate:
+its assignments have their own ids and leases, but take server credits, so :meth:`outstanding`
+counts them and :meth:`dispatch` hands them out first; refusals, lost servers and expiry reach it.
+
 Everything here is driven by calls — no socket, no task, no clock of its own: it is handed a
 ``send(identity, message) -> bool`` coroutine, a clock, and a factory of new assignments.
 """
@@ -104,7 +108,8 @@ class Admission:
     Args:
         buffer: the run's RolloutBuffer (the gate, the leases).
         send: ``await send(identity, message)`` -> False if the message could not be queued.
-        new_assignment: returns the next fresh ``Assignment`` (next prompt, new id, current version).
+        new_assignment: returns the next fresh ``Assignment`` (next prompt, new id, current version),
+            or None when the prompts are used up.
         version: the learner's policy version now.
         welcome: the ``Welcome`` to answer a Hello with.
         server_timeout_s: silence after which a server is lost.
@@ -112,7 +117,7 @@ class Admission:
         clock: monotonic seconds (tests pass a fake one; give the buffer the same one).
     """
 
-    def __init__(self, buffer: RolloutBuffer, send: Send, new_assignment: Callable[[], protocol.Assignment],
+    def __init__(self, buffer: RolloutBuffer, send: Send, new_assignment: Callable[[], protocol.Assignment | None],
                  *, version: Callable[[], int], welcome: Callable[[], protocol.Welcome],
                  metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
                  server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
@@ -131,12 +136,16 @@ class Admission:
         self._checksums: OrderedDict[int, str] = OrderedDict()
         self.closed = False
         self.versions_changed = asyncio.Event()   # set whenever a server's version changes or it leaves
+        # Work outside the staleness gate (learner.evaluation): its own leases and namespace, but
+        # it takes server credits, so it is counted in outstanding() and dispatched first.
+        self.side_work: Any = None
 
     # -- queries ----------------------------------------------------------------------------------
 
     def outstanding(self, srv: ServerState) -> int:
         """Samples of the leases ``srv`` holds (it was asked to generate them and has not finished)."""
-        return sum(lease.n_samples for lease in self.buffer.leases.held_by(srv.server_id))
+        held = sum(lease.n_samples for lease in self.buffer.leases.held_by(srv.server_id))
+        return held + (self.side_work.outstanding(srv.server_id) if self.side_work is not None else 0)
 
     def lagging(self, srv: ServerState) -> bool:
         """The lag rule: more than ``max_staleness`` versions behind gets no new work."""
@@ -268,6 +277,12 @@ class Admission:
         """``srv`` refused an assignment (``Error(code="assignment_refused")``): its lease goes back
         for re-issue at once instead of waiting for its deadline (after ``max_attempts`` refusals
         the assignment is given up and counted failed); the credits it used are not returned."""
+        if self.side_work is not None and self.side_work.owns(assignment_id):
+            self.side_work.refused(srv.server_id, assignment_id)
+            self.log("assignment_refused", server=srv.server_id, assignment_id=assignment_id[:200],
+                     reason=reason[:500], reissued=True)
+            await self.dispatch()
+            return
         released = self.buffer.release(assignment_id, srv.server_id)
         self.reissue.extend(released)
         self.log("assignment_refused", server=srv.server_id, assignment_id=assignment_id[:200],
@@ -310,6 +325,8 @@ class Admission:
 
     async def dispatch(self) -> None:
         """Turn credits into assignments while the rules above allow (see the module docstring)."""
+        if self.side_work is not None:
+            await self.side_work.dispatch(self)
         g = self.buffer.group_size
         while True:
             eligible = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
@@ -335,6 +352,8 @@ class Admission:
         if self.buffer.capacity(self.version()) < self.buffer.group_size:
             return None
         assignment = self.new_assignment()
+        if assignment is None:
+            return None                          # the prompts are used up (a finite dataset)
         self.buffer.issue(assignment.assignment_id, srv.server_id, self.buffer.group_size,
                           payload=assignment)
         return assignment
@@ -355,6 +374,8 @@ class Admission:
             if now - srv.last_seen > self.server_timeout_s:
                 self.lose(srv, "timeout")
         self.reissue.extend(self.buffer.expire())
+        if self.side_work is not None:
+            self.side_work.expire()
         await self.dispatch()
 
     def lose(self, srv: ServerState, reason: str) -> None:
@@ -364,6 +385,8 @@ class Admission:
         del self.servers[srv.identity]
         released = self.buffer.release_holder(srv.server_id)
         self.reissue.extend(released)
+        if self.side_work is not None:
+            self.side_work.release_holder(srv.server_id)
         try:
             self.metrics.server_version.remove(srv.server_id)
         except KeyError:

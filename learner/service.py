@@ -52,6 +52,7 @@ from learner.admission import Admission
 from learner.config import LearnerConfig
 from learner.control import Control, control_error_reply
 from learner.data import PromptSource
+from learner.evaluation import Evaluation
 from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.router import RouterSocket
@@ -90,7 +91,9 @@ class LearnerService:
         self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
                                     max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy,
                                     lease_timeout_s=cfg.lease_timeout_s)
-        self.prompts = PromptSource(cfg.dataset, cfg.seed)
+        self.prompts: PromptSource | None = None      # built in _load: it needs the tokenizer
+        self.evaluation: Evaluation | None = None     # eval_every > 0 (learner.evaluation)
+        self.data_done = asyncio.Event()              # a finite dataset is used up (next_batch)
         self.weights = WeightsServer(cfg.weights_chunk_bytes)
         self.trainer = None
         self.intake: Intake | None = None
@@ -206,6 +209,21 @@ class LearnerService:
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
                              max_new_tokens=lambda: self.cfg.max_new_tokens,
                              version=lambda: self.version, metrics=self.metrics, log=self.log)
+        self._load_prompts()
+
+    def _load_prompts(self) -> None:
+        """The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
+        tokenizer (learner.data); eval work joins dispatch through Admission.side_work."""
+        tok, encode = self.trainer.tokenizer, self.trainer.encode_prompt
+        self.prompts = PromptSource.from_config(self.cfg, tokenizer=tok, encode=encode, on_skip=(
+            lambda reason, n: self.metrics.prompts_skipped.labels(reason=reason).inc(n)))
+        if self.cfg.eval_every:
+            self.evaluation = Evaluation.from_config(
+                self.cfg, tokenizer=tok, encode=encode, run_id=self.run_id, version=lambda: self.version,
+                metrics=self.metrics, record=self.record_eval, log=self.log)
+            self.admission.side_work = self.evaluation
+        if self.prompts.finite:
+            self.log("prompts", **self.prompts.status())
 
     def _close(self) -> None:
         self.http.close()
@@ -246,6 +264,8 @@ class LearnerService:
                 await asyncio.wait_for(self.admission.versions_changed.wait(), deadline - time.monotonic())
             except TimeoutError:
                 break
+        if self.evaluation is not None:       # the last version's evaluation, if one is open
+            await self.evaluation.wait_idle(deadline - time.monotonic())
         await self.admission.broadcast(protocol.Error(code="learner_finished",
                                                       message=f"run {self.run_id} finished"))
         self.finished = True
@@ -255,9 +275,14 @@ class LearnerService:
 
     # ---- training --------------------------------------------------------------------------
     async def train_loop(self) -> None:
+        self.maybe_evaluate()
         while self.version < self.cfg.total_steps:
             self.train_busy = False                  # waiting for a batch (or paused), not stepping
-            batch = await self.buffer.next_batch(self.version)
+            batch = await self.next_batch()
+            if batch is None:
+                self.log("data_exhausted", steps=self.version, prompts=self.prompts.status(),
+                         pending_samples=self.buffer.pending_samples)
+                break
             await self.control.resumed.wait()        # ctl pause: no step until resume
             self.control.before_step(self.trainer)   # ctl set of step settings lands here
             self.train_busy = True
@@ -272,7 +297,32 @@ class LearnerService:
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
             stats["publish_s"] = await self.publish()
             self.record_step(stats)
+            self.maybe_evaluate()
             await self.admission.dispatch()
+
+    async def next_batch(self) -> Batch | None:
+        """The next batch; None once a finite dataset is used up: every prompt drawn, nothing in
+        flight, less than a batch ready (``data_done``, set by :meth:`update_gauges`)."""
+        if not self.prompts.finite:
+            return await self.buffer.next_batch(self.version)
+        self.update_gauges()
+        get = asyncio.ensure_future(self.buffer.next_batch(self.version))
+        done = asyncio.ensure_future(self.data_done.wait())
+        try:
+            await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            get.cancel()                      # next_batch is cancellation-safe: it takes nothing
+        return get.result() if get.done() and not get.cancelled() else None
+
+    def maybe_evaluate(self) -> None:
+        if self.evaluation is not None and self.evaluation.maybe_start(self.version):
+            self.update_gauges()
+
+    def record_eval(self, row: dict) -> None:
+        """One metrics.jsonl row per complete evaluation round (learner.evaluation)."""
+        self.jsonl.write({"run_id": self.run_id, "kind": "eval", "step": row["eval_version"],
+                          "version": row["eval_version"], "time": time.time(), **row})
 
     def skip_step(self, batch: Batch, skip: SkippedStep) -> None:
         """A step that applied nothing (a non-finite loss or gradient): the version stays, nothing
@@ -364,6 +414,10 @@ class LearnerService:
                           "padding handled differently")
 
     def update_gauges(self) -> None:
+        p = self.prompts
+        if (p is not None and p.exhausted and not self.buffer.inflight_samples
+                and self.buffer.ready_samples < self.cfg.batch_samples):
+            self.data_done.set()
         self.metrics.buffered.set(self.buffer.pending_samples)
         self.metrics.inflight.set(self.buffer.inflight_samples)
 
@@ -385,12 +439,14 @@ class LearnerService:
         return protocol.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
                                        max_new_tokens=cfg.max_new_tokens)
 
-    def _new_assignment(self) -> protocol.Assignment:
-        p = next(self.prompts)
+    def _new_assignment(self) -> protocol.Assignment | None:
+        p = next(self.prompts, None)
+        if p is None:
+            return None                       # a finite dataset is used up (learner.data)
         self.assignment_counter += 1
         return protocol.Assignment(
             assignment_id=f"{self.run_id}-a{self.assignment_counter}", prompt_id=p["prompt_id"],
-            prompt_token_ids=self.trainer.encode_prompt(p["prompt"]), group_size=self.cfg.group_size,
+            prompt_token_ids=p["prompt_token_ids"], group_size=self.cfg.group_size,
             version=self.version, prompt_text=p["prompt"], sampling=self.sampling(),
             metadata={"answer": p["answer"], **p.get("metadata", {})},
             deadline_s=self.cfg.lease_timeout_s)
@@ -416,7 +472,8 @@ class LearnerService:
         else:
             raise protocol.ProtocolError(f"rollout socket: {type(msg).TYPE} is not sent to a learner")
         if isinstance(msg, protocol.RolloutResult):
-            ack = await self.intake.receive(msg)
+            ack = await (self.evaluation.receive(msg, self.intake.receive) if self.evaluation
+                         else self.intake.receive(msg))
             if await self._send_rollout(identity, ack):
                 await a.dispatch()
             else:
@@ -452,7 +509,9 @@ class LearnerService:
                 "servers": self.admission.status(),
                 "weights_versions": self.weights.versions,
                 "counters": dict(self.buffer.counters),
-                "invalid_samples": dict(self.intake.invalid) if self.intake else {}}
+                "invalid_samples": dict(self.intake.invalid) if self.intake else {},
+                "prompts": self.prompts.status() if self.prompts else None,
+                "evaluation": self.evaluation.status() if self.evaluation else None}
 
 
 def serve(cfg: LearnerConfig, model_path: str) -> int:

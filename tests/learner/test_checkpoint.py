@@ -1,0 +1,379 @@
+"""Checkpoints and resume (learner/checkpoint.py): the resume oracle on the tiny model (fp32, CPU),
+atomicity (torn checkpoints skipped, keep_last), crafted checkpoints refused with one line, a full
+disk or an unwritable directory, and a learner service stopped and resumed in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from learner_testkit import HonestServer, learner_config, metric, wait_until
+
+import learner.checkpoint as ckpt_mod
+from buffer import Batch
+from learner.checkpoint import Checkpointer, effective_trained_ids
+from learner.config import LearnerConfig
+from learner.service import LearnerService
+from learner.trainer import Trainer
+from protocol import Sample
+from protocol.errors import StartupError
+
+GROUP, B, VOCAB = 4, 8, 49
+STATE = {"run_id": "oracle", "assignment_counter": 7, "data": {"position": 3}, "buffer": {}}
+
+
+def make_batch(version: int, seed: int) -> Batch:
+    """A fixed batch of 2 groups x 4 (ragged rows, rewards that differ within each group)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(B):
+        g, gi = divmod(i, GROUP)
+        p, t = 2 + (i * 3) % 4, 1 + (i * 5) % 6
+        prompt = np.concatenate([[1], rng.integers(4, VOCAB, p)]).astype(np.int32)
+        samples.append(Sample(
+            sample_id=f"s{seed}-a{g}/{gi}", assignment_id=f"s{seed}-a{g}", group_index=gi,
+            group_size=GROUP, prompt_token_ids=prompt,
+            completion_token_ids=rng.integers(4, VOCAB, t).astype(np.int32),
+            behavior_logprobs=(-np.log(VOCAB) + 0.5 * rng.standard_normal(t)).astype(np.float32),
+            token_versions=np.full(t, version, dtype=np.int32), reward=float(rng.random())))
+    return Batch(samples, version=version, staleness=[0] * B, needs_correction=[False] * B,
+                 group_sizes=[GROUP, GROUP])
+
+
+def trainer_cfg(**overrides) -> LearnerConfig:
+    cfg = dict(group_size=GROUP, batch_prompts=B // GROUP, micro_batch_samples=4, lr=1e-2, seed=0,
+               threads=1, total_steps=10)
+    cfg.update(overrides)
+    return LearnerConfig(**cfg)
+
+
+def all_params(tr: Trainer) -> dict[str, torch.Tensor]:
+    out = {f"policy.{n}": p.detach().clone() for n, p in tr.model.named_parameters()}
+    if tr.critic is not None:
+        out.update({f"critic.{n}": p.detach().clone() for n, p in tr.critic.named_parameters()})
+    return out
+
+
+CONFIGS = {
+    "grpo": {},
+    "ppo_gae_critic": {"advantage": "gae", "ppo_epochs": 2},
+    "adaptive_kl": {"kl_coef": 0.05, "kl_controller": "adaptive", "kl_target": 0.01,
+                    "kl_horizon": 10.0},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
+    """Train k steps, checkpoint, restore into a fresh Trainer, apply the same next batch in both:
+    the same loss (1e-6) and the same parameters afterwards. A trainer given only the weights (no
+    optimizer state) does not match: the check can fail."""
+    cfg = trainer_cfg(**CONFIGS[name])
+    a = Trainer(cfg, tiny_model_dir)
+    for v in range(3):
+        a.step(make_batch(v, seed=v))
+    store = Checkpointer(tmp_path / "ck", keep_last=2)
+    path = store.save(3, STATE, a)
+    assert path.name == "step-3" and (path / "COMPLETE").is_file()
+    assert (path / "policy" / "model.safetensors").is_file()      # loadable by transformers as is
+
+    b = Trainer(cfg, tiny_model_dir)
+    store.restore_trainer(store.read(store.latest_complete()), b)
+    before_a, before_b = all_params(a), all_params(b)
+    assert before_a.keys() == before_b.keys()
+    assert all(torch.equal(before_a[k], before_b[k]) for k in before_a)
+    if name == "adaptive_kl":
+        assert b.kl_controller.value == a.kl_controller.value != 0.05     # it adapted, and came back
+    assert b.reward_moments.state_dict() == a.reward_moments.state_dict()
+
+    nxt = make_batch(3, seed=99)
+    sa, sb = a.step(nxt), b.step(nxt)
+    assert abs(sa["loss"] - sb["loss"]) <= 1e-6, (sa["loss"], sb["loss"])
+    pa, pb = all_params(a), all_params(b)
+    worst = max(float((pa[k] - pb[k]).abs().max()) for k in pa)
+    assert worst <= 1e-6, worst
+
+    # The negative control: the same weights without the optimizer state train differently.
+    c = Trainer(cfg, tiny_model_dir)
+    ckpt_mod.load_policy(c.model, path / "policy")
+    c.step(nxt)
+    pc = all_params(c)
+    assert max(float((pa[k] - pc[k]).abs().max()) for k in pa if k.startswith("policy.")) > 1e-4
+
+
+def test_checkpoint_loads_with_from_pretrained(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    tr = Trainer(trainer_cfg(), tiny_model_dir)
+    tr.step(make_batch(0, seed=0))
+    path = Checkpointer(tmp_path / "ck").save(1, STATE, tr)
+    loaded = AutoModelForCausalLM.from_pretrained(path / "policy", dtype=torch.float32)
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tiny_model_dir):
+    """A trainer after one step and a complete checkpoint of it (copied by the tests that break it)."""
+    root = tmp_path_factory.mktemp("saved")
+    tr = Trainer(trainer_cfg(), tiny_model_dir)
+    tr.step(make_batch(0, seed=0))
+    path = Checkpointer(root / "ck").save(1, STATE, tr)
+    return tr, path
+
+
+def test_torn_checkpoints_are_skipped_and_keep_last_is_honoured(tmp_path, saved):
+    tr, _ = saved
+    store = Checkpointer(tmp_path / "ck", keep_last=2)
+    for v in (1, 2, 3):
+        store.save(v, STATE, tr)
+    assert [v for v, _ in store.complete()] == [2, 3]             # step-1 deleted after step-3
+    # Torn: a newer directory without its marker, another with a marker that is not JSON, and a
+    # temporary directory of a write that never finished.
+    torn = tmp_path / "ck" / "step-9"
+    shutil.copytree(tmp_path / "ck" / "step-3", torn)
+    (torn / "COMPLETE").unlink()
+    (torn / "trainer.safetensors").write_bytes(b"\0" * 10)        # partial file
+    bad_marker = tmp_path / "ck" / "step-8"
+    shutil.copytree(tmp_path / "ck" / "step-3", bad_marker)
+    (bad_marker / "COMPLETE").write_text("{not json")
+    (tmp_path / "ck" / ".tmp-step-10-abc").mkdir()
+    assert store.latest_complete() == tmp_path / "ck" / "step-3"
+    assert store.resolve(None) == tmp_path / "ck" / "step-3"
+    with pytest.raises(StartupError, match="no valid COMPLETE marker"):
+        store.read(torn)                                          # named explicitly: refused too
+    store.clean_temporary()
+    assert not (tmp_path / "ck" / ".tmp-step-10-abc").exists()
+    empty = Checkpointer(tmp_path / "none")
+    with pytest.raises(StartupError, match="no complete checkpoint"):
+        empty.resolve("latest")
+
+
+def _break(path: Path, how: str) -> None:
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    if how == "no_marker":
+        (path / "COMPLETE").unlink()
+    elif how == "format_version":
+        m = json.loads((path / "COMPLETE").read_text())
+        (path / "COMPLETE").write_text(json.dumps({**m, "format_version": 99}))
+    elif how == "bad_json":
+        _rewrite_consistently(path, "state.json", b"{\"run_id\": ")
+    elif how == "missing_file":
+        (path / "trainer.safetensors").unlink()
+    elif how == "lying_manifest":       # a file changed after the manifest was written
+        p = path / "trainer.json"
+        p.write_bytes(p.read_bytes().replace(b"0", b"1", 1))
+    elif how == "lying_version":        # consistent checksums, but state.json says another version
+        state = json.loads((path / "state.json").read_text())
+        _rewrite_consistently(path, "state.json", json.dumps({**state, "version": 5}).encode())
+    elif how == "shape_mismatch":       # a crafted tensor file, checksums updated to match
+        from safetensors.torch import load_file, save_file
+        t = load_file(str(path / "policy" / "model.safetensors"))
+        key = next(k for k in t if t[k].dim() == 2)
+        t[key] = torch.zeros(t[key].shape[0] + 1, t[key].shape[1])
+        save_file(t, str(path / "policy" / "model.safetensors"))
+        _rewrite_consistently(path, "policy/model.safetensors", None)
+    elif how == "optimizer_shape":
+        from safetensors.torch import load_file, save_file
+        t = load_file(str(path / "trainer.safetensors"))
+        key = next(k for k in t if k.startswith("/optimizer/state/") and t[k].dim() == 2)
+        t[key] = torch.zeros(3, 3)
+        save_file(t, str(path / "trainer.safetensors"))
+        _rewrite_consistently(path, "trainer.safetensors", None)
+    elif how == "escape":               # the manifest names a file outside the checkpoint
+        m = json.loads((path / "manifest.json").read_text())
+        m["files"]["../../etc/passwd"] = {"bytes": 1, "sha256": "0"}
+        _rewrite_manifest(path, m)
+    else:
+        raise AssertionError(how)
+    assert files
+
+
+def _rewrite_consistently(path: Path, rel: str, data: bytes | None) -> None:
+    """Replace a file and update the manifest and marker so the checksums agree (a crafted one)."""
+    import hashlib
+    if data is not None:
+        (path / rel).write_bytes(data)
+    m = json.loads((path / "manifest.json").read_text())
+    raw = (path / rel).read_bytes()
+    m["files"][rel] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    _rewrite_manifest(path, m)
+
+
+def _rewrite_manifest(path: Path, manifest: dict) -> None:
+    import hashlib
+    raw = json.dumps(manifest).encode()
+    (path / "manifest.json").write_bytes(raw)
+    marker = json.loads((path / "COMPLETE").read_text())
+    (path / "COMPLETE").write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(raw).hexdigest()}))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("no_marker", "no valid COMPLETE marker"),
+    ("format_version", "format_version|version 99"),
+    ("bad_json", "state.json is not JSON"),
+    ("missing_file", "trainer.safetensors is missing"),
+    ("lying_manifest", "does not match its checksum"),
+    ("lying_version", "versions do not agree"),
+    ("shape_mismatch", "has shape"),
+    ("optimizer_shape", "has shape"),
+    ("escape", "outside the checkpoint"),
+])
+def test_crafted_or_corrupt_checkpoint_is_refused_with_one_line(tmp_path, saved, tiny_model_dir,
+                                                                how, message):
+    _, good = saved
+    path = tmp_path / "step-1"
+    shutil.copytree(good, path)
+    _break(path, how)
+    store = Checkpointer(tmp_path)
+    fresh = Trainer(trainer_cfg(), tiny_model_dir) if how in ("shape_mismatch", "optimizer_shape") else None
+    with pytest.raises(StartupError, match=message) as err:
+        store.restore_trainer(store.read(path), fresh) if fresh is not None else store.read(path)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"checkpoint {path}:"), text
+
+
+def test_a_config_that_does_not_fit_is_refused(tmp_path, saved, tiny_model_dir):
+    """A checkpoint without a critic into a config with one: one line, before anything runs."""
+    _, good = saved
+    store = Checkpointer(good.parent)
+    critic = Trainer(trainer_cfg(advantage="gae"), tiny_model_dir)
+    with pytest.raises(StartupError, match="critic") as err:
+        store.restore_trainer(store.read(good), critic)
+    assert "\n" not in str(err.value)
+
+
+def test_disk_full_leaves_the_previous_checkpoint_and_no_temporary(tmp_path, saved, monkeypatch):
+    tr, _ = saved
+    store = Checkpointer(tmp_path / "ck")
+    store.save(1, STATE, tr)
+    real = ckpt_mod._write_bytes
+
+    def full(path, data):
+        if Path(path).name == "state.json":
+            real(path, data[: len(data) // 2])                     # half written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt_mod, "_write_bytes", full)
+    with pytest.raises(OSError) as err:
+        store.save(2, STATE, tr)
+    assert err.value.errno == errno.ENOSPC
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["step-1"]
+    store.read(tmp_path / "ck" / "step-1")                         # intact
+
+
+# ---- through a real learner service --------------------------------------------------------------
+
+async def _serve_until(svc: LearnerService, version: int) -> None:
+    async with HonestServer(svc.endpoints["rollout"]) as good:
+        await good.wait_version(version, timeout_s=120)
+
+
+async def _start(svc: LearnerService) -> asyncio.Task:
+    task = asyncio.create_task(svc.run())
+    ready = asyncio.create_task(svc.ready.wait())
+    await asyncio.wait([task, ready], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    if not svc.ready.is_set():
+        ready.cancel()
+        task.result()
+        raise AssertionError("learner not ready")
+    return task
+
+
+async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path, tiny_model_dir):
+    """Periodic checkpoints, a final one at the stop, and a second learner resumed from it: same run
+    id, version, data position, assignment counter, gate totals and de-duplication window; it trains
+    on and trained_ids.jsonl is appended to."""
+    cfg = learner_config(tmp_path, save_every=2, keep_last=2, batch_prompts=2)
+    svc = LearnerService(cfg, tiny_model_dir, run_id="life")
+    task = await _start(svc)
+    await _serve_until(svc, 5)
+    await wait_until(lambda: svc.checkpoints.saved_version >= 4, 30, "a periodic checkpoint")
+    svc.stopping.set()
+    assert await asyncio.wait_for(task, 60) == 0
+    v = svc.version
+    assert v >= 5 and svc.checkpoints.saved_version == v          # the stop saved what it trained
+    store = svc.checkpoints.store
+    assert store.latest_complete().name == f"step-{v}" and len(store.complete()) == 2
+    before = svc.buffer.state_dict(binary=False)
+    position, counter = svc.prompts.state_dict()["position"], svc.assignment_counter
+    assert metric(svc, "slipstream_checkpoint_version") == v
+    assert metric(svc, "slipstream_checkpoint_seconds_count") >= 2
+
+    cfg2 = learner_config(tmp_path, save_every=2, keep_last=2, batch_prompts=2)
+    again = LearnerService(cfg2, tiny_model_dir, resume="latest")
+    task2 = await _start(again)
+    try:
+        assert (again.run_id, again.version) == ("life", v)
+        assert again.prompts.state_dict()["position"] == position
+        assert again.assignment_counter == counter
+        after = again.buffer.state_dict(binary=False)
+        for key in ("seen", "closed", "groups"):                   # the de-duplication windows
+            assert after[key] == before[key], key
+        for key in ("accepted_total", "consumed_total"):
+            assert after["gate"][key] == before["gate"][key], key
+        # (the saved leases are lost at a restart: the next expiry counts them, nothing else moves)
+        moved = {k for k in before["counters"] if after["counters"][k] != before["counters"][k]}
+        assert moved <= {"expired"}, moved
+        first = again._new_assignment()                           # the data order continues
+        assert first.assignment_id == f"life-a{counter + 1}" and first.prompt_id == f"p{position}"
+        again.assignment_counter -= 1                             # (not issued: put the id back)
+        again.prompts.load_state_dict({**again.prompts.state_dict(), "position": position})
+        await _serve_until(again, v + 2)
+    finally:
+        again.stopping.set()
+        assert await asyncio.wait_for(task2, 60) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "trained_ids.jsonl").read_text().splitlines()]
+    resumed = [i for i, r in enumerate(lines) if "resumed_at_version" in r]
+    assert len(resumed) == 1 and lines[resumed[0]]["resumed_at_version"] == v
+    assert [r["trained_on_version"] for r in lines[:resumed[0]]] == list(range(v))
+    assert lines[resumed[0] + 1]["trained_on_version"] == v
+    ids = effective_trained_ids(tmp_path / "run" / "trained_ids.jsonl")
+    assert len(ids) == len(set(ids)) == again.version * cfg.batch_samples
+
+
+async def test_unwritable_checkpoint_dir_is_an_error_event_and_training_goes_on(tmp_path, tiny_model_dir):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg = learner_config(tmp_path, save_every=1, checkpoint_dir=str(blocker / "ck"))
+    svc = LearnerService(cfg, tiny_model_dir, run_id="ro")
+    events = []
+    log = svc.log
+    svc.log = lambda event, **kw: (events.append((event, kw)), log(event, **kw))[1]
+    task = await _start(svc)
+    await _serve_until(svc, 3)                                    # trains on past the failures
+    svc.stopping.set()
+    assert await asyncio.wait_for(task, 60) == 0
+    failed = [kw for e, kw in events if e == "checkpoint_failed"]
+    assert failed and failed[0]["errno"] in ("ENOTDIR", "EEXIST") and failed[0]["level"] == "error"
+    assert metric(svc, "slipstream_checkpoint_failures_total") == len(failed) >= 2
+
+
+async def test_disk_full_under_checkpoint_failure_stop_stops_cleanly(tmp_path, tiny_model_dir, monkeypatch):
+    """The second periodic checkpoint finds the disk full: under checkpoint_failure: stop the learner
+    stops by itself, cleanly (exit code 3, no traceback), the first checkpoint intact."""
+    real, calls = ckpt_mod._save_tensors, []
+
+    def full_after_one(tensors, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(ckpt_mod, "_save_tensors", full_after_one)
+    cfg = learner_config(tmp_path, save_every=2, checkpoint_failure="stop")
+    svc = LearnerService(cfg, tiny_model_dir, run_id="full")
+    task = await _start(svc)
+    async with HonestServer(svc.endpoints["rollout"]):
+        code = await asyncio.wait_for(task, 120)                 # the run stops by itself
+    assert code == ckpt_mod.EXIT_CHECKPOINT_FAILED
+    assert svc.version == 4 and metric(svc, "slipstream_checkpoint_failures_total") == 1
+    root = svc.checkpoints.store.root
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]  # intact, no temporary left
+    svc.checkpoints.store.read(root / "step-2")

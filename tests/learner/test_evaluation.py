@@ -1,0 +1,192 @@
+"""Through a real LearnerService (tiny model, real ZeroMQ sockets): a dataset file with a chat
+template runs its epochs and ends the run; held-out evaluation rounds are sent greedily outside the
+gate, scored, reported, acknowledged and never trained on; an eval assignment whose server dies is
+re-issued to another server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+
+from learner_testkit import FakeServer, http_get, learner_config, metric, samples_for, wait_until
+
+import protocol
+from learner.service import LearnerService
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def eval_reward(a: protocol.Assignment) -> float:
+    """What the scripted server scores an eval completion: right for answers 1 and 2 only."""
+    return 1.0 if a.metadata["answer"] in ("1", "2") else 0.0
+
+
+class ScriptedServer:
+    """A rollout server played by the test: answers every assignment (eval ones with
+    :func:`eval_reward`), applies every announced version, keeps every assignment and ack."""
+
+    def __init__(self, endpoint: str, server_id: str = "s1", max_concurrency: int = 4):
+        self.s = FakeServer(endpoint, server_id, max_concurrency)
+        self.version = 0
+        self.assignments: list[protocol.Assignment] = []
+        self.acks: dict[str, str] = {}
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> ScriptedServer:
+        self.task = asyncio.create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.s.close()
+
+    async def _serve(self) -> None:
+        s = self.s
+        await s.hello()
+        await s.work(s.max_concurrency)
+        while True:
+            msg = await s.recv(timeout_s=120)
+            if isinstance(msg, protocol.Assignment):
+                self.assignments.append(msg)
+                if msg.group_size == 1:
+                    reward = eval_reward(msg)
+                    samples = samples_for(msg, version=self.version, reward=lambda i, r=reward: r)
+                else:
+                    samples = samples_for(msg, version=self.version)
+                await s.send(protocol.RolloutResult(server_id=s.server_id, samples=samples))
+                await s.work(msg.group_size)
+            elif isinstance(msg, protocol.Ack):
+                self.acks.update(zip(msg.sample_ids, msg.statuses))
+            elif isinstance(msg, protocol.WeightsAvailable) and msg.version > self.version:
+                await s.send(protocol.WeightsApplied(server_id=s.server_id, version=msg.version,
+                                                     checksum=msg.checksum, seconds=0.0))
+                self.version = msg.version
+
+
+async def run_to_end(cfg, model_dir: str, server_id: str = "s1") -> tuple[LearnerService, ScriptedServer]:
+    svc = LearnerService(cfg, model_dir, run_id="test")
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 120)
+    async with ScriptedServer(svc.endpoints["rollout"], server_id) as server:
+        assert await asyncio.wait_for(task, 120) == 0
+    return svc, server
+
+
+def rows_of(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_a_chat_dataset_runs_its_epochs_and_ends_the_run(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(model)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}],
+                                          "answer": str(i + 1), "level": i}) for i in range(3)))
+    # 3 rows x 2 epochs = 6 prompts = 3 batches of 2; total_steps is far away: the data ends the run.
+    # (max_staleness 3: no group is dropped as stale, so all three batches form.)
+    cfg = learner_config(tmp_path, dataset=str(data), epochs=2, batch_prompts=2, exit_on_finish=True,
+                         final_sync_s=5.0, max_staleness=3)
+    svc, server = await run_to_end(cfg, str(model))
+    assert svc.version == 3 and svc.prompts.exhausted and svc.finished
+    steps = [r for r in rows_of(tmp_path / "run" / "metrics.jsonl") if r.get("kind") != "eval"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert len(server.assignments) == 6                      # nothing generated past the data
+    texts = sorted(a.prompt_text for a in server.assignments)
+    assert texts == sorted([f"u:{i}+1=.a:" for i in range(3)] * 2)
+    for a in server.assignments:                             # the template's tokens, encoded once
+        assert a.prompt_token_ids.tolist() == tok.encode(a.prompt_text, add_special_tokens=False)
+        assert a.metadata["answer"] == str(a.metadata["level"] + 1)
+    assert svc.status()["prompts"]["exhausted"] is True
+
+
+async def test_eval_rounds_are_greedy_reported_and_never_trained(tmp_path, tiny_model_dir):
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("\n".join(json.dumps({"prompt": f"{a}+0=", "answer": str(a)}) for a in (1, 2, 3)))
+    cfg = learner_config(tmp_path, total_steps=4, eval_data=str(held_out), eval_every=2,
+                         exit_on_finish=True, final_sync_s=10.0)
+    svc, server = await run_to_end(cfg, tiny_model_dir)
+    assert svc.version == 4
+    evals = [a for a in server.assignments if a.group_size == 1]
+    train = [a for a in server.assignments if a.group_size == 2]
+    assert all(a.assignment_id.startswith("test-e") and a.sampling.temperature == 1e-6 for a in evals)
+    assert all(a.assignment_id.startswith("test-a") for a in train)
+    assert len(evals) == 9                                   # rounds at versions 0, 2 and 4
+    assert {a.prompt_text for a in evals} == {"1+0=", "2+0=", "3+0="}
+    run = tmp_path / "run"
+    rows = rows_of(run / "metrics.jsonl")
+    eval_rows = [r for r in rows if r.get("kind") == "eval"]
+    assert [r["eval_version"] for r in eval_rows] == [0, 2, 4]
+    for r in eval_rows:
+        assert r["eval_samples"] == 3 and r["eval_failed"] == 0 and r["eval_dropped"] == 0
+        assert abs(r["eval_reward_mean"] - 2 / 3) < 1e-9 and abs(r["eval_accuracy"] - 2 / 3) < 1e-9
+        assert r["eval_token_version_min"] >= r["eval_version"]
+    assert len([r for r in rows if r.get("kind") != "eval"]) == 4          # training unaffected
+    trained = [sid for line in rows_of(run / "trained_ids.jsonl") for sid in line["sample_ids"]]
+    assert len(trained) == 8 and not any("-e" in sid for sid in trained)   # never trained on
+    eval_acks = {sid: st for sid, st in server.acks.items() if sid.startswith("test-e")}
+    assert len(eval_acks) == 9 and set(eval_acks.values()) == {"accepted"}
+    # The gate saw training work only: every issued sample is a training one.
+    assert svc.buffer.counters["issued"] == 2 * len(train)
+    assert abs(metric(svc, "slipstream_eval_reward_mean") - 2 / 3) < 1e-9
+    assert abs(metric(svc, "slipstream_eval_accuracy") - 2 / 3) < 1e-9
+    assert metric(svc, "slipstream_eval_policy_version") == 4
+    assert metric(svc, "slipstream_eval_rounds_total", outcome="complete") == 3
+    assert metric(svc, "slipstream_eval_samples_total", status="accepted") == 9
+
+
+async def test_an_eval_assignment_whose_server_dies_is_reissued(tmp_path, tiny_model_dir):
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}))
+    cfg = learner_config(tmp_path, eval_data=str(held_out), eval_every=1000, server_timeout_s=1.0)
+    svc = LearnerService(cfg, tiny_model_dir, run_id="test")
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 120)
+    dies = FakeServer(svc.endpoints["rollout"], "dies", max_concurrency=1)
+    good = FakeServer(svc.endpoints["rollout"], "good", max_concurrency=5)
+    try:
+        await dies.hello()
+        await dies.work(1)                    # one credit: room for the eval assignment, not a group
+        first = await dies.expect(protocol.Assignment)
+        assert first.group_size == 1 and first.attempt == 1 and first.assignment_id == "test-e1.0"
+        assert svc.admission.outstanding(svc.admission.servers[b"dies"]) == 1   # credits are shared
+        dies.close()                          # dies holding it: silent from now on
+        await good.hello()
+        await good.work(5)                    # two groups (all the gate allows) and one credit left
+        train = await good.expect(protocol.Assignment)
+        assert train.group_size == 2
+        # "dies" is lost after server_timeout_s; its eval assignment comes to "good", attempt 2.
+        again = None
+        while again is None:
+            await good.heartbeat()
+            with contextlib.suppress(AssertionError):
+                msg = await good.expect(protocol.Assignment, timeout_s=0.3)
+                again = msg if msg.group_size == 1 else None
+        assert again.assignment_id == first.assignment_id and again.attempt == 2
+        assert sum(metric(svc, "slipstream_rollout_servers_lost_total", reason=r)
+                   for r in ("timeout", "unreachable")) == 1
+        # One result holding a training group and the eval sample: each part acked by its owner.
+        ev = samples_for(again, reward=lambda i: 1.0)
+        ack = await good.answer([*samples_for(train), *ev])
+        assert ack.statuses == ["accepted"] * 3
+        assert (await good.answer(ev)).statuses == ["duplicate"]          # a re-send is a duplicate
+        await wait_until(lambda: svc.evaluation.last is not None, 10, "the eval round")
+        assert svc.evaluation.last["eval_accuracy"] == 1.0 and svc.evaluation.last["eval_samples"] == 1
+        assert svc.buffer.counters["accepted"] == 2                        # the group only
+        _, text = await asyncio.to_thread(http_get, svc.endpoints["metrics"])
+        assert "slipstream_eval_accuracy 1.0" in text and "slipstream_eval_policy_version 0.0" in text
+        status = svc.status()
+        assert status["evaluation"]["rounds"] == 1 and status["evaluation"]["open"] is None
+    finally:
+        good.close()
+        svc.stopping.set()
+        assert await asyncio.wait_for(task, 60) == 0
