@@ -49,6 +49,7 @@ import zmq.asyncio
 import protocol
 from buffer import Batch, RolloutBuffer
 from learner.admission import Admission
+from learner.checkpoint import EXIT_CHECKPOINT_FAILED, LearnerCheckpoints
 from learner.config import LearnerConfig
 from learner.control import Control, control_error_reply
 from learner.data import PromptSource
@@ -80,14 +81,17 @@ class LearnerService:
     """One learner process. ``await run()`` serves until the last step (or ``stop``); returns the
     exit code. ``ready`` is set once every socket is bound and the model is loaded."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, run_id: str | None = None):
+    def __init__(self, cfg: LearnerConfig, model_path: str, run_id: str | None = None,
+                 resume: str | None = None):
         self.cfg = cfg
         self.model_path = model_path
+        self.resume = resume                  # --resume: "latest" or a checkpoint directory
         self.run_id = run_id or f"{Path(cfg.run_dir).name}-{uuid.uuid4().hex[:6]}"
         self.run_dir = Path(cfg.run_dir)
         self.version = 0
         self.log = EventLog("learner", run_id=lambda: self.run_id, version=lambda: self.version)
         self.metrics = LearnerMetrics()
+        self.checkpoints = LearnerCheckpoints(self)
         self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
                                     max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy,
                                     lease_timeout_s=cfg.lease_timeout_s)
@@ -124,7 +128,7 @@ class LearnerService:
                                stop=self.stopping.set, after_set=self.admission.dispatch,
                                pause=lambda paused: setattr(self.admission, "paused", paused),
                                has_reference=lambda: getattr(self.trainer, "reference", None) is not None,
-                               log=self.log)
+                               checkpoint=self.checkpoints.request, log=self.log)
 
     # ---- main ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -142,6 +146,7 @@ class LearnerService:
             jsonl = self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
             self.sinks = open_sinks(self.cfg.metrics_sinks, self.run_dir, self.run_id)
             trained = self.trained_ids = JsonlLog(self.run_dir / "trained_ids.jsonl")
+            self.checkpoints.mark_resumed(trained)
             (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
             train = asyncio.create_task(self.train_loop(), name="train")
@@ -157,9 +162,12 @@ class LearnerService:
             code = 1 if error is not None else 0
             if train in done and error is None:
                 await self.finish()
+                code = EXIT_CHECKPOINT_FAILED if self.checkpoints.failed_stop else code
                 if not self.cfg.exit_on_finish:
                     self.log("idle", reason="finished; serving metrics and control until stopped")
                     await self.stopping.wait()
+            elif error is None:               # stopped: the step in progress ends, then a checkpoint
+                code = await self.checkpoints.on_stop(train)
         finally:
             self.stopping.set()
             await cancel_all(tasks)
@@ -201,6 +209,7 @@ class LearnerService:
 
     def _load(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
         # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
         self.trainer = Trainer(self.cfg.model_copy(deep=True), self.model_path)
@@ -210,6 +219,8 @@ class LearnerService:
                              max_new_tokens=lambda: self.cfg.max_new_tokens,
                              version=lambda: self.version, metrics=self.metrics, log=self.log)
         self._load_prompts()
+        if resumed is not None:
+            self.checkpoints.apply(resumed)
 
     def _load_prompts(self) -> None:
         """The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
@@ -254,6 +265,7 @@ class LearnerService:
 
     async def finish(self) -> None:
         """After the last step: save, let servers fetch the last version, tell them the run ended."""
+        await self.checkpoints.at_end()
         self.admission.close()
         out = self.run_dir / "final"
         await asyncio.to_thread(self.trainer.save_policy, out)   # the model, or the PEFT adapter
@@ -301,15 +313,18 @@ class LearnerService:
             await self.admission.dispatch()
 
     async def next_batch(self) -> Batch | None:
-        """The next batch; None once a finite dataset is used up: every prompt drawn, nothing in
-        flight, less than a batch ready (``data_done``, set by :meth:`update_gauges`)."""
+        """The next batch (checkpoints happen between steps); None once a finite dataset is used
+        up: every prompt drawn, nothing in flight, less than a batch ready (``data_done``, set by
+        :meth:`update_gauges`)."""
         if not self.prompts.finite:
-            return await self.buffer.next_batch(self.version)
+            return await self.checkpoints.next_batch()
         self.update_gauges()
-        get = asyncio.ensure_future(self.buffer.next_batch(self.version))
+        get = asyncio.ensure_future(self.checkpoints.next_batch())
         done = asyncio.ensure_future(self.data_done.wait())
         try:
             await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():                # cancel it only where it waits in the buffer (no save)
+                await self.checkpoints.idle.wait()
         finally:
             done.cancel()
             get.cancel()                      # next_batch is cancellation-safe: it takes nothing
@@ -514,5 +529,5 @@ class LearnerService:
                 "evaluation": self.evaluation.status() if self.evaluation else None}
 
 
-def serve(cfg: LearnerConfig, model_path: str) -> int:
-    return asyncio.run(LearnerService(cfg, model_path).run())
+def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int:
+    return asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
