@@ -100,6 +100,7 @@ class ServerState:
     session: str = ""                  # per-process id from its Hello (a restart changes it)
     weights_failures: int = 0          # weights_failed reports in a row
     dropped: bool = False              # circuit breaker open: no dispatch until it applies weights
+    idle_ratio: float = 0.0            # its engine's idle fraction, from its last Heartbeat
 
 
 class Admission:
@@ -146,6 +147,11 @@ class Admission:
         """Samples of the leases ``srv`` holds (it was asked to generate them and has not finished)."""
         held = sum(lease.n_samples for lease in self.buffer.leases.held_by(srv.server_id))
         return held + (self.side_work.outstanding(srv.server_id) if self.side_work is not None else 0)
+
+    def rollout_idle_ratio(self) -> float:
+        """Mean idle ratio the connected servers last reported (NaN with none)."""
+        ratios = [s.idle_ratio for s in self.servers.values()]
+        return sum(ratios) / len(ratios) if ratios else float("nan")
 
     def lagging(self, srv: ServerState) -> bool:
         """The lag rule: more than ``max_staleness`` versions behind gets no new work."""
@@ -238,6 +244,7 @@ class Admission:
         await self.dispatch()
 
     async def heartbeat(self, srv: ServerState, msg: protocol.Heartbeat) -> None:
+        srv.idle_ratio = msg.idle_ratio
         changed = self._set_version(srv, msg.version)
         latest = self.latest
         if (latest is not None and srv.version != latest.version

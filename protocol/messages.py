@@ -241,6 +241,7 @@ class Heartbeat(Message):
     sender_id: str = wire(_STR)
     version: int = wire(_NAT)
     inflight: int = wire(_NAT, default=0)
+    idle_ratio: float = wire(Float(min_value=0.0, max_value=1.0), default=0.0)  # server's engine idle since its last beat
 
 
 @record

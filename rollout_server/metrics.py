@@ -94,6 +94,9 @@ class RolloutMetrics:
                             registry=r)
         for status in protocol.ACK_STATUSES:
             self.acks.labels(status=status)
+        self.idle_ratio = Gauge("slipstream_rollout_idle_ratio",
+                                "Fraction of the last heartbeat interval the engine was not generating "
+                                "(waiting for work or weights)", registry=r)
         self.learner_connected = Gauge("slipstream_rollout_learner_connected",
                                        "1 while the learner link is up and welcomed (as /healthz)",
                                        registry=r)

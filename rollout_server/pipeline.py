@@ -83,6 +83,9 @@ class Pipeline:
         self.queue: list[protocol.Assignment] = []
         self.assigned = 0                 # samples queued or generating (credits in use)
         self.generating = False
+        self.busy_s = 0.0                 # seconds spent in generate calls, in total
+        self._gen_start = 0.0
+        self._meter = (clock(), 0.0)      # (time, busy_s) at the last idle_ratio() call
         self._queued = asyncio.Event()
         self._epoch = 0                   # bumped by drop(): results of older batches are discarded
 
@@ -131,6 +134,19 @@ class Pipeline:
         self.on_change()
         return n
 
+    def idle_ratio(self) -> float:
+        """The fraction of the time since the last call that the engine was not generating (it
+        waited for work, for weights, or for rewards and sends): verl's fully-async trainer's
+        rollout idle ratio. A call starts the next window."""
+        now = self.clock()
+        busy = self.busy_s + (now - self._gen_start if self.generating else 0.0)
+        then, busy_then = self._meter
+        self._meter = (now, busy)
+        elapsed = now - then
+        if elapsed <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - (busy - busy_then) / elapsed))
+
     # ---- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Batches until cancelled; keeps going while stopping (the drain finishes leases)."""
@@ -153,7 +169,7 @@ class Pipeline:
             return
         requests = [GenRequest.from_sampling(a.prompt_token_ids, a.group_size, a.sampling)
                     for a in batch]
-        start = self.clock()
+        start = self._gen_start = self.clock()
         self.generating = True
         error = None
         try:
@@ -167,6 +183,7 @@ class Pipeline:
         finally:
             self.generating = False
         gen_s = self.clock() - start
+        self.busy_s += gen_s
         self.metrics.generation_seconds.observe(gen_s)
         results = await asyncio.gather(*(
             self.samples(a, c, gen_s) if error is None else self.failed_samples(a, error)

@@ -356,8 +356,10 @@ class RolloutService:
     async def heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)      # a period, not a sync point
+            idle = self.pipeline.idle_ratio()
+            self.metrics.idle_ratio.set(idle)
             await self.send(protocol.Heartbeat(sender_id=self.server_id, version=self.engine.version,
-                                               inflight=self.pipeline.assigned))
+                                               inflight=self.pipeline.assigned, idle_ratio=idle))
             await self.outbox.resend_due()
             if self.hello_sent_at is not None and self.link_up and not self.hello_outstanding():
                 await self.rehello("no Welcome within learner_timeout_s")

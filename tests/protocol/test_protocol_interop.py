@@ -37,7 +37,7 @@ def test_wire_field_order_is_pinned():
         "hello": ("server_id", "engine", "model", "version", "max_concurrency", "metadata"),
         "welcome": ("learner_id", "run_id", "version", "weights_endpoint", "weights_kind",
                     "metadata"),
-        "heartbeat": ("sender_id", "version", "inflight"),
+        "heartbeat": ("sender_id", "version", "inflight", "idle_ratio"),            # 3.1: idle_ratio
         "work_request": ("server_id", "credits"),
         "assignment": ("assignment_id", "prompt_id", "prompt_token_ids", "group_size", "version",
                        "prompt_text", "sampling", "metadata", "deadline_s", "attempt"),

@@ -192,3 +192,32 @@ async def test_reward_failures_and_timeouts_fail_their_samples(slow_reward):
     await h2.pipeline.run_batch([assignment("b", [1], group_size=2)])
     assert all("judge exploded" in s.failed for s in h2.samples().values())
     assert h2.metrics.error_count("reward") == 2
+
+
+async def test_idle_ratio_is_the_time_not_generating_since_the_last_call():
+    now = {"t": 100.0}
+    release = asyncio.Event()
+
+    async def generate(requests):
+        now["t"] += 3.0                    # the engine works 3 s
+        await release.wait()
+        return [[Completion(np.array([5], np.int32), np.array([-0.5], np.float32),
+                            np.zeros(1, np.int32), "length")] * r.n for r in requests]
+
+    async def noop(*_):
+        return None
+    p = Pipeline(server_id="s", limits=LIMITS, generate=generate, decode=str,
+                 score=Rewarder("builtin:exact_numeric").score_many, emit=noop, release=noop,
+                 metrics=RolloutMetrics(), log=lambda *a, **k: None, clock=lambda: now["t"])
+    now["t"] += 10.0                       # 10 s with nothing to do
+    assert p.idle_ratio() == 1.0
+    task = asyncio.create_task(p.run_batch([assignment("a", [1, 2], group_size=1)]))
+    while not p.generating:
+        await asyncio.sleep(0)
+    now["t"] += 1.0                        # mid-generate: 4 s window, 4 s busy (ongoing call counts)
+    assert p.idle_ratio() == 0.0
+    release.set()
+    await task
+    now["t"] += 4.0                        # 4 s of idle after it ended
+    assert p.idle_ratio() == 1.0
+    assert p.busy_s == 4.0                 # clock moved 3 s inside generate, then 1 s mid-call
