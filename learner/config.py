@@ -207,6 +207,9 @@ class LearnerConfig(BaseModel):
     """What happens to buffered samples that exceed max_staleness after it shrinks."""
     lease_timeout_s: float = Field(120.0, gt=0)
     """Seconds a rollout server has to return an assignment before it is re-issued."""
+    max_abs_reward: float = Field(1e6, gt=0)
+    """A sample whose |reward| is above this is refused (acked invalid, counted): one broken
+    reward of 1e30 would overflow the batch's float32 statistics and skip the whole step."""
     max_inflight_per_server: int = Field(0, ge=0)
     """Samples one rollout server may be generating at once, below what it offers (0 = what it
     offers: its max_concurrency). Lowering it live takes effect as its leases finish."""

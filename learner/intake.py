@@ -13,6 +13,8 @@ crashed the step once) or that is not what was asked for:
     token ids    0 <= id < vocab_size, prompt and completion
     versions     every token's version <= the learner's version (all of them, not only the last)
     prompt       == the prompt the learner issued for the assignment (while the lease is open)
+    reward       |reward| <= max_abs_reward (the protocol only asks for finite: one sample's 1e30
+                 overflows the group statistics in float32 and makes the whole step NaN)
 
 A sample failing one is acknowledged ``invalid`` (final: the server forgets it) and counted in
 ``slipstream_samples_invalid_total{reason}``; its slot stays in flight, so the assignment is
@@ -34,7 +36,7 @@ import protocol
 from buffer import AckStatus, RolloutBuffer
 from learner.metrics import LearnerMetrics
 
-REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt")
+REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt", "reward")
 
 
 class Intake:
@@ -49,11 +51,13 @@ class Intake:
 
     def __init__(self, buffer: RolloutBuffer, *, vocab_size: int, max_new_tokens: Callable[[], int],
                  version: Callable[[], int], metrics: LearnerMetrics,
+                 max_abs_reward: Callable[[], float] = lambda: 1e6,
                  log: Callable[..., None] = lambda event, **fields: None):
         self.buffer = buffer
         self.vocab_size = int(vocab_size)
         self.max_new_tokens = max_new_tokens
         self.version = version
+        self.max_abs_reward = max_abs_reward
         self.metrics = metrics
         self.log = log
         self.invalid = Counter()          # reason -> samples refused here
@@ -81,6 +85,9 @@ class Intake:
         if n and int(np.max(s.token_versions)) > version:
             return "version", (f"token version {int(np.max(s.token_versions))} is newer than the "
                                f"learner's {version}")
+        limit = self.max_abs_reward()
+        if not abs(s.reward) <= limit:
+            return "reward", f"reward {s.reward!r} is beyond ±{limit:g} (learner.max_abs_reward)"
         if isinstance(assignment, protocol.Assignment) and not np.array_equal(
                 s.prompt_token_ids, assignment.prompt_token_ids):
             return "prompt", f"prompt_token_ids differ from assignment {s.assignment_id!r}'s prompt"

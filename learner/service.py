@@ -217,6 +217,7 @@ class LearnerService:
         self.weights.metadata = dict(self.trainer.publish_metadata())
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
                              max_new_tokens=lambda: self.cfg.max_new_tokens,
+                             max_abs_reward=lambda: self.cfg.max_abs_reward,
                              version=lambda: self.version, metrics=self.metrics, log=self.log)
         self._load_prompts()
         if resumed is not None:
