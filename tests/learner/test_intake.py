@@ -45,12 +45,16 @@ def corrupt(a: protocol.Assignment, how: str) -> protocol.Sample:
         s.group_size = 3
     elif how == "sample_id":
         s.sample_id = "a2/0"                                  # would poison a2's dedupe slot
+    elif how == "reward_huge":
+        s.reward = 1e30                                       # finite, but NaN statistics in fp32
+    elif how == "reward_negative":
+        s.reward = -2e6
     return s
 
 
 REASON_OF = {"vocab": "vocab", "vocab_negative": "vocab", "vocab_prompt": "vocab", "length": "length",
              "version": "version", "prompt": "prompt", "group_size": "group_size",
-             "sample_id": "sample_id"}
+             "sample_id": "sample_id", "reward_huge": "reward", "reward_negative": "reward"}
 
 
 @pytest.mark.parametrize("how", list(REASON_OF))

@@ -62,6 +62,7 @@ async def test_invalid_samples_are_acked_invalid_and_never_reach_the_trainer(tmp
                 "version": dict(token_versions=np.array([0, 5, 0], np.int32)),
                 "prompt": dict(prompt_token_ids=np.array([1, 2, 3], np.int32)),
                 "group_size": dict(group_size=3),
+                "reward": dict(reward=1e30),
             }
             for reason, change in cases.items():
                 fields = {f: getattr(good, f) for f in protocol.Sample.__dataclass_fields__}
