@@ -64,6 +64,9 @@ class LearnerMetrics:
         self.control_changes = Counter("slipstream_control_changes",
                                        "Runtime settings changed through ctl set", ["key"], registry=r)
         self.paused = Gauge("slipstream_paused", "1 while the run is paused (ctl pause)", registry=r)
+        self.learner_idle_ratio = Gauge("slipstream_learner_idle_ratio",
+                                        "Fraction of the last step's cycle the train loop waited for "
+                                        "samples", registry=r)
         self.staleness_changes = Counter("slipstream_staleness_changes",
                                          "Changes of eta by the adaptive staleness controller",
                                          ["reason"], registry=r)

@@ -291,6 +291,7 @@ class LearnerService:
         self.maybe_evaluate()
         while self.version < self.cfg.total_steps:
             self.train_busy = False                  # waiting for a batch (or paused), not stepping
+            cycle_start = time.monotonic()
             batch = await self.next_batch()
             if batch is None:
                 self.log("data_exhausted", steps=self.version, prompts=self.prompts.status(),
@@ -299,6 +300,7 @@ class LearnerService:
             await self.control.resumed.wait()        # ctl pause: no step until resume
             self.control.before_step(self.trainer)   # ctl set of step settings lands here
             self.train_busy = True
+            idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
             try:
                 stats = await asyncio.to_thread(self.trainer.step, batch)
             except SkippedStep as skip:
@@ -309,6 +311,7 @@ class LearnerService:
             self.record_trained(batch)
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
             stats["publish_s"] = await self.publish()
+            stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.record_step(stats)
             self.maybe_evaluate()
             await self.admission.dispatch()
@@ -339,6 +342,15 @@ class LearnerService:
         """One metrics.jsonl row per complete evaluation round (learner.evaluation)."""
         self.jsonl.write({"run_id": self.run_id, "kind": "eval", "step": row["eval_version"],
                           "version": row["eval_version"], "time": time.time(), **row})
+
+    def idle_stats(self, idle_s: float, cycle_s: float) -> dict[str, float]:
+        """Where the time went (verl's fully-async idle ratios): the fraction of this step's cycle
+        (batch wait + step + publish wait) the train loop waited for samples, and the mean of the
+        servers' engine idle fractions from their last heartbeats (waiting for work or weights)."""
+        ratio = idle_s / cycle_s if cycle_s > 0 else 0.0
+        self.metrics.learner_idle_ratio.set(ratio)
+        return {"learner_idle_s": idle_s, "learner_idle_ratio": ratio,
+                "rollout_idle_ratio": self.admission.rollout_idle_ratio()}
 
     def skip_step(self, batch: Batch, skip: SkippedStep) -> None:
         """A step that applied nothing (a non-finite loss or gradient): the version stays, nothing
