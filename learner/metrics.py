@@ -52,9 +52,17 @@ class LearnerMetrics:
                                     registry=r)
         self.step_seconds = Histogram("slipstream_train_step_seconds", "Seconds per policy step",
                                       registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-        self.publish_seconds = Histogram("slipstream_weights_publish_seconds",
-                                         "Seconds to serialize and announce a version", registry=r,
-                                         buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+        self.publish_seconds = Histogram(
+            "slipstream_weights_publish_seconds", "Seconds from a version's snapshot to its "
+            "announcement (snapshot, checksums, install; off the train loop after the snapshot)",
+            registry=r, buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+        self.publish_wait_seconds = Histogram(
+            "slipstream_publish_wait_seconds", "Seconds the train loop waited on publishing a "
+            "version (the snapshot copy only; checksums and serving run beside the next step)",
+            registry=r, buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+        self.publish_superseded = Counter(
+            "slipstream_weights_superseded", "Versions never announced: a newer snapshot arrived "
+            "while they waited for the one being prepared", registry=r)
         self.reward_mean = Gauge("slipstream_reward_mean", "Mean reward of the last batch", registry=r)
         self.staleness_mean = Gauge("slipstream_staleness_mean",
                                     "Mean staleness (policy steps) of the last batch", registry=r)

@@ -89,6 +89,9 @@ class RouterSocket:
                 reply = error_reply(e, frames)
             if reply is not None:
                 await self.send(identity, reply)
+                # A weight chunk is a zero-copy view of its snapshot: held here until the next
+                # request, it would keep a dropped version's buffer alive (learner.weights_server).
+                reply = None
 
     def refused(self, error: protocol.ProtocolError, **fields: Any) -> None:
         """Count (and, rate-limited, log) one message refused with ``error``."""

@@ -61,7 +61,7 @@ from learner.security import LearnerCurve
 from learner.sinks import open_sinks
 from learner.staleness import StalenessController
 from learner.trainer import SkippedStep, Trainer
-from learner.weights_server import WeightsServer
+from learner.weights_server import Publisher, WeightsServer
 from protocol.http import HttpEndpoint
 from protocol.process import EventLog, cancel_all, supervise
 from protocol.sockets import advertised_host, bind, make_socket
@@ -99,6 +99,10 @@ class LearnerService:
         self.evaluation: Evaluation | None = None     # eval_every > 0 (learner.evaluation)
         self.data_done = asyncio.Event()              # a finite dataset is used up (next_batch)
         self.weights = WeightsServer(cfg.weights_chunk_bytes)
+        self.publisher = Publisher(   # checksums, install and announcement beside the next step
+            self.weights, lambda m: self.admission.announce(m), stopped=lambda: self.stopping.is_set(),
+            observe_wait=self.metrics.publish_wait_seconds.observe,
+            observe_latency=self.metrics.publish_seconds.observe, on_superseded=self._superseded)
         self.trainer = None
         self.intake: Intake | None = None
         self.assignment_counter = 0
@@ -310,11 +314,13 @@ class LearnerService:
             stats.update(self.batch_versions(batch))
             self.record_trained(batch)
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
-            stats["publish_s"] = await self.publish()
+            # publish_s stays the loop's publish phase (report, dashboard): now the snapshot wait.
+            stats["publish_wait_s"] = stats["publish_s"] = await self.publish()
             stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.record_step(stats)
             self.maybe_evaluate()
             await self.admission.dispatch()
+        await self.publisher.drain()          # the last version is announced before finish waits
 
     async def next_batch(self) -> Batch | None:
         """The next batch (checkpoints happen between steps); None once a finite dataset is used
@@ -377,14 +383,19 @@ class LearnerService:
                                                for s in batch.samples))}
 
     async def publish(self) -> float:
-        """Snapshot, install and announce the current version; returns the seconds it took."""
-        start = time.monotonic()
-        snapshot = await asyncio.to_thread(self.weights.prepare, self.version, self.trainer.named_tensors())
-        manifest = self.weights.install(snapshot)
-        seconds = time.monotonic() - start
-        self.metrics.publish_seconds.observe(seconds)
-        await self.admission.announce(manifest)
-        return seconds
+        """Publish the current version; returns the seconds the caller waited: the snapshot copy
+        only (learner.weights_server.Publisher: checksums, install and the announcement run
+        beside the next step). The process's first version is awaited until announced, so a
+        server that connects finds something to fetch."""
+        wait = await self.publisher.publish(self.version, self.trainer.named_tensors())
+        if self.weights.latest is None:
+            await self.publisher.drain()
+        return wait
+
+    def _superseded(self, version: int, by: int) -> None:
+        self.metrics.publish_superseded.inc()
+        self.log("weights_superseded", weights_version=version, by=by,
+                 hint="steps finish faster than a publish is prepared; servers get the newer one")
 
     def record_step(self, stats: dict[str, float]) -> None:
         m = self.metrics

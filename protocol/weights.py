@@ -1,16 +1,24 @@
 """Checksums and chunking for weight publishing (DESIGN.md §5).
 
 A version's tensors are laid end to end in manifest order (``TensorSpec.offset``) and cut into
-chunks of ``chunk_bytes``. Each chunk has a BLAKE2b-128 checksum; the version's checksum is the
-BLAKE2b-128 of the chunk checksums in order, so a receiver can verify every chunk on arrival and
-report one checksum that proves which bytes it applied.
+chunks of ``chunk_bytes``. Each chunk has an XXH3-128 checksum; the version's checksum is the
+XXH3-128 of the chunk checksums in order, so a receiver can verify every chunk on arrival and
+report one checksum that names which bytes it applied.
+
+Why XXH3 and not a cryptographic hash: both sides hash every byte of every publish, on the path
+from publish to applied. BLAKE2b runs at ~0.6 GB/s on one core here (~1 s per side for
+SmolLM2-135M in float32, more than the wire time), XXH3-128 at 10-20 GB/s. The checksums guard
+against corruption and mix-ups (a chunk of another version, a torn buffer) and identify a version
+in ``WeightsApplied``; they are not what stops a forger: that is CURVE, which authenticates the
+learner and encrypts the weights socket (``security.curve``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Sequence
+
+import xxhash
 
 # Bytes per element of every dtype a weights manifest may name (torch dtype names).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
@@ -37,11 +45,13 @@ def tensor_layout(items: Iterable[tuple[str, str, Sequence[int]]]):
 
 
 def chunk_checksum(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """XXH3-128 of ``data`` (any contiguous buffer: bytes, a memoryview, a zmq.Frame) as 32 hex."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def combine_checksums(chunk_checksums: Iterable[str]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    """The version's checksum: XXH3-128 of the chunk checksums, in order."""
+    h = xxhash.xxh3_128()
     for c in chunk_checksums:
         h.update(c.encode("ascii"))
     return h.hexdigest()

@@ -38,6 +38,7 @@ fetched whatever its version number (even a lower one), and until one is applied
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -85,7 +86,11 @@ class ZmqChunkChannel:
     async def receive(self, timeout_s: float) -> protocol.Message | None:
         if not await self.sock.poll(timeout_s * 1000):
             return None
-        return protocol.decode(await self.sock.recv_multipart(copy=True))
+        # copy=False: a chunk's data stays in the buffer libzmq received it into (the decoded
+        # WeightChunk.data is a memoryview of that zmq.Frame); the small header and body frames
+        # become bytes, for the codec's checks.
+        frames = await self.sock.recv_multipart(copy=False)
+        return protocol.decode([f.bytes if i < 2 else f for i, f in enumerate(frames)])
 
     def close(self) -> None:
         self.sock.close(0)
@@ -136,6 +141,7 @@ class WeightsReceiver:
         self._reports: set[asyncio.Task] = set()
         self._rebased = asyncio.Event()   # clear while the weights served are another run's
         self._rebased.set()
+        self._spare: bytearray | None = None   # the last applied version's buffer, for reuse
 
     # ---- announcements ----------------------------------------------------------------------
     def welcome(self, endpoint: str) -> None:
@@ -241,8 +247,10 @@ class WeightsReceiver:
                 self.log("weights_failed", weights_version=m.version, kind=e.kind, error=str(e))
                 self._report_failure(f"version {m.version}: {e.kind}: {e}")
                 return False
+            view = memoryview(buffer)         # what the tensors refer to (see _recycle)
+            unreferenced = sys.getrefcount(view)
             try:
-                update = WeightUpdate(version=m.version, kind=m.kind, tensors=unflatten(buffer, m.tensors),
+                update = WeightUpdate(version=m.version, kind=m.kind, tensors=unflatten(view, m.tensors),
                                       lora_config=m.metadata.get("lora", {}))
                 await self.apply(update)
             except Exception as e:  # noqa: BLE001 - refused by the engine: keep the old version
@@ -251,6 +259,11 @@ class WeightsReceiver:
                          error=f"{type(e).__name__}: {e}")
                 self._report_failure(f"version {m.version}: weights: {type(e).__name__}: {e}")
                 return False
+            finally:
+                update = None
+                if sys.getrefcount(view) == unreferenced:
+                    self._spare = buffer
+                del view
             self.rebasing = False
             self._rebased.set()
             seconds = self.clock() - start
@@ -265,9 +278,16 @@ class WeightsReceiver:
 
     # ---- fetch ------------------------------------------------------------------------------
     async def fetch(self, m: protocol.WeightsAvailable) -> bytearray:
-        """Every chunk of ``m``, verified, in one buffer of ``m.total_bytes``."""
+        """Every chunk of ``m``, verified, in one buffer of ``m.total_bytes``: the last applied
+        version's buffer when it is of that size and no tensor of it is left (engines copy an
+        update into their model; the tensors are views of the buffer and hold a reference to a
+        memoryview of it, so its reference count says when the engine has dropped them). Reuse
+        saves allocating and first-touching a model's worth of memory per version."""
         n = m.num_chunks
-        buffer = bytearray(m.total_bytes)
+        buffer, self._spare = self._spare, None
+        if buffer is None or len(buffer) != m.total_bytes:
+            buffer = bytearray(m.total_bytes)
+        into = memoryview(buffer)
         if n == 0:
             self._check_total(m, [])
             return buffer
@@ -320,7 +340,7 @@ class WeightsReceiver:
                 if problem is None:
                     i = reply.index
                     start = i * m.chunk_bytes
-                    buffer[start:start + chunk_size(m, i)] = reply.data
+                    into[start:start + chunk_size(m, i)] = reply.data      # the one copy
                     got[i] = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
                     asked.discard(i)
                 else:
@@ -337,6 +357,7 @@ class WeightsReceiver:
             self._check_total(m, got)
             return buffer
         finally:
+            into.release()
             channel.close()
 
     def _check(self, m: protocol.WeightsAvailable, reply, asked: set[int]):

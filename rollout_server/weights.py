@@ -21,18 +21,22 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def unflatten(buffer: bytes | bytearray | memoryview,
               specs: Iterable[protocol.TensorSpec]) -> dict[str, torch.Tensor]:
-    """Views of ``buffer`` as named tensors (no copy; the buffer must stay alive and writable)."""
-    view = memoryview(buffer)
+    """Views of ``buffer`` as named tensors: no copy, any dtype (bf16 included: bytes are
+    reinterpreted). ``buffer`` must be writable; every tensor (and every view of one) holds a
+    reference to it (``torch.frombuffer``), so it stays alive as long as they do, and its
+    reference count tells a caller when none is left (:mod:`rollout_server.receiver` reuses it
+    then)."""
+    nbytes = memoryview(buffer).nbytes
     out = {}
     for spec in specs:
         dtype = torch_dtype(spec.dtype)
         if spec.nbytes == 0:
             out[spec.name] = torch.empty(spec.shape, dtype=dtype)
             continue
-        if spec.offset + spec.nbytes > view.nbytes:
+        if spec.offset + spec.nbytes > nbytes:
             raise ValueError(f"tensor {spec.name!r} ends at byte {spec.offset + spec.nbytes}, "
-                             f"past the {view.nbytes} bytes received")
-        raw = torch.frombuffer(view, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset)
+                             f"past the {nbytes} bytes received")
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset)
         out[spec.name] = raw.view(dtype).reshape(spec.shape)
     return out
 

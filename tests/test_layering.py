@@ -8,7 +8,7 @@ packages its row allows:
 
 | package          | first party                      | third party                          |
 |------------------|----------------------------------|--------------------------------------|
-| protocol         | -                                | msgpack, numpy, zmq (never torch)    |
+| protocol         | -                                | msgpack, numpy, zmq, xxhash (never torch) |
 | ops              | -                                | torch                                |
 | buffer           | protocol                         | numpy                                |
 | rollout_server   | protocol, ops                    | any (engines, rewards, metrics)      |
@@ -43,7 +43,7 @@ class Rule:
 
 
 RULES = {
-    "protocol": Rule(frozenset({"protocol"}), frozenset({"msgpack", "numpy", "zmq"})),
+    "protocol": Rule(frozenset({"protocol"}), frozenset({"msgpack", "numpy", "zmq", "xxhash"})),
     "ops": Rule(frozenset({"ops"}), frozenset({"torch"})),
     "buffer": Rule(frozenset({"buffer", "protocol"}), frozenset({"numpy"})),
     "rollout_server": Rule(frozenset({"rollout_server", "protocol", "ops"}), ANY),

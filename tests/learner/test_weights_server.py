@@ -63,12 +63,14 @@ def test_old_snapshots_are_freed():
     ws = WeightsServer(chunk_bytes=4096, keep=2)
     refs = []
     for v in (1, 2, 3, 4):
-        snap = ws.prepare(v, named(float(v)))
-        refs.append(weakref.ref(snap.flat))
+        snap = ws.prepare(ws.snapshot(v, named(float(v))))
+        refs.append(weakref.ref(snap.array))      # what every chunk view keeps alive
         ws.install(snap)
         del snap
     gc.collect()
     assert [r() is None for r in refs] == [True, True, False, False]
+    # 1 was dropped when 3 was installed, so 4 reused its buffer; 2's waits in the pool.
+    assert ws.buffers.allocated == 3 and ws.buffers.free == 1
 
 
 def test_versions_only_grow():
