@@ -314,8 +314,9 @@ async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path
         assert again.prompts.state_dict()["position"] == position
         assert again.assignment_counter == counter
         after = again.buffer.state_dict(binary=False)
-        for key in ("seen", "closed", "groups"):                   # the de-duplication windows
-            assert after[key] == before[key], key
+        for key in ("seen", "closed"):                            # the de-duplication windows
+            # (a restored lease already over the staleness limit may be dropped at once: appended)
+            assert after[key][:len(before[key])] == before[key], key
         for key in ("accepted_total", "consumed_total"):
             assert after["gate"][key] == before["gate"][key], key
         # (the saved leases are lost at a restart: the next expiry counts them, nothing else moves)
