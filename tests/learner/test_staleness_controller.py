@@ -5,6 +5,7 @@ KL up and η comes down."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from learner_testkit import ctl, learner_config, metric, running_learner, wait_until
@@ -86,6 +87,12 @@ async def test_a_learning_rate_jump_brings_eta_down(tmp_path, tiny_model_dir):
             assert metric(svc, "slipstream_staleness_changes_total", reason="mismatch_kl_high") + \
                 metric(svc, "slipstream_staleness_changes_total", reason="ess_low") >= 1
             assert svc.cfg.max_staleness == 2                    # the operator's bound stays
+            # The idle ratios ride along in every step row (and the server's heartbeats).
+            rows = [json.loads(line) for line in (svc.run_dir / "metrics.jsonl").read_text().splitlines()]
+            steps = [r for r in rows if "learner_idle_ratio" in r]
+            assert steps and all(0 <= r["learner_idle_ratio"] <= 1 and 0 <= r["rollout_idle_ratio"] <= 1
+                                 for r in steps)
+            assert 0 <= metric(svc, "slipstream_learner_idle_ratio") <= 1
         finally:
             server.stopping.set()
             server.abort.set()
