@@ -10,6 +10,7 @@ import contextlib
 import json
 import shutil
 
+import pytest
 from learner_testkit import FakeServer, http_get, learner_config, metric, samples_for, wait_until
 
 import protocol
@@ -190,3 +191,53 @@ async def test_an_eval_assignment_whose_server_dies_is_reissued(tmp_path, tiny_m
         good.close()
         svc.stopping.set()
         assert await asyncio.wait_for(task, 60) == 0
+
+
+@pytest.mark.slow
+async def test_eval_through_a_real_hf_server_is_the_greedy_completion(tmp_path, builtin_cache, monkeypatch):
+    """The demo model behind a real RolloutService (HF engine): version 0's eval completions are
+    the model's own greedy decode (transformers generate, do_sample=False) of each eval prompt,
+    and every eval sample is acknowledged (the server's outbox ends empty)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.models.builtin import ensure_builtin_model
+    from rollout_server.config import RolloutConfig
+    from rollout_server.service import RolloutService
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(builtin_cache))
+    model_dir = str(ensure_builtin_model("builtin:tiny-arith", log=lambda *a: None))
+    cfg = learner_config(tmp_path, total_steps=2, eval_data="builtin:arith", eval_prompts=4, eval_every=2,
+                         exit_on_finish=True, final_sync_s=30.0, max_new_tokens=3)
+    svc = LearnerService(cfg, model_dir, run_id="test")
+    seen: list[protocol.Sample] = []
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 120)
+    take = svc.evaluation._take
+
+    def observed(sample):                                         # what the round scores
+        seen.append(sample)
+        return take(sample)
+    svc.evaluation._take = observed
+    server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="hf-0", metrics_port=0,
+                                          threads=1, max_concurrency=8, seed=0,
+                                          reward="builtin:exact_numeric"), model_dir)
+    serving = asyncio.create_task(server.run())
+    try:
+        assert await asyncio.wait_for(task, 120) == 0
+    finally:
+        server.stopping.set()
+        server.abort.set()
+        await asyncio.wait_for(serving, 60)
+    assert server.outbox.samples == 0                                    # every eval sample acked
+    rows = [r for r in rows_of(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert [r["eval_version"] for r in rows] == [0, 2] and all(r["eval_samples"] == 4 for r in rows)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = {p["prompt_id"]: p for p in svc.evaluation.prompts}
+    first = [s for s in seen if s.assignment_id.startswith("test-e1.")]
+    assert len(first) == 4 and all(int(s.token_versions.max()) == 0 for s in first)
+    for s in first:
+        ids = torch.from_numpy(prompts[f"e{s.assignment_id.rsplit('.', 1)[1]}"]["prompt_token_ids"]).long()[None]
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=3, pad_token_id=model.config.pad_token_id)
+        assert s.completion_token_ids.tolist() == out[0, ids.shape[1]:].tolist()[:len(s.completion_token_ids)]
