@@ -2,8 +2,9 @@
 
 The launcher checks the dataset, builds/resolves the model once, shares the cores among the
 processes (:mod:`deploy.cores`), writes the resolved config into the run directory, starts the
-learner, waits for its ``ready`` line (endpoints), starts the servers pointed at it, and prints a
-live table of the learner's steps. It stops everything — SIGTERM, then SIGKILL after
+learner, waits for its ``ready`` line (endpoints), starts the servers pointed at it, and shows the
+learner's steps (:mod:`deploy.live`: a live view on a terminal, table lines otherwise; a summary
+at the end). It stops everything — SIGTERM, then SIGKILL after
 ``launcher.shutdown_timeout_s`` — when the learner exits, when a process fails to start (exit 2,
 a config error), when no rollout server is left, or on Ctrl-C. Each child is signalled by its own
 pid.
@@ -25,6 +26,7 @@ import collections
 import json
 import os
 import queue
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,12 +39,11 @@ import yaml
 
 from deploy.config import SlipstreamConfig
 from deploy.cores import available_cores, share_cores
+from deploy.live import LiveView
 
-TABLE_COLUMNS = (("step", "{:>5}"), ("reward_mean", "{:>7.3f}"), ("entropy", "{:>7.3f}"),
-                 ("mismatch_kl", "{:>11.2e}"), ("staleness_mean", "{:>6.2f}"), ("step_s", "{:>6.2f}"))
-TABLE_HEADER = "  step  reward  entropy  mismatch_kl  stale  step_s  server versions"
 SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
-                "control_set", "protocol_error", "server_dropped", "server_readmitted",
+                "control_set", "control_pause", "control_resume", "staleness_changed", "checkpoint", "resumed",
+                "checkpoint_failed", "data_exhausted", "protocol_error", "server_dropped", "server_readmitted",
                 "server_version_mismatch", "new_run", "step_skipped")
 STDERR_TAIL_LINES = 30
 """Lines of a crashed child's stderr shown (enough for a Python traceback)."""
@@ -50,15 +51,6 @@ STDERR_DRAIN_S = 5.0
 """After a child's stdout closes, how long to wait for the rest of its stderr."""
 EXIT_STARTUP = 2
 """A child's exit code for a startup/config error (its one line on stderr says it all)."""
-
-
-def _format_step(ev: dict) -> str:
-    cells = []
-    for key, fmt in TABLE_COLUMNS:
-        value = ev.get(key, float("nan"))
-        cells.append(fmt.format(value) if isinstance(value, (int, float)) else str(value))
-    servers = ",".join(str(v) for v in ev.get("server_versions", {}).values())
-    return " ".join(cells) + f"  [{servers}]"
 
 
 class Child:
@@ -96,21 +88,22 @@ class Child:
             self.proc.kill()
 
 
-def _print_line(name: str, line: str, verbose: bool) -> dict | None:
-    """Show one stdout line of a child (the step table, notable events); its JSON event or None."""
+def _print_line(name: str, line: str, verbose: bool, view: LiveView) -> dict | None:
+    """Show one stdout line of a child (a step in the view, notable events above it); its JSON
+    event or None."""
     try:
         ev = json.loads(line)
     except ValueError:
         ev = None
     if not isinstance(ev, dict):
         if verbose or "Error" in line or "Traceback" in line:
-            print(f"[{name}] {line}", flush=True)
+            view.note(f"[{name}] {line}")
         return None
-    if ev.get("event") == "step":
-        print(_format_step(ev), flush=True)
+    if ev.get("event") == "step" and name == "learner":
+        view.step(ev)
     elif ev.get("event") in SHOWN_EVENTS or verbose:
         rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
-        print(f"[{name}] {ev.get('event')} {json.dumps(rest)}", flush=True)
+        view.note(f"[{name}] {ev.get('event')} {json.dumps(rest)}")
     return ev
 
 
@@ -226,7 +219,6 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
                            lc.restart_window_s)
 
     def start_servers(endpoint: str) -> None:
-        print(TABLE_HEADER, flush=True)
         for i in range(cfg.launcher.num_rollout_servers):
             port = _server_metrics_port(cfg, i)
             server_cmds[f"rollout-{i}"] = [
@@ -249,6 +241,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
         return bool(restart_at) or any(c.proc.poll() is None for n, c in children.items()
                                        if n != "learner")
 
+    view = LiveView(cfg.learner.total_steps)
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     exit_code = 0
@@ -298,7 +291,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
                     print("[run] stopping the run: no rollout server left", flush=True)
                     break
             else:
-                ev = _print_line(name, line, verbose)
+                ev = _print_line(name, line, verbose, view)
                 if ev and name == "learner":
                     run_id = ev.get("run_id", run_id)
                 # A server's "learner_finished" precedes its exit 0 on its own stream: the run
@@ -309,17 +302,38 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
                         and "rollout-0" not in children):
                     start_servers(ev["rollout"])
     finally:
+        view.close()
         _stop_all(list(children.values()), cfg.launcher.shutdown_timeout_s)
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
-    _write_report(run_dir, run_id)
+    report = _write_report(run_dir, run_id)
     final = run_dir / "final"
     if exit_code == 0 and final.exists():
         print(f"[run] done: metrics in {run_dir / 'metrics.jsonl'}, final model in {final}", flush=True)
+    view.summary(run_dir=run_dir, final_policy=final if final.exists() else None,
+                 checkpoint=_latest_checkpoint(cfg, run_dir), report=report,
+                 resume=_resume_command(config_path, overrides)
+                 if _latest_checkpoint(cfg, run_dir) is not None else None)
     return exit_code
 
 
-def _write_report(run_dir: Path, run_id: str | None) -> None:
+def _resume_command(config_path: str | None, overrides: list[str]) -> str:
+    """The command that continues this run from its latest checkpoint."""
+    parts = ["slipstream run", *([f"--config {config_path}"] if config_path else []),
+             *(f"--set {shlex.quote(o)}" for o in overrides), "--resume"]
+    return " ".join(parts)
+
+
+def _latest_checkpoint(cfg: SlipstreamConfig, run_dir: Path) -> Path | None:
+    from learner.checkpoint import Checkpointer
+
+    try:
+        return Checkpointer(cfg.learner.checkpoint_dir or run_dir / "checkpoints").latest_complete()
+    except OSError:
+        return None
+
+
+def _write_report(run_dir: Path, run_id: str | None) -> Path | None:
     """``slipstream report`` of this run (deploy/report.py), also after Ctrl-C or a crash; its path
     is said on stdout. A run that trained no step has none; a report that fails says so and never
     changes the run's exit code."""
@@ -327,7 +341,7 @@ def _write_report(run_dir: Path, run_id: str | None) -> None:
     from protocol.errors import StartupError
 
     if run_id is None or not (run_dir / "metrics.jsonl").exists():
-        return
+        return None
     try:
         path = write_report(run_dir, run_id)
     except StartupError:                       # this run has no row in metrics.jsonl
@@ -336,6 +350,8 @@ def _write_report(run_dir: Path, run_id: str | None) -> None:
         print(f"[run] the report failed: {type(e).__name__}: {e}", flush=True)
     else:
         print(f"[run] report: {path}", flush=True)
+        return path
+    return None
 
 
 def _stop_all(children: list[Child], timeout_s: float) -> None:

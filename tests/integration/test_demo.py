@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from deploy.live import plain_header
+
 pytestmark = pytest.mark.slow
 
 FREE_PORTS = ["--set", "learner.rollout_port=0", "--set", "learner.weights_port=0",
@@ -25,7 +27,8 @@ def test_default_demo_reward_rises(tmp_path, subprocess_env, process_groups):
                             "--set", f"learner.run_dir={run_dir}"],
                            timeout=900, env=subprocess_env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "step  reward" in r.stdout                      # the live table
+    assert plain_header() in r.stdout                      # the step table (stdout is no terminal)
+    assert re.search(r"\[run\] summary\n  steps +1 → 160\n  reward +[0-9.]+ → [0-9.]+", r.stdout)
     assert re.search(r"\[run\] threads: learner \d+, rollout-0 \d+ \(\d+ cores\)", r.stdout)
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(log) == steps
