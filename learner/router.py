@@ -104,5 +104,5 @@ class RouterSocket:
                  suppressed=self._suppressed, **fields)
         self._last_log, self._suppressed = now, 0
 
-    def close(self) -> None:
-        self.sock.close(0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger_ms)

@@ -73,6 +73,9 @@ def vocab_size(trainer) -> int:
     return int(size) if size is not None else int(trainer.model.get_input_embeddings().num_embeddings)
 
 
+CLOSE_LINGER_MS = 1000
+"""At exit, how long queued messages to rollout servers may still take to leave."""
+
 SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
 """Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
 
@@ -172,6 +175,11 @@ class LearnerService:
                     await self.stopping.wait()
             elif error is None:               # stopped: the step in progress ends, then a checkpoint
                 code = await self.checkpoints.on_stop(train)
+                # Servers stop generating for this run at once (nothing more will be trained);
+                # they stay up and re-join when the learner comes back with --resume.
+                await self.admission.broadcast(protocol.Error(
+                    code="learner_stopping", message=f"run {self.run_id} stopped at version "
+                    f"{self.version}; resumable from its latest checkpoint"))
         finally:
             self.stopping.set()
             await cancel_all(tasks)
@@ -243,8 +251,10 @@ class LearnerService:
 
     def _close(self) -> None:
         self.http.close()
-        for s in self.sockets.values():
-            s.close()
+        for name, s in self.sockets.items():
+            # The last words to the servers (learner_finished / learner_stopping) get a moment
+            # to leave; everything else is dropped at once.
+            s.close(linger_ms=CLOSE_LINGER_MS if name == "rollout" else 0)
         self.sockets = {}
         if self.curve is not None:
             self.curve.close()

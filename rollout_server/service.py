@@ -423,6 +423,11 @@ class RolloutService:
                     if self.cfg.exit_on_learner_finished and not self.stopping.is_set():
                         self.log("learner_finished", action="exiting")
                         self.stopping.set()
+                elif msg.code == "learner_stopping":
+                    # Stopped, not finished: its leases end with it, so queued work is dropped;
+                    # this server stays up and re-joins a resumed learner on its own.
+                    dropped = self.pipeline.drop()
+                    self.log("learner_stopping", dropped_queued_samples=dropped)
                 self.log("learner_error", code=msg.code[:100], message=msg.message[:500])
         else:
             self.metrics.count("unexpected_message")
