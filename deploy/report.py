@@ -490,9 +490,10 @@ def summary_rows(run: Run) -> list[tuple[str, float, float, float, float]]:
 
 def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_lines: int,
              overview: bool, note: str = "") -> str:
-    n = len(run.rows)
+    step_rows = [r for r in run.rows if r.get("kind") != "eval"]   # eval rounds are rows, not steps
+    n = len(step_rows)
     k = max(1, int(n * WINDOW_FRACTION))
-    steps = [s for s in run.steps if math.isfinite(s)]
+    steps = [float(r["step"]) for r in step_rows if isinstance(r.get("step"), (int, float))]
     elapsed = [t for t in run.elapsed_s() if math.isfinite(t)]
     t0 = next((t for t in run.values("time") if math.isfinite(t)), None)
     lines = [f"# slipstream run `{run.run_id}`", ""]

@@ -241,3 +241,19 @@ async def test_eval_through_a_real_hf_server_is_the_greedy_completion(tmp_path, 
         with torch.no_grad():
             out = model.generate(ids, do_sample=False, max_new_tokens=3, pad_token_id=model.config.pad_token_id)
         assert s.completion_token_ids.tolist() == out[0, ids.shape[1]:].tolist()[:len(s.completion_token_ids)]
+
+
+def test_the_report_counts_steps_not_eval_rows(tmp_path):
+    from deploy.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"run_id": "r", "step": s, "time": 100.0 + s, "reward_mean": 0.1 * s} for s in (1, 2, 3)]
+    rows.insert(0, {"run_id": "r", "kind": "eval", "step": 0, "time": 100.0, "eval_reward_mean": 0.2,
+                    "eval_accuracy": 0.2})
+    rows.append({"run_id": "r", "kind": "eval", "step": 3, "time": 104.0, "eval_reward_mean": 0.5,
+                 "eval_accuracy": 0.5})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    text = write_report(run, out=tmp_path / "report").read_text()
+    assert "3 policy steps (step 1 → 3)" in text
+    assert "| eval accuracy | 0.200 | 0.500 | 0.200 | 0.500 |" in text
