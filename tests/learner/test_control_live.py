@@ -83,3 +83,37 @@ async def test_the_ctl_command_line(tmp_path, tiny_model_dir, capsys):
         assert (await cli("resume"))[0] == 0 and not svc.control.paused
         code, _, err = await cli("pause", "now")
         assert code == 2 and "takes no arguments" in err
+
+
+async def test_ctl_stop_checkpoints_and_tells_the_servers(tmp_path, tiny_model_dir):
+    """`ctl stop` ends the run as SIGTERM does: a final checkpoint, the servers told (they drop
+    queued work and stay up for a resumed learner), the learner out with 0."""
+    from learner.service import LearnerService
+    from rollout_server.config import RolloutConfig
+    from rollout_server.service import RolloutService
+
+    svc = LearnerService(learner_config(tmp_path, save_every=0), tiny_model_dir, run_id="test")
+    learner = asyncio.create_task(svc.run())
+    await wait_until(lambda: svc.ready.is_set() or learner.done(), 120, "learner ready")
+    server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="real",
+                                          metrics_port=0, threads=1, max_concurrency=4), tiny_model_dir)
+    events: list[str] = []
+    log = server.log
+    server.log = lambda event, **fields: (events.append(event), log(event, **fields))
+    task = asyncio.create_task(server.run())
+    try:
+        await wait_until(lambda: svc.version >= 2 or task.done() or learner.done(), 240, "two steps")
+        reply = await ctl(svc.endpoints["control"], "stop")
+        assert reply.ok and reply.result == {"stopping": True}
+        assert await asyncio.wait_for(learner, 120) == 0
+        checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+        assert checkpoints and (checkpoints[-1] / "COMPLETE").exists(), checkpoints
+        await wait_until(lambda: "learner_stopping" in events or task.done(), 30, "the server told")
+        assert not task.done()                      # it stays up, for a resumed learner
+    finally:
+        server.stopping.set()
+        server.abort.set()
+        assert await asyncio.wait_for(task, 60) == 0
+        if not learner.done():
+            svc.stopping.set()
+            await asyncio.wait_for(learner, 60)
