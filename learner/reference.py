@@ -13,7 +13,8 @@ Two kinds:
   policy, which is no longer the initial one).
 * LoRA (:meth:`ReferencePolicy.adapter_disabled`): the policy's own base model with the adapter
   switched off for the pass (PEFT ``disable_adapter``). The base weights are frozen, so this *is*
-  the initial policy, with no second copy in memory; its ``state_dict`` is empty.
+  the initial policy, with no second copy in memory (``reference_on_cpu`` has nothing to move);
+  its ``state_dict`` is empty.
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ would give, for half the forwards (the single-step shortcut). A separate pass ru
 not so: several optimizer steps; KL in the reward or V-trace targets (the advantages need π_prox
 before any update); M2PO (its mask is a batch statistic, needed before the first micro-batch's
 backward). The pass runs in eval mode over the first epoch's micro-batches in their order (same
-rows, same widths), so the gradient forward of the first mini-batch repeats it bit for bit unless
-the two passes compute different functions: dropout left on, or padding handled differently
+rows, same widths, the same log-prob function: :class:`learner.models.logprobs.LogprobForward`,
+hidden state -> ``ops.token_logprobs_from_hidden`` in the same chunks, in every pass), so the
+gradient forward of the first mini-batch repeats it bit for bit unless the two passes compute
+different functions: dropout left on (a LoRA ``dropout`` above 0 included), or padding handled differently
 (PF-PPO alone draws the plan after the pass, on the resampled rows: there the two agree to
 rounding, not bit for bit). That is
 the seeds' sanity check (``sanity_*`` stats): mean and max |ratio − 1| and KL(current ‖ proximal)
@@ -515,29 +517,55 @@ class Trainer:
                             if not math.isfinite(mb.losses[name])), None)   # the total first
                 if bad is not None:
                     raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
-                gn = cn = 0.0
-                if s.train_policy:
-                    gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm))
-                    if not math.isfinite(gn):
-                        raise self._skip(s, snapshot, log, f"non-finite policy gradient norm at {where}", start)
-                if self.critic is not None:
-                    cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.critic_max_grad_norm))
-                    if not math.isfinite(cn):
-                        raise self._skip(s, snapshot, log, f"non-finite critic gradient norm at {where}", start)
+                gn, cn = self._clip_grads(s)
+                for which, norm in (("policy", gn), ("critic", cn)):
+                    if not math.isfinite(norm):
+                        raise self._skip(s, snapshot, log, f"non-finite {which} gradient norm at {where}", start)
                 if s.n_updates > 1 and snapshot is None:
                     snapshot = self._snapshot()             # before the first optimizer step
+                gn, cn = self._optimizer_steps(s, gn, cn, lambda reason, snap=snapshot, at=where: self._skip(
+                    s, snap, log, f"{reason} at {at}", start))
                 if s.train_policy:
-                    self.optimizer.step()
                     log.grad_norms.append(gn)
                     log.pg_parts.extend(mb.pg_parts)
                 if self.critic is not None:
-                    self.critic_optimizer.step()
                     log.critic_grad_norms.append(cn)
                     log.vf_parts.extend(mb.vf_parts)
                 for k, v in mb.losses.items():
                     log.losses.setdefault(k, []).append(v)
                 log.applied += 1
         return log
+
+    # ---- hooks a data-parallel trainer replaces (learner.distributed) -----------------------
+    def _clip_grads(self, s: StepData) -> tuple[float, float]:
+        """(policy, critic) gradient norms before clipping, each clipped once (0.0 where unused)."""
+        gn = cn = 0.0
+        if s.train_policy:
+            gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))
+        if self.critic is not None:
+            cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.critic_max_grad_norm))
+        return gn, cn
+
+    def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
+        """One optimizer step of the policy (when trained) and of the critic; returns the norms
+        (``skip(reason)`` builds the SkippedStep to raise where a step could not be applied)."""
+        if s.train_policy:
+            self.optimizer.step()
+        if self.critic is not None:
+            self.critic_optimizer.step()
+        return gn, cn
+
+    def _local_micro_batches(self, micros: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The micro-batches of a mini-batch this process trains (all of them here)."""
+        return micros
+
+    def _backward(self, loss: torch.Tensor, which: str) -> None:
+        """Backward of one micro-batch's loss (``which``: policy or critic)."""
+        loss.backward()
+
+    def _minibatch_done(self, s: StepData, mb: MiniBatch) -> MiniBatch:
+        """What a mini-batch measured, over every process that trained part of it."""
+        return mb
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -561,7 +589,7 @@ class Trainer:
         normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.loss_agg)
         self._zero_grad()
         mb = MiniBatch()
-        for rows in micros:
+        for rows in self._local_micro_batches(micros):
             sub = bt.rows(rows)
             L = sub.input_ids.shape[1]
             mask = sub.mask
@@ -573,10 +601,10 @@ class Trainer:
                 vf_loss, vf_stats = ops.value_loss(
                     values, take(s.old_values, rows, L), take(s.targets, rows, L), mask,
                     clip=cfg.value_clip, agg=cfg.loss_agg, normalizer=normalizer)
-                vf_loss.backward()
+                self._backward(vf_loss, "critic")
                 mb.add("vf_loss", vf_loss)
                 mb.vf_parts.append((vf_stats, n_tok))
-        return mb
+        return self._minibatch_done(s, mb)
 
     def _policy_micro(self, s: StepData, log: UpdateLog, mb: MiniBatch, sub: BatchTensors,
                       rows: torch.Tensor, normalizer: float, n_tok: int, epoch: int, first: bool) -> None:
@@ -612,7 +640,7 @@ class Trainer:
             ent_val, _ = ops.entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
             total = total - cfg.entropy_coef * ent_val
             mb.add("entropy_bonus", ent_val)
-        total.backward()
+        self._backward(total, "policy")
         mb.add("loss", total)
         mb.pg_parts.append((pg_stats, n_tok))
 
