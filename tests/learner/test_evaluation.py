@@ -91,12 +91,14 @@ async def test_a_chat_dataset_runs_its_epochs_and_ends_the_run(tmp_path, tiny_mo
     tok.chat_template = TEMPLATE
     tok.save_pretrained(model)
     data = tmp_path / "train.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}],
-                                          "answer": str(i + 1), "level": i}) for i in range(3)))
+    lines = [json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1), "level": i})
+             for i in range(3)]
+    lines.append(json.dumps({"prompt": [{"role": "user", "content": "1234567+1="}], "answer": "0", "level": 9}))
+    data.write_text("\n".join(lines))                          # the last row: 15 tokens, skipped
     # 3 rows x 2 epochs = 6 prompts = 3 batches of 2; total_steps is far away: the data ends the run.
     # (max_staleness 3: no group is dropped as stale, so all three batches form.)
     cfg = learner_config(tmp_path, dataset=str(data), epochs=2, batch_prompts=2, exit_on_finish=True,
-                         final_sync_s=5.0, max_staleness=3)
+                         final_sync_s=5.0, max_staleness=3, max_prompt_tokens=12)
     svc, server = await run_to_end(cfg, str(model))
     assert svc.version == 3 and svc.prompts.exhausted and svc.finished
     steps = [r for r in rows_of(tmp_path / "run" / "metrics.jsonl") if r.get("kind") != "eval"]
@@ -108,6 +110,8 @@ async def test_a_chat_dataset_runs_its_epochs_and_ends_the_run(tmp_path, tiny_mo
         assert a.prompt_token_ids.tolist() == tok.encode(a.prompt_text, add_special_tokens=False)
         assert a.metadata["answer"] == str(a.metadata["level"] + 1)
     assert svc.status()["prompts"]["exhausted"] is True
+    assert svc.status()["prompts"]["skipped"] == {"too_long": 1}
+    assert metric(svc, "slipstream_prompts_skipped_total", reason="too_long") == 1
 
 
 async def test_eval_rounds_are_greedy_reported_and_never_trained(tmp_path, tiny_model_dir):
