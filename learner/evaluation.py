@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +106,7 @@ class Evaluation:
         self.rounds = 0
         self.last: dict[str, Any] | None = None       # the last complete round's numbers
         self._recent: deque[str] = deque(maxlen=RECENT_ROUNDS)   # prefixes of closed rounds
+        self._held: Counter[str] = Counter()          # server id -> eval assignments it holds
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -151,8 +152,7 @@ class Evaluation:
 
     def outstanding(self, server_id: str) -> int:
         """Eval samples ``server_id`` holds (one per held assignment)."""
-        r = self.round
-        return 0 if r is None else sum(1 for le in r.leases.values() if le.holder == server_id)
+        return self._held[server_id]
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the open round to finish; True if none is open."""
@@ -178,6 +178,7 @@ class Evaluation:
             if lease is None or lease.holder:
                 continue                     # finished meanwhile by an earlier holder
             lease.holder, lease.attempt = srv.server_id, lease.attempt + 1
+            self._held[srv.server_id] += 1
             lease.deadline_s = self.clock() + self.lease_timeout_s
             srv.credits -= 1
             await admission._send(srv, self._assignment(lease))   # not queued: srv lost, re-issued
@@ -192,9 +193,16 @@ class Evaluation:
             deadline_s=self.lease_timeout_s, attempt=lease.attempt)
 
     # ---- losing leases (called by Admission) -----------------------------------------------------
+    def _release(self, lease: EvalLease) -> None:
+        if lease.holder:
+            self._held[lease.holder] -= 1
+            if self._held[lease.holder] <= 0:
+                del self._held[lease.holder]
+            lease.holder = ""
+
     def _lose(self, lease: EvalLease, reason: str) -> None:
         r = self.round
-        lease.holder = ""
+        self._release(lease)
         if lease.attempt >= self.max_attempts:
             del r.leases[lease.assignment_id]
             r.dropped += 1
@@ -261,6 +269,7 @@ class Evaluation:
                 or not np.array_equal(s.prompt_token_ids, lease.prompt["prompt_token_ids"])):
             self.log("eval_sample_invalid", sample_id=s.sample_id[:200])
             return "invalid"                   # the lease stays: it expires and is re-issued
+        self._release(lease)
         del r.leases[s.assignment_id]
         if s.failed:
             r.failed += 1
