@@ -226,8 +226,8 @@ class Admission:
         if msg.version > self.version():
             self.log("server_version_mismatch", level="warning", server=msg.server_id,
                      server_version=msg.version, learner_version=self.version(),
-                     hint="the server holds weights of another run (this learner started without "
-                          "--resume?): no work until it applies this run's weights")
+                     hint="the server holds weights of another run, or of steps after the checkpoint "
+                          "this learner resumed from: no work until it applies this run's weights")
         if not await self._send(srv, self.welcome()):
             return
         if self.latest is not None and self.latest.version != srv.version:

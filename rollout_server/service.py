@@ -460,7 +460,8 @@ class RolloutService:
         self.log("new_run", level="warning", previous_run_id=previous, learner_version=msg.version,
                  server_version=self.engine.version, dropped_queued_samples=queued,
                  dropped_unacked_samples=unacked,
-                 hint="the learner restarted without --resume: fetching its weights, re-tagging")
+                 hint="the learner restarted without --resume, or resumed from a checkpoint older "
+                      "than this server's weights: fetching its weights, re-tagging")
 
 
 def serve(cfg: RolloutConfig, model_path: str) -> int:
