@@ -210,6 +210,12 @@ class Trainer:
         return self.model.state_dict()
 
     def _load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The adapter's tensors (``get_peft_model_state_dict`` names) under LoRA, or the model's
+        own ``state_dict`` (any kind: every key a key of the live model, loaded strictly)."""
+        live = self.model.state_dict()
+        if state and all(k in live for k in state):
+            self.model.load_state_dict(state)
+            return
         if self.lora_config is not None:
             from peft import set_peft_model_state_dict
 

@@ -192,6 +192,10 @@ def test_lora_state_dict_and_save_policy_round_trip(tiny_model_dir, tmp_path):
     fresh.load_state_dict(state)
     for n, p in tr.model.named_parameters():
         assert torch.equal(dict(fresh.model.named_parameters())[n], p), n
+    other = make_trainer(tiny_model_dir, lora=LORA)                   # the model's own state_dict
+    other.load_state_dict({**state, "policy": tr.model.state_dict()})
+    for n, p in tr.model.named_parameters():
+        assert torch.equal(dict(other.model.named_parameters())[n], p), n
     with pytest.raises(ValueError, match="unknown"):
         fresh.load_state_dict({**state, "policy": {"base_model.model.nope.lora_A.weight": torch.zeros(1)}})
     # The saved policy is a PEFT adapter directory: PEFT and transformers load it as it is.
