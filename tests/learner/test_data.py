@@ -252,3 +252,22 @@ def test_check_dataset_reads_the_config_keys_and_eval_data(tmp_path):
         check_dataset(cfg.model_copy(update={"eval_data": str(tmp_path / "none.jsonl")}))
     with pytest.raises(ValueError, match="eval_every > 0 needs eval_data"):
         LearnerConfig(eval_every=3)
+
+
+@pytest.mark.xfail(strict=True, reason="deploy/cli.py and deploy/launcher.py check the dataset with "
+                   "PromptSource(dataset, seed): default keys, no eval_data; they should call "
+                   "learner.data.check_dataset(cfg.learner)")
+@pytest.mark.parametrize("command", ["learner", "run"])
+def test_the_cli_checks_the_dataset_with_its_keys_and_the_eval_data(tmp_path, capsys, command):
+    import yaml
+
+    from deploy.cli import main
+
+    good = write(tmp_path, "json", [{"q": "1+1=", "a": "2"}])
+    learner = {"dataset": good, "prompt_key": "q", "answer_key": "a", "run_dir": str(tmp_path / "run"),
+               "eval_data": str(tmp_path / "none.jsonl"), "eval_every": 1}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": "/nonexistent/model-dir", "learner": learner}))
+    assert main([command, "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "learner.eval_data: " in err and "none.jsonl" in err and "\n" not in err, err
