@@ -65,6 +65,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -193,6 +194,7 @@ def _read_parquet(path: Path, what: str) -> list:
 
 def _read_saved(path: Path, split: str, what: str) -> list:
     """A ``save_to_disk`` directory: a Dataset, or the ``split`` of a DatasetDict."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")      # nothing here needs the Hub
     import datasets
 
     try:

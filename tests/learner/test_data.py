@@ -271,3 +271,11 @@ def test_the_cli_checks_the_dataset_with_its_keys_and_the_eval_data(tmp_path, ca
     assert main([command, "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
     assert "learner.eval_data: " in err and "none.jsonl" in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "dataset", "json"])
+def test_chat_messages_survive_every_columnar_format(tmp_path, chat_tok, fmt):
+    data = [{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": f"{i}"}],
+             "answer": str(i)} for i in range(3)]
+    src = PromptSource(write(tmp_path, fmt, data), shuffle=False, tokenizer=chat_tok)
+    assert [p["prompt"] for p in src.take(3)] == [f"s:s.u:{i}.a:" for i in range(3)]
