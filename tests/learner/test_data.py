@@ -279,3 +279,13 @@ def test_chat_messages_survive_every_columnar_format(tmp_path, chat_tok, fmt):
              "answer": str(i)} for i in range(3)]
     src = PromptSource(write(tmp_path, fmt, data), shuffle=False, tokenizer=chat_tok)
     assert [p["prompt"] for p in src.take(3)] == [f"s:s.u:{i}.a:" for i in range(3)]
+
+
+def test_the_config_keys_reach_the_stream(tmp_path, tok):
+    path = write(tmp_path, "jsonl", rows(8, length=lambda i: 1 + i))
+    cfg = LearnerConfig(dataset=path, seed=4, shuffle=False, epochs=2, length_buckets=3, batch_prompts=2,
+                        max_prompt_tokens=8)
+    src = PromptSource.from_config(cfg, tokenizer=tok)                   # kept: 2..7 tokens, 3 buckets of 2
+    assert src.rows == 6 and src.total == 12 and len(src._buckets) == 3 and src.skipped == {"too_long": 2}
+    first = [len(p["prompt_token_ids"]) for p in src.take(6)]
+    assert [max(first[k:k + 2]) - min(first[k:k + 2]) for k in range(0, 6, 2)] == [1, 1, 1]
