@@ -529,6 +529,7 @@ class Checkpointer:
 
         path = ckpt.path
         try:
+            load_policy(trainer.model, path / POLICY)          # first: LoRA vs full says most
             tensors = load_file(str(path / TRAINER_TENSORS))
             used: set[str] = set()
             rest = decode_tree(json.loads((path / TRAINER_JSON).read_text()), tensors, used)
@@ -551,7 +552,6 @@ class Checkpointer:
                             raise ValueError(f"{key} tensor {name!r}: "
                                              f"{'missing' if got is None else tuple(got.shape)}, "
                                              f"the model {tuple(t.shape)}")
-            load_policy(trainer.model, path / POLICY)
             full = {**rest, "policy": trainer.model.state_dict()}
             if "reference" in live:
                 full["reference"] = live["reference"]

@@ -65,6 +65,7 @@ CONFIGS = {
     "ppo_gae_critic": {"advantage": "gae", "ppo_epochs": 2},
     "adaptive_kl": {"kl_coef": 0.05, "kl_controller": "adaptive", "kl_target": 0.01,
                     "kl_horizon": 10.0},
+    "lora": {"lora": {"r": 4, "alpha": 8.0}, "lr": 5e-2, "kl_coef": 0.05},
 }
 
 
@@ -80,7 +81,8 @@ def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
     store = Checkpointer(tmp_path / "ck", keep_last=2)
     path = store.save(3, STATE, a)
     assert path.name == "step-3" and (path / "COMPLETE").is_file()
-    assert (path / "policy" / "model.safetensors").is_file()      # loadable by transformers as is
+    policy_file = "adapter_model.safetensors" if name == "lora" else "model.safetensors"
+    assert (path / "policy" / policy_file).is_file()              # loadable by transformers as is
 
     b = Trainer(cfg, tiny_model_dir)
     store.restore_trainer(store.read(store.latest_complete()), b)
@@ -101,6 +103,7 @@ def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
     # The negative control: the same weights without the optimizer state train differently.
     c = Trainer(cfg, tiny_model_dir)
     ckpt_mod.load_policy(c.model, path / "policy")
+    assert all(torch.equal(before_a[k], p) for k, p in all_params(c).items() if k.startswith("policy."))
     c.step(nxt)
     pc = all_params(c)
     assert max(float((pa[k] - pc[k]).abs().max()) for k in pa if k.startswith("policy.")) > 1e-4
@@ -115,6 +118,28 @@ def test_checkpoint_loads_with_from_pretrained(tmp_path, tiny_model_dir):
     loaded = AutoModelForCausalLM.from_pretrained(path / "policy", dtype=torch.float32)
     for (n, p), (_, q) in zip(tr.model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_a_lora_checkpoint_holds_the_adapter_only_and_refuses_a_full_config(tmp_path, tiny_model_dir):
+    tr = Trainer(trainer_cfg(lora={"r": 4, "alpha": 8.0}), tiny_model_dir)
+    tr.step(make_batch(0, seed=0))
+    store = Checkpointer(tmp_path / "ck")
+    path = store.save(1, STATE, tr)
+    assert not (path / "policy" / "model.safetensors").exists()
+    assert (path / "policy" / "adapter_config.json").is_file()
+    full = Trainer(trainer_cfg(), tiny_model_dir)
+    with pytest.raises(StartupError, match="LoRA adapter"):
+        store.restore_trainer(store.read(path), full)
+
+
+def test_resume_flags_parse():
+    from deploy.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["learner", "--config", "c.yaml", "--resume"]).resume == "latest"
+    assert p.parse_args(["learner", "--config", "c.yaml", "--resume", "/x/step-4"]).resume == "/x/step-4"
+    assert p.parse_args(["run", "--resume"]).resume == "latest"
+    assert p.parse_args(["run"]).resume is None
 
 
 @pytest.fixture(scope="module")
@@ -378,3 +403,14 @@ async def test_disk_full_under_checkpoint_failure_stop_stops_cleanly(tmp_path, t
     root = svc.checkpoints.store.root
     assert sorted(p.name for p in root.iterdir()) == ["step-2"]  # intact, no temporary left
     svc.checkpoints.store.read(root / "step-2")
+
+
+async def test_the_end_of_training_is_checkpointed(tmp_path, tiny_model_dir):
+    cfg = learner_config(tmp_path, total_steps=3, save_every=0, exit_on_finish=True, final_sync_s=0.1)
+    svc = LearnerService(cfg, tiny_model_dir, run_id="end")
+    task = await _start(svc)
+    async with HonestServer(svc.endpoints["rollout"]):
+        assert await asyncio.wait_for(task, 120) == 0
+    store = svc.checkpoints.store
+    assert [v for v, _ in store.complete()] == [3]                # save_every 0: only the end
+    assert store.read(store.latest_complete()).state["run_id"] == "end"
