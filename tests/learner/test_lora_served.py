@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 from learner_testkit import learner_config, running_learner, wait_until
-from test_algorithms_service import demo_model, jsonl, rollout_server  # noqa: F401 - fixture
+from test_algorithms_service import (  # noqa: F401 - demo_model is a fixture
+    _assert_learned,
+    answer_probability,
+    demo_model,
+    jsonl,
+    rollout_server,
+)
 
 from learner.batching import collate
 
@@ -189,3 +195,23 @@ async def test_full_bf16_end_to_end_and_the_final_policy_loads(tmp_path, demo_mo
         assert torch.equal(p, trained[n]), n
     print("bf16 behavior gap per step:", [f"{g:.3g}" for g in behavior_gap])
     assert np.isfinite([r["loss"] for r in jsonl(cfg)]).all()
+
+
+async def test_reward_rises_with_lora(tmp_path, demo_model):  # noqa: F811
+    """GRPO on a LoRA adapter (all-linear, r 8, lr 1e-3) of the demo model, 100 steps of 8 × 8 at
+    max_staleness 0 (deterministic with fixed seeds), the same margins as the full-weight runs.
+    Measured: training reward (first -> last quarter) 0.203 -> 0.319; expected accuracy 0.218 ->
+    0.317 (full fine-tuning at lr 3e-4: 0.194 -> 0.333). At lr 3e-3 the adapter barely learns in
+    150 steps (0.22 -> 0.19), at 1e-2 it collapses (0.04 -> 0.01)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    before = answer_probability(AutoModelForCausalLM.from_pretrained(demo_model), tokenizer)
+    cfg = learner_config(tmp_path, batch_prompts=8, group_size=8, lr=1e-3, total_steps=100,
+                         max_staleness=0, final_sync_s=5.0, lora={"r": 8, "alpha": 16.0})
+    async with running_learner(cfg, demo_model) as svc:
+        async with rollout_server(svc, demo_model):
+            await wait_until(lambda: svc.finished, timeout_s=600, what="the last step")
+        svc.trainer.model.eval()
+        after = answer_probability(svc.trainer.model, tokenizer)
+    _assert_learned([r["reward_mean"] for r in jsonl(cfg)], before, after)
