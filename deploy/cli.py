@@ -118,10 +118,10 @@ def _run(args) -> int:
 
 def _learner(args) -> int:
     from deploy.config import load_config
-    from learner.data import PromptSource
+    from learner.data import check_dataset
 
     cfg = load_config(args.config, args.overrides)
-    PromptSource(cfg.learner.dataset, cfg.learner.seed)     # the dataset is checked before the model
+    check_dataset(cfg.learner)              # the datasets (and their keys) are checked before the model
     model_path = _resolve_model(cfg.model)
     from learner.service import serve
 

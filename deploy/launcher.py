@@ -187,10 +187,10 @@ def _server_metrics_port(cfg: SlipstreamConfig, index: int) -> int:
 def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
            resume: str | None = None) -> int:
     from deploy.builtin import resolve_model
-    from learner.data import PromptSource
+    from learner.data import check_dataset
 
     verbose = bool(os.environ.get("SLIPSTREAM_VERBOSE"))
-    PromptSource(cfg.learner.dataset, cfg.learner.seed)   # a bad dataset stops us before any process
+    check_dataset(cfg.learner)              # a bad dataset (or eval_data) stops us before any process
     model_path = resolve_model(cfg.model, log=lambda m: print(f"[setup] {m}", flush=True))
     learner_threads, rollout_threads = _thread_split(cfg)
     run_dir = Path(cfg.learner.run_dir)

@@ -254,9 +254,6 @@ def test_check_dataset_reads_the_config_keys_and_eval_data(tmp_path):
         LearnerConfig(eval_every=3)
 
 
-@pytest.mark.xfail(strict=True, reason="deploy/cli.py and deploy/launcher.py check the dataset with "
-                   "PromptSource(dataset, seed): default keys, no eval_data; they should call "
-                   "learner.data.check_dataset(cfg.learner)")
 @pytest.mark.parametrize("command", ["learner", "run"])
 def test_the_cli_checks_the_dataset_with_its_keys_and_the_eval_data(tmp_path, capsys, command):
     import yaml
