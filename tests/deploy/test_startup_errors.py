@@ -78,7 +78,7 @@ def test_ctl_without_a_learner_file_says_what_to_pass(tmp_path, capsys):
 def test_a_runtime_error_is_not_reported_as_a_config_error(tmp_path, monkeypatch, tiny_model_dir, capsys):
     import learner.service
 
-    def serve(cfg, model_path):
+    def serve(cfg, model_path, **options):
         raise ValueError("a bug in the training loop")
 
     monkeypatch.setattr(learner.service, "serve", serve)
