@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from learner_testkit import HonestServer, learner_config, metric, wait_until
+from learner_testkit import HonestServer, ctl, learner_config, metric, wait_until
 
 import learner.checkpoint as ckpt_mod
 from buffer import Batch
@@ -414,3 +414,21 @@ async def test_the_end_of_training_is_checkpointed(tmp_path, tiny_model_dir):
     store = svc.checkpoints.store
     assert [v for v, _ in store.complete()] == [3]                # save_every 0: only the end
     assert store.read(store.latest_complete()).state["run_id"] == "end"
+
+
+async def test_ctl_checkpoint_writes_one_between_steps(tmp_path, tiny_model_dir):
+    cfg = learner_config(tmp_path, save_every=0)
+    svc = LearnerService(cfg, tiny_model_dir, run_id="ctl")
+    task = await _start(svc)
+    try:
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(2)
+            reply = await ctl(svc.endpoints["control"], "checkpoint", timeout_s=60)
+            assert reply.ok, reply.error
+            assert reply.result["reason"] == "ctl" and reply.result["version"] >= 2
+            path = Path(reply.result["checkpoint"])
+            ck = svc.checkpoints.store.read(path)                 # complete and verified
+            assert ck.state["version"] == reply.result["version"] == int(path.name.split("-")[1])
+    finally:
+        svc.stopping.set()
+        assert await asyncio.wait_for(task, 60) == 0
