@@ -75,10 +75,11 @@ def test_sigkilled_learner_resumes_and_the_server_rejoins(tmp_path, tiny_model_d
     env = subprocess_env
     t = {"start": time.monotonic()}
     first = process_groups.watch([*CLI, "learner", "--config", cfg], env=env)
-    first.wait_for_event("ready", 60)
-    t["learner_ready"] = time.monotonic()
+    # Started together: the server connects (and re-connects) to the learner's port on its own.
     server = process_groups.watch([*CLI, "rollout", "--config", cfg,
                                    "--set", "rollout.server_id=r0"], env=env)
+    first.wait_for_event("ready", 90)
+    t["learner_ready"] = time.monotonic()
     saved = first.wait_for(lambda line: (ev := _parse(line)) and ev.get("event") == "checkpoint"
                            and ev["version"] >= 3 and ev, 60, "a checkpoint at version >= 3")
     # Mid-run after the checkpoint: one more step, then SIGKILL (no chance to save anything).
