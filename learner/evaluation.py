@@ -115,10 +115,11 @@ class Evaluation:
         """The evaluation of a LearnerConfig (``eval_every`` > 0): ``eval_prompts`` prompts of
         ``eval_data``, formatted and tokenized like the training prompts."""
         source = PromptSource.from_config(cfg, tokenizer=tokenizer, encode=encode, evaluation=True)
-        n = cfg.eval_prompts or source.rows
-        if n is None:
+        rows = source.rows                      # None: an endless built-in task
+        if rows is None and not cfg.eval_prompts:
             raise protocol.StartupError(f"learner.eval_prompts: eval_data {cfg.eval_data} is an endless "
                                         "built-in task; set eval_prompts to a number of prompts")
+        n = cfg.eval_prompts if rows is None else min(cfg.eval_prompts or rows, rows)   # each row once
         prompts = [{**p, "prompt_id": f"e{i}"} for i, p in enumerate(source.take(n))]
         sampling = protocol.SamplingParams(temperature=cfg.eval_temperature, top_p=1.0, top_k=0,
                                            max_new_tokens=cfg.max_new_tokens)

@@ -155,6 +155,9 @@ def test_from_config_takes_the_same_prompts_every_round_and_needs_a_count_for_a_
                                         run_id="r", version=lambda: 0, metrics=LearnerMetrics(),
                                         record=lambda row: None)
     assert sorted(p["prompt"] for p in everything.prompts) == [f"{i}+0=" for i in range(5)]
+    more = Evaluation.from_config(cfg.model_copy(update={"eval_prompts": 50}), tokenizer=tok, encode=None,
+                                  run_id="r", version=lambda: 0, metrics=LearnerMetrics(), record=lambda row: None)
+    assert len(more.prompts) == 5                                     # each row once, not repeated
     with pytest.raises(protocol.StartupError, match="endless built-in task; set eval_prompts"):
         Evaluation.from_config(cfg.model_copy(update={"eval_data": "builtin:arith", "eval_prompts": 0}),
                                tokenizer=tok, encode=None, run_id="r", version=lambda: 0,
