@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("learner", help="run the learner process")
     _add_config_args(p, required=True)
     _add_resume_arg(p)
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="start N learner ranks on this machine through torchrun (needs a "
+                        "learner.deepspeed section; rank 0 serves, the others train their share)")
     p = sub.add_parser("rollout", help="run one rollout server process")
     _add_config_args(p, required=True)
     p.add_argument("--learner", metavar="tcp://HOST:PORT", help="the learner's rollout endpoint")
@@ -123,6 +126,10 @@ def _learner(args) -> int:
     cfg = load_config(args.config, args.overrides)
     check_dataset(cfg.learner)              # the datasets (and their keys) are checked before the model
     model_path = _resolve_model(cfg.model)
+    if args.nproc > 1:
+        from learner.distributed import launch_ranks
+
+        return launch_ranks(args.nproc, cfg.learner, args.config, args.overrides, args.resume)
     from learner.service import serve
 
     return serve(cfg.learner, model_path, resume=args.resume)

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
+from learner.ds_config import DeepSpeedSettings
 from learner.security import LearnerSecurity
 from learner.sinks import METRICS_SINKS
 from ops import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS
@@ -302,6 +303,11 @@ class LearnerConfig(BaseModel):
     lora: LoraSettings | None = None
     """Train a LoRA adapter (PEFT) instead of the full model; the reference is the base model
     (adapter disabled) and publishes carry the adapter only (null = full fine-tuning)."""
+
+    # ---- DeepSpeed (issue 11) ----
+    deepspeed: DeepSpeedSettings | None = None
+    """Train the policy (and critic) as DeepSpeed engines, data-parallel over the ranks of the
+    launch (ZeRO stage, precision, offload: learner/ds_config.py); null = plain PyTorch."""
 
     # ---- checkpoints (issue 10) ----
     save_every: int = Field(50, ge=0)

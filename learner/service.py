@@ -53,6 +53,7 @@ from learner.checkpoint import EXIT_CHECKPOINT_FAILED, LearnerCheckpoints
 from learner.config import LearnerConfig
 from learner.control import Control, control_error_reply
 from learner.data import PromptSource
+from learner.distributed import make_trainer
 from learner.evaluation import Evaluation
 from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
@@ -60,7 +61,7 @@ from learner.router import RouterSocket
 from learner.security import LearnerCurve
 from learner.sinks import open_sinks
 from learner.staleness import StalenessController
-from learner.trainer import SkippedStep, Trainer
+from learner.trainer import SkippedStep
 from learner.weights_server import Publisher, WeightsServer
 from protocol.http import HttpEndpoint
 from protocol.process import EventLog, cancel_all, supervise
@@ -224,7 +225,7 @@ class LearnerService:
         resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
         # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
-        self.trainer = Trainer(self.cfg.model_copy(deep=True), self.model_path)
+        self.trainer = make_trainer(self.cfg.model_copy(deep=True), self.model_path)   # DeepSpeed or not
         self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
         self.weights.metadata = dict(self.trainer.publish_metadata())
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
@@ -250,6 +251,9 @@ class LearnerService:
             self.log("prompts", **self.prompts.status())
 
     def _close(self) -> None:
+        close = getattr(self.trainer, "close", None)      # DeepSpeed: the other ranks exit
+        if close is not None:
+            close()
         self.http.close()
         for name, s in self.sockets.items():
             # The last words to the servers (learner_finished / learner_stopping) get a moment
@@ -564,4 +568,10 @@ class LearnerService:
 
 
 def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int:
+    if cfg.deepspeed is not None:          # several ranks: only rank 0 is the service
+        from learner.distributed import join_group, worker_main
+
+        group = join_group(cfg.deepspeed)
+        if group.rank != 0:
+            return worker_main(cfg, model_path, group)
     return asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
