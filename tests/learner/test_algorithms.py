@@ -90,6 +90,49 @@ def test_sanity_check_fires_when_dropout_is_left_on(tiny_model_dir, tmp_path, di
         assert stats["sanity_kl"] > tr.cfg.sanity_kl_tolerance
 
 
+def left_padded_without_mask(tr: Trainer):
+    """The seeds' other failure, made on purpose: a proximal pass that handles padding differently
+    from the gradient forward (its rows left-padded, as generation engines pad, and the padding
+    attended because the attention mask was forgotten). Returns the buggy pass."""
+    def logprobs(sub):
+        ids, keep = sub.input_ids.clone(), sub.attention_mask.bool()
+        lens = keep.sum(1)
+        width = ids.shape[1]
+        left = torch.full_like(ids, tr.pad_id)
+        for i, n in enumerate(lens.tolist()):
+            left[i, width - n:] = ids[i, :n]
+        targets = left[:, 1:]
+        out = tr.forward(left, torch.ones_like(sub.attention_mask), targets, tr.cfg.temperature)[0]
+        back = torch.zeros_like(out)                 # (b, L-1), back to right-aligned positions
+        for i, n in enumerate(lens.tolist()):
+            back[i, :n - 1] = out[i, width - n:]
+        return back
+
+    def proximal(bt, chunks):
+        tr.model.eval()
+        try:
+            return tr._no_grad_pass(bt, chunks, logprobs)
+        finally:
+            tr.model.train()
+    return proximal
+
+
+@pytest.mark.parametrize("buggy", [False, True])
+def test_sanity_check_fires_when_padding_is_handled_differently(tiny_model_dir, buggy):
+    """The same check catches a proximal pass whose padding differs from the gradient forward's
+    (the ragged rows of make_batch are the ones that change); the trainer's own pass passes it."""
+    tr = make_trainer(tiny_model_dir, ppo_epochs=2)
+    if buggy:
+        tr._proximal_pass = left_padded_without_mask(tr)
+    stats = tr.step(make_batch())
+    assert stats["sanity_applicable"] == 1.0
+    if buggy:
+        assert stats["sanity_failed"] == 1.0
+        assert stats["sanity_ratio_dev_max"] > tr.cfg.sanity_ratio_tolerance
+    else:
+        assert stats["sanity_failed"] == 0.0 and stats["sanity_ratio_dev_max"] <= 1e-6
+
+
 def test_disable_dropout_turns_modules_and_attributes_off(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
