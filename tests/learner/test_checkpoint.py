@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 from learner_testkit import HonestServer, ctl, learner_config, metric, wait_until
 
 import learner.checkpoint as ckpt_mod
@@ -212,7 +213,7 @@ def _break(path: Path, how: str) -> None:
         _rewrite_consistently(path, "trainer.safetensors", None)
     elif how == "escape":               # the manifest names a file outside the checkpoint
         m = json.loads((path / "manifest.json").read_text())
-        m["files"]["../../etc/passwd"] = {"bytes": 1, "sha256": "0"}
+        m["files"]["../../etc/passwd"] = {"bytes": 1, "xxh3_128": "0"}
         _rewrite_manifest(path, m)
     else:
         raise AssertionError(how)
@@ -221,21 +222,19 @@ def _break(path: Path, how: str) -> None:
 
 def _rewrite_consistently(path: Path, rel: str, data: bytes | None) -> None:
     """Replace a file and update the manifest and marker so the checksums agree (a crafted one)."""
-    import hashlib
     if data is not None:
         (path / rel).write_bytes(data)
     m = json.loads((path / "manifest.json").read_text())
     raw = (path / rel).read_bytes()
-    m["files"][rel] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    m["files"][rel] = {"bytes": len(raw), "xxh3_128": xxhash.xxh3_128_hexdigest(raw)}
     _rewrite_manifest(path, m)
 
 
 def _rewrite_manifest(path: Path, manifest: dict) -> None:
-    import hashlib
     raw = json.dumps(manifest).encode()
     (path / "manifest.json").write_bytes(raw)
     marker = json.loads((path / "COMPLETE").read_text())
-    (path / "COMPLETE").write_text(json.dumps({**marker, "manifest_sha256": hashlib.sha256(raw).hexdigest()}))
+    (path / "COMPLETE").write_text(json.dumps({**marker, "manifest_digest": xxhash.xxh3_128_hexdigest(raw)}))
 
 
 @pytest.mark.parametrize("how, message", [
