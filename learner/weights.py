@@ -41,10 +41,17 @@ def copy_into(tensors: list[torch.Tensor], specs: list[protocol.TensorSpec], fla
     that stream (the next optimizer step) runs after the copies, so it cannot change what they
     read.
     """
+    host = flat.numpy()
     for t, spec in zip(tensors, specs):
-        if spec.nbytes:
-            flat[spec.offset:spec.offset + spec.nbytes].copy_(
-                t.contiguous().reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+        if not spec.nbytes:
+            continue
+        src = t.contiguous().reshape(-1).view(torch.uint8)
+        if src.device.type == "cpu":
+            # numpy's copy is one memcpy on this thread; torch's copy_ goes through its intra-op
+            # thread pool, whose barrier costs more than the copy on a loaded machine.
+            host[spec.offset:spec.offset + spec.nbytes] = src.resolve_conj().resolve_neg().numpy()
+        else:
+            flat[spec.offset:spec.offset + spec.nbytes].copy_(src, non_blocking=non_blocking)
 
 
 def flatten(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[protocol.TensorSpec]]:

@@ -215,6 +215,17 @@ class WeightsServer:
         return self.chunk(msg.version, msg.index)
 
 
+INLINE_SNAPSHOT_BYTES = 16 << 20
+"""A CPU snapshot up to this size is copied on the event loop (a few ms at most): handing it to a
+worker thread and back costs more than the copy on a loaded machine. A larger one is copied in a
+thread, so the sockets stay served. From CUDA the copies are only queued: always inline."""
+
+
+def inline_snapshot(named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    return all(t.is_cuda for _, t in named_tensors) or (
+        sum(t.numel() * t.element_size() for _, t in named_tensors) <= INLINE_SNAPSHOT_BYTES)
+
+
 class Publisher:
     """The train loop's side of publishing: ``await publish(...)`` returns once the snapshot is
     taken (the seconds it waited); preparing, installing and announcing run in one background
@@ -255,7 +266,11 @@ class Publisher:
         """Snapshot ``version`` and hand it to the background task; returns the seconds waited."""
         self._raise_failure()
         start = time.monotonic()
-        snap = await asyncio.to_thread(self.weights.snapshot, version, named_tensors)
+        named_tensors = list(named_tensors)
+        if inline_snapshot(named_tensors):
+            snap = self.weights.snapshot(version, named_tensors)
+        else:
+            snap = await asyncio.to_thread(self.weights.snapshot, version, named_tensors)
         snap.started = start
         wait = time.monotonic() - start
         self.observe_wait(wait)

@@ -10,7 +10,8 @@ vocabulary; random weights: the cost of a step does not depend on them).
   loss −Σ A·log π / n, backward, ``clip_grad_norm_``, ``AdamW.step`` — the least a step can do.
 - **learner**: ``Trainer.step`` on the same batch and model, with its phase breakdown
   (``time_<phase>_s``: collate, reference, values, proximal, advantages, update) and the publish
-  (``WeightsServer.prepare``: the snapshot the service serves; announcing is a message).
+  (``WeightsServer.snapshot``: the copy the train loop waits for; checksums and serving run beside
+  the next step, see bench_weights.py).
 
 Configurations: ``grpo_1step`` (the demo's algorithm with one micro-batch, like for like with bare:
 the target ≤ 1.25×), ``grpo_demo`` (the demo's config as shipped, micro_batch_samples 32: two
@@ -112,7 +113,7 @@ def learner_step(trainer: Trainer, weights: WeightsServer, batch: Batch, version
     t0 = time.perf_counter()
     stats = trainer.step(batch)
     t1 = time.perf_counter()
-    weights.prepare(version, trainer.named_tensors())
+    weights.snapshot(version, trainer.named_tensors())   # what the train loop waits for (the rest runs beside)
     t2 = time.perf_counter()
     out = {p: stats[f"time_{p}_s"] for p in PHASES}
     out["publish"] = t2 - t1
