@@ -374,6 +374,21 @@ class RolloutBuffer:
         self._close(g, "cancelled")
         return True
 
+    async def restore_group(self, samples: list[Sample], version: int,
+                            holder: str = "rollout_log") -> list[AckStatus]:
+        """Put back a whole group accepted in an earlier life of the run (``learner.rollout_log``):
+        issued (past the gate, ``force``: it was generated already, and counts in the gate from
+        now on as accepted work does) and then put like any result, so every check, counter and
+        the staleness rule apply. Raises ``ValueError`` when the assignment id is known to the
+        buffer (open or finished) or the samples are not one whole group."""
+        aid = samples[0].assignment_id if samples else None
+        if (len(samples) != self.group_size or any(s.assignment_id != aid for s in samples)
+                or sorted(s.group_index for s in samples) != list(range(self.group_size))):
+            raise ValueError("restore_group: not one whole group of one assignment")
+        self._observe(version)
+        self.issue(aid, holder, force=True)
+        return [await self.put(s, version) for s in sorted(samples, key=lambda s: s.group_index)]
+
     # -- results ----------------------------------------------------------------------------------
 
     async def put(self, sample: Sample, version: int) -> AckStatus:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
 from learner.ds_config import DeepSpeedSettings
+from learner.rollout_log import RolloutLogSettings
 from learner.security import LearnerSecurity
 from learner.sinks import METRICS_SINKS
 from ops import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS
@@ -327,6 +328,9 @@ class LearnerConfig(BaseModel):
     weights_failure_limit: int = Field(3, ge=1)
     """Circuit breaker: a rollout server reporting this many weight fetches or updates failed in a
     row gets no new work (an event says so) until it applies a published version."""
+    rollout_log: RolloutLogSettings | None = None
+    """Durable log of every accepted result, written before its Ack; after a crash and --resume the
+    accepted-but-untrained samples come back from it (null = off; see learner/rollout_log.py)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

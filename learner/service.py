@@ -57,6 +57,7 @@ from learner.distributed import make_trainer
 from learner.evaluation import Evaluation
 from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
+from learner.rollout_log import LearnerRolloutLog, RolloutLogFailed
 from learner.router import RouterSocket
 from learner.security import LearnerCurve
 from learner.sinks import open_sinks
@@ -96,6 +97,7 @@ class LearnerService:
         self.log = EventLog("learner", run_id=lambda: self.run_id, version=lambda: self.version)
         self.metrics = LearnerMetrics()
         self.checkpoints = LearnerCheckpoints(self)
+        self.rollout_log = LearnerRolloutLog(self, cfg.rollout_log) if cfg.rollout_log else None
         self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
                                     max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy,
                                     lease_timeout_s=cfg.lease_timeout_s)
@@ -155,6 +157,8 @@ class LearnerService:
             self.sinks = open_sinks(self.cfg.metrics_sinks, self.run_dir, self.run_id)
             trained = self.trained_ids = JsonlLog(self.run_dir / "trained_ids.jsonl")
             self.checkpoints.mark_resumed(trained)
+            if self.rollout_log is not None:      # after a resume: untrained samples come back
+                await self.rollout_log.open()
             (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
             train = asyncio.create_task(self.train_loop(), name="train")
@@ -193,6 +197,8 @@ class LearnerService:
                 sink.close()
             if trained is not None:
                 trained.close()
+            if self.rollout_log is not None:
+                self.rollout_log.close()
         self.log("stopped", exit_code=code)
         return code
 
@@ -327,6 +333,8 @@ class LearnerService:
                 continue
             stats.update(self.batch_versions(batch))
             self.record_trained(batch)
+            if self.rollout_log is not None:
+                await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
             # publish_s stays the loop's publish phase (report, dashboard): now the snapshot wait.
             stats["publish_wait_s"] = stats["publish_s"] = await self.publish()
@@ -494,6 +502,14 @@ class LearnerService:
 
     def _new_assignment(self) -> protocol.Assignment | None:
         p = next(self.prompts, None)
+        while self.rollout_log is not None and p is not None:   # ids (and prompts) restored
+            skip_id, skip_prompt = self.rollout_log.passed_over(
+                f"{self.run_id}-a{self.assignment_counter + 1}", p["prompt_token_ids"])
+            if not skip_id:
+                break
+            self.assignment_counter += 1
+            if skip_prompt:
+                p = next(self.prompts, None)
         if p is None:
             return None                       # a finite dataset is used up (learner.data)
         self.assignment_counter += 1
@@ -525,8 +541,12 @@ class LearnerService:
         else:
             raise protocol.ProtocolError(f"rollout socket: {type(msg).TYPE} is not sent to a learner")
         if isinstance(msg, protocol.RolloutResult):
-            ack = await (self.evaluation.receive(msg, self.intake.receive) if self.evaluation
-                         else self.intake.receive(msg))
+            try:
+                ack = await (self.evaluation.receive(msg, self.receive_result) if self.evaluation
+                             else self.receive_result(msg))
+            except RolloutLogFailed:          # not on disk: no Ack (the server keeps the result)
+                self.update_gauges()
+                return None
             if await self._send_rollout(identity, ack):
                 await a.dispatch()
             else:
@@ -552,6 +572,14 @@ class LearnerService:
         else:
             await a.weights_applied(srv, msg)
         return None
+
+    async def receive_result(self, msg: protocol.RolloutResult) -> protocol.Ack:
+        """Intake, then (``rollout_log``) the accepted samples on disk before the Ack may leave;
+        RolloutLogFailed when that write failed."""
+        ack = await self.intake.receive(msg)
+        if self.rollout_log is not None and not await self.rollout_log.receive(msg, ack):
+            raise RolloutLogFailed(msg.server_id)
+        return ack
 
     # ---- control ---------------------------------------------------------------------------
     def status(self) -> dict:
