@@ -59,6 +59,7 @@ from learner.reference import ReferencePolicy
 from learner.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.schedules import lr_factor
 from learner.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog
+from protocol.errors import StartupError
 
 __all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
 
@@ -113,7 +114,11 @@ class Trainer:
                                           lora_dropout=cfg.lora.dropout,
                                           target_modules=cfg.lora.target_modules, bias="none",
                                           task_type="CAUSAL_LM")
-            model = get_peft_model(model, self.lora_config)
+            try:
+                model = get_peft_model(model, self.lora_config)
+            except ValueError as e:             # e.g. target modules not found in the model
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise StartupError(f"learner.lora: {msg[:300]}") from None
             if cfg.gradient_checkpointing:
                 model.enable_input_require_grads()   # the frozen embedding's output needs grad
         self.model = model

@@ -160,6 +160,11 @@ def test_lora_trains_only_the_adapter_and_publishes_it_with_its_config(tiny_mode
                                    atol=1e-5, rtol=0)
 
 
+def test_lora_target_modules_the_model_lacks_are_a_startup_error(tiny_model_dir):
+    with pytest.raises(protocol.StartupError, match="learner.lora: Target modules"):
+        make_trainer(tiny_model_dir, lora={"target_modules": ["no_such_proj"]})
+
+
 def test_lora_reference_is_the_base_with_the_adapter_disabled(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
