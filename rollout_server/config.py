@@ -131,7 +131,8 @@ class RolloutConfig(BaseModel):
     drain_disconnected_s: float = Field(2.0, ge=0)
     """On SIGTERM: stop waiting for acks once the learner link has been down this long."""
     weights_wait_s: float = Field(10.0, ge=0)
-    """Before starting new work, wait up to this long for announced newer weights to be applied."""
+    """Before starting new work, wait up to this long for announced newer weights to be applied,
+    and for the version the work was issued at (older weights can make its samples too stale)."""
     chunk_timeout_s: float = Field(30.0, gt=0)
     """A weights fetch fails (counted, old weights kept) when no chunk arrives for this long."""
     chunk_window: int = Field(4, ge=1)

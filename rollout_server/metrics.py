@@ -27,6 +27,9 @@ weights                  a fetch that failed for another reason, or an update th
 learner_handshake        the learner refused the CURVE handshake (a key not allowed, CURVE mismatch;
                          counted once per kind of failure)
 http_request             a malformed request or a method other than GET/HEAD on /metrics, /healthz
+weights_behind           a batch generated with weights older than the version its assignments
+                         were issued at, because they did not arrive within ``weights_wait_s``
+                         (its samples may be over the staleness limit when trained)
 new_run                  a Welcome from another run (a learner restarted without --resume): leases
                          and unacknowledged results of the old run dropped, its weights fetched
 ======================== =========================================================================

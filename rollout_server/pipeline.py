@@ -61,7 +61,7 @@ class Pipeline:
     ``generate(requests)`` the engine's; ``decode(token_ids)`` text of a completion;
     ``score(items)`` the rewarder's ``score_many``; ``emit(result)`` sends a ``RolloutResult``
     (the outbox); ``release(n)`` gives ``n`` credits back once their samples are out;
-    ``before_batch()`` waits (bounded) for pending weights; ``on_change()`` wakes anyone waiting
+    ``before_batch(batch)`` waits (bounded) for the weights the batch should run on; ``on_change()`` wakes anyone waiting
     for progress (the drain).
     """
 
@@ -72,7 +72,7 @@ class Pipeline:
                  emit: Callable[[protocol.RolloutResult], Awaitable[None]],
                  release: Callable[[int], Awaitable[None]], metrics: RolloutMetrics,
                  log: Callable[..., None],
-                 before_batch: Callable[[], Awaitable[object]] | None = None,
+                 before_batch: Callable[[list[protocol.Assignment]], Awaitable[object]] | None = None,
                  on_change: Callable[[], None] = lambda: None, batch_wait_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic):
         self.server_id, self.limits = server_id, limits
@@ -162,7 +162,7 @@ class Pipeline:
     async def run_batch(self, batch: list[protocol.Assignment]) -> None:
         epoch = self._epoch
         if self.before_batch is not None:
-            await self.before_batch()
+            await self.before_batch(batch)
         if epoch != self._epoch:              # dropped while waiting for weights
             self.log("results_dropped", assignments=len(batch), reason="a new learner run")
             await self._done(batch)

@@ -107,6 +107,7 @@ class RolloutService:
         self.stopping = asyncio.Event()
         self.abort = asyncio.Event()          # a second signal: do not wait for the drain
         self.progress = asyncio.Event()       # set whenever generation finishes or an ack arrives
+        self.version_changed = asyncio.Event()   # set whenever the engine applied new weights
         self.welcomed = asyncio.Event()
         self.hello_sent_at: float | None = None    # a Hello not yet answered by a Welcome
         self.learner_finished = False
@@ -154,13 +155,13 @@ class RolloutService:
                           max_model_len=self.engine.max_model_len),
             generate=self.engine.generate, decode=self.engine.decode,
             score=self.rewarder.score_many, emit=self.outbox.put, release=self.release,
-            before_batch=lambda: self.receiver.wait_settled(cfg.weights_wait_s),
+            before_batch=self.before_batch,
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
             batch_wait_s=cfg.batch_wait_s, clock=self.clock)
         self.receiver = WeightsReceiver(
             connect=lambda endpoint, max_bytes: ZmqChunkChannel(self.ctx, endpoint, max_bytes,
                                                                 curve=self.curve),
-            apply=self.engine.update_weights, report=self.send, version=lambda: self.engine.version,
+            apply=self._apply_weights, report=self.send, version=lambda: self.engine.version,
             server_id=self.server_id, metrics=self.metrics, log=self.log,
             max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
             chunk_timeout_s=cfg.chunk_timeout_s, chunk_window=cfg.chunk_window,
@@ -352,6 +353,36 @@ class RolloutService:
                 self.link_up, self.link_down_since = False, self.clock()
                 self.log("disconnected", learner=self.cfg.learner)
             self.progress.set()
+
+    async def _apply_weights(self, update):
+        seconds = await self.engine.update_weights(update)
+        self.version_changed.set()
+        return seconds
+
+    async def before_batch(self, batch: list[protocol.Assignment]) -> None:
+        """Before a batch generates: the announced weights (bounded by ``weights_wait_s``), and
+        at least the version its assignments were issued at. The learner counts a sample's
+        staleness from its tokens' version and bounds it by issuing at most η batches ahead of
+        training (DESIGN.md §3); generated with older weights — an assignment issued right after
+        a step can arrive before that step's manifest, which is announced once its checksums are
+        done — its samples can be over the limit when trained and are dropped: wasted work. An
+        update that does not come in time is counted (``weights_behind``) and the batch runs."""
+        deadline = self.clock() + self.cfg.weights_wait_s
+        await self.receiver.wait_settled(self.cfg.weights_wait_s)
+        needed = max(a.version for a in batch)
+        while self.engine.version < needed:
+            left = deadline - self.clock()
+            self.version_changed.clear()
+            if left <= 0 or self.engine.version >= needed:
+                break
+            try:
+                await asyncio.wait_for(self.version_changed.wait(), left)
+            except TimeoutError:
+                break
+        if self.engine.version < needed:
+            self.metrics.count("weights_behind")
+            self.log("weights_behind", serving=self.engine.version, issued_at=needed,
+                     waited_s=round(self.cfg.weights_wait_s, 3))
 
     async def heartbeat_loop(self) -> None:
         while True:

@@ -62,7 +62,7 @@ class Harness:
             self.released.append(n)
             self.done.set()
 
-        async def before_batch():
+        async def before_batch(batch):
             self.order.append("weights")
 
         async def generate(requests):
