@@ -1,4 +1,4 @@
-"""The ``slipstream`` command: learner, rollout, run, ctl, keys, report.
+"""The ``slipstream`` command: learner, rollout, run, ctl, keys, report, replay.
 
 Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
 is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
@@ -76,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the learner's run directory")
     p.add_argument("--run-id", default=None, help="which run of the file (default: the last one)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: RUN_DIR/report)")
+    p = sub.add_parser("replay", help="statistics of a rollout log, and offline training from it "
+                                      "(deploy/replay.py)")
+    p.add_argument("log_dir", metavar="LOG_DIR", help="learner.rollout_log.path (default RUN_DIR/rollout_log)")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--train", action="store_true", help="re-train with the learner's Trainer on "
+                                                          "batches of logged groups (no servers)")
+    mode.add_argument("--dpo", action="store_true", help="DPO on each group's best vs worst completion")
+    _add_config_args(p, required=False)
+    p.add_argument("--model", default=None, metavar="PATH", help="model directory (default: the config's)")
+    p.add_argument("--steps", type=int, default=10, help="offline steps (default 10)")
+    p.add_argument("--beta", type=float, default=0.1, help="DPO beta (default 0.1)")
+    p.add_argument("--lr", type=float, default=1e-4, help="DPO learning rate (default 1e-4)")
     return parser
 
 
@@ -109,6 +122,12 @@ def _report(args) -> int:
 
     print(write_report(args.run_dir, args.run_id, args.out))
     return 0
+
+
+def _replay(args) -> int:
+    from deploy.replay import replay
+
+    return replay(args)
 
 
 def _run(args) -> int:
@@ -153,7 +172,7 @@ def _rollout(args) -> int:
 
 
 COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout, "keys": _keys,
-            "report": _report}
+            "report": _report, "replay": _replay}
 
 
 def main(argv: list[str] | None = None) -> int:
