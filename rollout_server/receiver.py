@@ -12,15 +12,17 @@ named the weights endpoint yet (``weights_manifest``). Nothing is allocated befo
 Re-announcing the version being served or fetched is a no-op (a learner does so after a Hello);
 re-announcing one whose fetch failed fetches it again.
 
-Fetching (:meth:`WeightsReceiver.fetch`): one DEALER per fetch (its ``ZMQ_MAXMSGSIZE`` is the
-manifest's chunk size plus header slack, so a bigger frame is dropped by libzmq before it is
-buffered); up to ``chunk_window`` requests in flight. Every reply is checked before its bytes are
-copied: a ``WeightChunk`` of this version, for an index asked for and not yet received, of
-exactly the size the manifest implies, whose checksum matches the manifest's. A reply that fails
-is counted (``weights_chunk`` / ``weights_checksum``) and its chunk asked for again, at most
-``chunk_retries`` times in all. The learner answers each request once; a reply that names no
-chunk asked for (wrong index or version, undecodable) still uses up one answer, so once every
-request has been answered the chunks still missing are asked for again. A second copy of a chunk
+Fetching (:meth:`WeightsReceiver.fetch_chunks`): one DEALER per fetch (its ``ZMQ_MAXMSGSIZE`` is
+the manifest's chunk size plus header slack, so a bigger frame is dropped by libzmq before it is
+buffered); up to ``chunk_window`` requests in flight. A chunk stays in the frame libzmq received
+it into (``copy=False``) and the tensors handed to the engine are views of those frames
+(:func:`rollout_server.weights.unflatten_chunks`), so the engine's copy into its model is the one
+pass over the bytes. Every reply is checked before it is kept: a ``WeightChunk`` of this version,
+for an index asked for and not yet received, of exactly the size the manifest implies, whose
+checksum matches the manifest's. A reply that fails is counted (``weights_chunk`` /
+``weights_checksum``) and its chunk asked for again, at most ``chunk_retries`` times in all.
+The learner answers each request once; a reply that names no chunk asked for (wrong index or
+version, undecodable) still uses up one answer, so once every request has been answered the chunks still missing are asked for again. A second copy of a chunk
 already received answers nothing (counted, skipped); more than two replies per request fail the
 fetch, so a flood cannot keep it busy. No reply within
 ``chunk_timeout_s`` fails the fetch (``weights_timeout``: a dead or unreachable endpoint); an
@@ -38,7 +40,6 @@ fetched whatever its version number (even a lower one), and until one is applied
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -53,7 +54,7 @@ from protocol.sockets import make_socket
 from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.engine import WeightUpdate
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.weights import unflatten
+from rollout_server.weights import unflatten_chunks
 
 CHUNK_FRAME_SLACK_BYTES = 64 << 10   # header and body frames of a WeightChunk are far smaller
 MAX_CHUNKS = 1 << 20                 # per version; bookkeeping stays a few MiB
@@ -141,7 +142,6 @@ class WeightsReceiver:
         self._reports: set[asyncio.Task] = set()
         self._rebased = asyncio.Event()   # clear while the weights served are another run's
         self._rebased.set()
-        self._spare: bytearray | None = None   # the last applied version's buffer, for reuse
 
     # ---- announcements ----------------------------------------------------------------------
     def welcome(self, endpoint: str) -> None:
@@ -241,17 +241,19 @@ class WeightsReceiver:
         start = self.clock()
         try:
             try:
-                buffer = await self.fetch(m)
+                chunks = await self.fetch_chunks(m)
             except FetchError as e:
                 self.metrics.count(e.kind)
                 self.log("weights_failed", weights_version=m.version, kind=e.kind, error=str(e))
                 self._report_failure(f"version {m.version}: {e.kind}: {e}")
                 return False
-            view = memoryview(buffer)         # what the tensors refer to (see _recycle)
-            unreferenced = sys.getrefcount(view)
             try:
-                update = WeightUpdate(version=m.version, kind=m.kind, tensors=unflatten(view, m.tensors),
+                # Views of the received frames (a tensor cut by a chunk boundary is copied once):
+                # the engine's copy into its model is the only full pass over the bytes here.
+                update = WeightUpdate(version=m.version, kind=m.kind,
+                                      tensors=unflatten_chunks(chunks, m.chunk_bytes, m.tensors),
                                       lora_config=m.metadata.get("lora", {}))
+                del chunks
                 await self.apply(update)
             except Exception as e:  # noqa: BLE001 - refused by the engine: keep the old version
                 self.metrics.count("weights")
@@ -260,10 +262,7 @@ class WeightsReceiver:
                 self._report_failure(f"version {m.version}: weights: {type(e).__name__}: {e}")
                 return False
             finally:
-                update = None
-                if sys.getrefcount(view) == unreferenced:
-                    self._spare = buffer
-                del view
+                update = None                 # the frames are freed once the engine let go too
             self.rebasing = False
             self._rebased.set()
             seconds = self.clock() - start
@@ -278,24 +277,27 @@ class WeightsReceiver:
 
     # ---- fetch ------------------------------------------------------------------------------
     async def fetch(self, m: protocol.WeightsAvailable) -> bytearray:
-        """Every chunk of ``m``, verified, in one buffer of ``m.total_bytes``: the last applied
-        version's buffer when it is of that size and no tensor of it is left (engines copy an
-        update into their model; the tensors are views of the buffer and hold a reference to a
-        memoryview of it, so its reference count says when the engine has dropped them). Reuse
-        saves allocating and first-touching a model's worth of memory per version."""
-        n = m.num_chunks
-        buffer, self._spare = self._spare, None
-        if buffer is None or len(buffer) != m.total_bytes:
-            buffer = bytearray(m.total_bytes)
+        """Every chunk of ``m``, verified, joined in one buffer of ``m.total_bytes``."""
+        buffer = bytearray(m.total_bytes)
         into = memoryview(buffer)
+        for i, chunk in enumerate(await self.fetch_chunks(m)):
+            into[i * m.chunk_bytes:i * m.chunk_bytes + memoryview(chunk).nbytes] = chunk
+        into.release()
+        return buffer
+
+    async def fetch_chunks(self, m: protocol.WeightsAvailable) -> list[memoryview]:
+        """Every chunk of ``m``, verified, in index order: zero-copy views of the frames libzmq
+        received them into (``ZmqChunkChannel`` receives with ``copy=False``)."""
+        n = m.num_chunks
         if n == 0:
             self._check_total(m, [])
-            return buffer
+            return []
         if self.endpoint is None:
             raise FetchError("weights_manifest", "no weights endpoint")
         channel = self.connect(self.endpoint, min(m.chunk_bytes, m.total_bytes) + CHUNK_FRAME_SLACK_BYTES)
         try:
             got: list[str | None] = [None] * n
+            chunks: list[memoryview | None] = [None] * n
             attempts = [0] * n
             why: dict[int, str] = {}          # index -> the last problem with it
             todo = deque(range(n))
@@ -339,8 +341,7 @@ class WeightsReceiver:
                 problem = self._check(m, reply, asked)
                 if problem is None:
                     i = reply.index
-                    start = i * m.chunk_bytes
-                    into[start:start + chunk_size(m, i)] = reply.data      # the one copy
+                    chunks[i] = memoryview(reply.data)
                     got[i] = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
                     asked.discard(i)
                 else:
@@ -355,9 +356,8 @@ class WeightsReceiver:
                     todo.extend(sorted(asked))
                     asked.clear()
             self._check_total(m, got)
-            return buffer
+            return chunks
         finally:
-            into.release()
             channel.close()
 
     def _check(self, m: protocol.WeightsAvailable, reply, asked: set[int]):

@@ -21,7 +21,7 @@ from learner.weights_server import WeightsServer
 from protocol.sockets import make_socket
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.receiver import CHUNK_FRAME_SLACK_BYTES, WeightsReceiver, ZmqChunkChannel
-from rollout_server.weights import unflatten
+from rollout_server.weights import unflatten, unflatten_chunks
 
 
 def _address(buf) -> int:
@@ -120,14 +120,29 @@ async def _two_versions(keep: bool) -> Engine:
     return engine
 
 
-async def test_the_buffer_is_reused_when_the_engine_copied_the_update():
+async def test_the_engine_gets_every_version_and_one_it_kept_stays_intact():
     engine = await _two_versions(keep=False)
-    assert engine.version == 2 and engine.seen_ptrs[0] == engine.seen_ptrs[1]
-    assert torch.equal(engine.params["w"], torch.full((50_000,), 2.0))
-
-
-async def test_the_buffer_is_never_reused_while_the_engine_holds_a_tensor_of_it():
-    engine = await _two_versions(keep=True)
-    assert engine.seen_ptrs[0] != engine.seen_ptrs[1]
-    assert torch.equal(engine.kept[0]["w"], torch.full((50_000,), 1.0))      # version 1 intact
+    assert engine.version == 2 and torch.equal(engine.params["w"], torch.full((50_000,), 2.0))
+    engine = await _two_versions(keep=True)          # its tensors are views of version 1's frames
+    assert torch.equal(engine.kept[0]["w"], torch.full((50_000,), 1.0))
     assert torch.equal(engine.kept[1]["w"], torch.full((50_000,), 2.0))
+
+
+def test_unflatten_chunks_views_inside_a_chunk_and_copies_across_chunks():
+    g = torch.Generator().manual_seed(1)
+    tensors = [("a", torch.randn(10, generator=g)), ("b", torch.randn(100, generator=g).to(torch.bfloat16)),
+               ("c", torch.randn(7, generator=g)), ("e", torch.empty(0)), ("d", torch.arange(3))]
+    ws = WeightsServer(chunk_bytes=64)
+    m = ws.publish(1, tensors)
+    chunks = [bytearray(ws.chunk(1, i).data) for i in range(m.num_chunks)]
+    out = unflatten_chunks(chunks, m.chunk_bytes, m.tensors)
+    for name, t in tensors:
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape
+        assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name      # bit-exact
+    spec = {s.name: s for s in m.tensors}
+    a = spec["a"]                                      # bytes 0..40: inside chunk 0, a view
+    assert a.offset + a.nbytes <= 64 and out["a"].data_ptr() == _address(chunks[0]) + a.offset
+    assert spec["b"].nbytes > 64                       # across chunks: its own copy
+    assert not any(_address(c) <= out["b"].data_ptr() < _address(c) + len(c) for c in chunks)
+    ro = unflatten_chunks([bytes(c) for c in chunks], m.chunk_bytes, m.tensors)    # read-only: copies
+    assert torch.equal(ro["a"], tensors[0][1])
