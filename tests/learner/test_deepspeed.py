@@ -1,0 +1,261 @@
+"""The learner under DeepSpeed (issue 11; CPU, gloo): the config section, the equivalence oracle
+(two ranks under ZeRO-2 and ZeRO-3 give one plain process's losses, statistics and updated
+parameters), one rank end to end with a rollout server that applies every published version, two
+ranks through ``slipstream learner --nproc 2`` end to end, and a rank that dies taking the group
+down with a non-zero exit.
+
+Compile cost: DeepSpeed builds its shared-memory comm op once per machine (~35 s; minutes on
+2 busy cores), cached in ``TORCH_EXTENSIONS_DIR`` (here under the session's SLIPSTREAM_CACHE); the
+optimizer is the trainer's torch AdamW, so fused Adam is never built.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from learner_testkit import learner_config, running_learner, wait_until
+from test_algorithms_service import jsonl, rollout_server
+from test_trainer import make_batch
+
+from learner.batching import collate
+from learner.config import LearnerConfig
+from learner.ds_config import DeepSpeedSettings, engine_config
+from learner.trainer import Trainer
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CLI = [sys.executable, "-m", "deploy.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", "0"]
+
+ORACLE = {"group_size": 4, "batch_prompts": 2, "micro_batch_samples": 3, "ppo_epochs": 2,
+          "kl_coef": 0.05, "lr": 1e-3, "max_grad_norm": 1e6, "seed": 0, "threads": 1}
+"""8 samples in micro-batches of 3 (3, 3, 2: rank 0 trains two, rank 1 one and a dummy), two epochs
+(a separate proximal pass, shuffled plans, the sanity check), a KL loss to the reference; the
+oracle's second step (ds_oracle_worker.SECOND_STEP, a live config change) is the single-update
+shortcut without KL."""
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ds_env(subprocess_env, builtin_cache) -> dict:
+    """The subprocess environment with DeepSpeed's extension cache in the session's cache."""
+    env = dict(subprocess_env, TORCH_EXTENSIONS_DIR=str(Path(builtin_cache) / "torch_extensions"),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return env
+
+
+# ---- the section --------------------------------------------------------------------------------
+
+def test_section_becomes_the_engine_config_and_refuses_what_cannot_work():
+    cfg = LearnerConfig(deepspeed={"zero_stage": 3, "precision": "bf16", "offload_optimizer": "cpu",
+                                   "offload_param": "cpu"})
+    ec = engine_config(cfg.deepspeed, max_grad_norm=0.5, world_size=4)
+    # slipstream's micro-batching: one "micro-batch" of one sample, one accumulation step, and
+    # the trainer owns the boundary; DeepSpeed clips at max_grad_norm.
+    assert ec["gradient_accumulation_steps"] == 1 and ec["train_micro_batch_size_per_gpu"] == 1
+    assert ec["managed_gradient_accumulation"] is False and ec["train_batch_size"] == 4
+    assert ec["gradient_clipping"] == 0.5
+    assert ec["zero_optimization"]["stage"] == 3
+    assert ec["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert ec["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    assert ec["bf16"] == {"enabled": True, "check_grad_overflow": True} and "fp16" not in ec
+    assert "optimizer" not in ec                    # the trainer's torch AdamW, no fused Adam
+    assert "fp16" in engine_config(DeepSpeedSettings(precision="fp16"), 1.0, 1)
+    assert LearnerConfig().deepspeed is None        # absent: the plain PyTorch path
+    with pytest.raises(ValueError, match="offload_param needs zero_stage: 3"):
+        DeepSpeedSettings(zero_stage=2, offload_param="cpu")
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        DeepSpeedSettings(timeout_s=10, heartbeat_s=5)
+    with pytest.raises(ValueError):
+        LearnerConfig(deepspeed={"zero_stage": 4})
+
+
+def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir, subprocess_env,
+                                                       process_groups):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": tiny_model_dir, "learner": {"run_dir": str(tmp_path / "run")}}))
+    r = process_groups.run([*CLI, "learner", "--config", str(path), "--nproc", "2"], timeout=120,
+                           env=subprocess_env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "learner.deepspeed" in lines[0], r.stderr
+
+
+# ---- the equivalence oracle ---------------------------------------------------------------------
+
+def _plain(model_dir: str, fields: dict, hidden: bool) -> tuple[list[dict], dict, dict]:
+    """One plain process through the oracle's two steps: (stats, initial and updated tensors)."""
+    tr = Trainer(LearnerConfig(**fields), model_dir)
+    tr.forward.uses_hidden = tr.forward.uses_hidden and hidden
+    initial = {n: t.detach().clone() for n, t in tr.named_tensors()}
+    stats = [tr.step(make_batch(seed=0))]
+    tr.cfg.ppo_epochs, tr.cfg.kl_coef = 1, 0.0                   # ds_oracle_worker.SECOND_STEP
+    stats.append(tr.step(make_batch(seed=1)))
+    return stats, initial, {n: t.detach().clone() for n, t in tr.named_tensors()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,extra", [(2, {"advantage": "gae"}), (3, {})],
+                         ids=["zero2-critic", "zero3"])
+def test_two_ranks_match_one_plain_process(tmp_path, tiny_model_dir, ds_env, process_groups, stage, extra):
+    """Same batches, same plan: two ranks give one plain process's loss and every other step
+    statistic (1e-5) and the same updated parameters (1e-5). ZeRO-2 with the critic (GAE: values
+    pass, critic engine); ZeRO-3 with GRPO (parameters gathered in every pass; the publish gathered
+    in 64 KiB buckets). ZeRO-3 computes log-probs through the logits (its head weight is
+    partitioned), so its plain twin does too; the plain hidden-state path agrees with it to
+    about 1e-5 after an Adam step of lr 1e-3 (Adam's first step amplifies rounding of gradients
+    near zero)."""
+    fields = {**ORACLE, **extra}
+    ds = {"zero_stage": stage, "timeout_s": 120, "heartbeat_s": 5, "publish_bucket_bytes": 64 << 10}
+    out = tmp_path / "ranks.pt"
+    r = process_groups.run([*TORCHRUN, str(HERE / "ds_oracle_worker.py"), tiny_model_dir, str(out),
+                            json.dumps({**fields, "deepspeed": ds})], timeout=400, env=ds_env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = torch.load(out, weights_only=True)
+    assert got["world"] == 2
+    stats, initial, updated = _plain(tiny_model_dir, fields, hidden=stage != 3)
+    for step, (want, have) in enumerate(zip(stats, got["stats"], strict=True)):
+        keys = {k for k in want if not k.startswith("time_") and k != "step_s"}
+        assert keys == {k for k in have if not k.startswith("time_") and k != "step_s"}
+        off = {k: (want[k], have[k]) for k in keys if not math.isclose(want[k], have[k], rel_tol=TOL, abs_tol=TOL)}
+        assert not off, (step, off)
+    assert stats[0]["optimizer_steps"] == 2 and stats[1]["optimizer_steps"] == 1
+    assert set(got["tensors"]) == set(updated)
+    worst = max(float((updated[n].float() - got["tensors"][n]).abs().max()) for n in updated)
+    moved = max(float((updated[n] - initial[n]).abs().max()) for n in updated)
+    assert worst <= TOL, worst
+    assert moved > 100 * TOL, moved                  # the comparison is of parameters that moved
+    if stage == 3:
+        n_bytes = sum(t.numel() * 4 for t in updated.values())
+        assert got["gather"]["bytes"] == n_bytes
+    print(f"stage {stage}: max |param diff| {worst:.2e}, largest update {moved:.2e}, "
+          f"gather {got['gather']}")
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_path, tiny_model_dir,
+                                                                          builtin_cache, monkeypatch):
+    """ZeRO-2 in this process (a group of one): with max_staleness 0 every batch at version v was
+    sampled from version v's published weights, so the server's behavior log-probs are the
+    learner's own at the step's start; the server applies every version up to the last."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(builtin_cache) / "torch_extensions"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(_free_port())).items():
+            monkeypatch.setenv(k, v)
+    steps = 3
+    cfg = learner_config(tmp_path, deepspeed={"zero_stage": 2}, max_staleness=0, batch_prompts=2,
+                         group_size=2, total_steps=steps, lr=1e-2, final_sync_s=10.0,
+                         entropy_coef=0.05)       # a gradient at every step, whatever the rewards
+    gaps: list[float] = []
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        tr = svc.trainer
+        assert type(tr).__name__ == "DeepSpeedTrainer" and tr.engine.zero_optimization_stage() == 2
+        step = tr.step
+
+        def checking_step(batch):
+            bt = collate(batch.samples, tr.pad_id)
+            tr.model.eval()
+            with torch.no_grad():
+                lp = tr.forward(bt.input_ids, bt.attention_mask, bt.targets, tr.cfg.temperature)[0]
+            tr.model.train()
+            gaps.append(float((lp - bt.behavior_logprobs)[bt.mask.bool()].abs().max()))
+            return step(batch)
+
+        tr.step = checking_step
+        async with rollout_server(svc, tiny_model_dir) as server:
+            await wait_until(lambda: svc.finished, timeout_s=180, what="the last step")
+            assert server.engine.version == steps
+    assert len(gaps) == steps and max(gaps) < 1e-4, gaps
+    rows = jsonl(cfg)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # Every step moved the weights (lr 1e-2), far more than the 1e-4 the behavior log-probs
+    # are allowed: a server that missed a version would be off by much more.
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows), rows
+    assert (Path(cfg.run_dir) / "final" / "config.json").exists()
+
+
+def _two_rank_config(tmp_path, model: str, stage: int, total_steps: int) -> tuple[str, int]:
+    port = _free_port()
+    cfg = {
+        "model": model,
+        "learner": {"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+                    "total_steps": total_steps, "batch_prompts": 2, "group_size": 2,
+                    "micro_batch_samples": 1, "max_new_tokens": 4, "max_staleness": 1,
+                    "run_dir": str(tmp_path / "run"), "save_every": 0, "threads": 1,
+                    "final_sync_s": 20, "reannounce_s": 1.0,
+                    "deepspeed": {"zero_stage": stage, "timeout_s": 60, "heartbeat_s": 5,
+                                  "publish_bucket_bytes": 64 << 10}},
+        "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
+                    "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
+                    "threads": 1, "drain_timeout_s": 5},
+    }
+    path = tmp_path / "ds.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), port
+
+
+def _event(line: str) -> dict | None:
+    try:
+        ev = json.loads(line)
+    except ValueError:
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
+@pytest.mark.slow
+def test_two_ranks_via_nproc_train_end_to_end_with_a_rollout_server(tmp_path, tiny_model_dir, ds_env,
+                                                                      process_groups):
+    """``slipstream learner --nproc 2`` (torchrun, ZeRO-3: every publish gathered bucket by bucket)
+    and a real ``slipstream rollout`` server: three steps, every version published and applied,
+    the final policy saved, the group exits 0 (rank 1 on rank 0's stop)."""
+    steps = 3
+    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=3, total_steps=steps)
+    learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
+    server = process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"],
+                                  env=ds_env)
+    worker = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "worker_ready" and ev,
+                              240, "rank 1 ready")
+    assert worker["rank"] == 1 and worker["world"] == 2
+    learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "finished", 240, "the last step")
+    server.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "weights_applied"
+                    and ev.get("weights_version") == steps, 60, f"the server applying version {steps}")
+    assert learner.proc.wait(timeout=60) == 0, learner.output()
+    process_groups.stop(server.proc, grace_s=5)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_takes_the_group_down(tmp_path, tiny_model_dir, ds_env, process_groups):
+    """SIGKILL of rank 1 after a step: torchrun ends rank 0 too and exits non-zero (no rank waits
+    forever; the process-group timeout is the backstop when a launcher does not)."""
+    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000)
+    learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
+    process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"], env=ds_env)
+    worker = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "worker_ready" and ev,
+                              240, "rank 1 ready")
+    learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "step", 120, "a step")
+    os.kill(worker["pid"], signal.SIGKILL)
+    code = learner.proc.wait(timeout=120)
+    assert code != 0, learner.output()
