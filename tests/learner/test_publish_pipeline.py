@@ -225,3 +225,26 @@ async def test_the_train_loop_steps_on_while_a_version_is_being_prepared(tmp_pat
         rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "publish_wait_s" in r]
         assert len(steps) >= 2 and all(0 <= r["publish_wait_s"] == r["publish_s"] for r in steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_cuda_snapshot_is_an_async_copy_into_pinned_memory():
+    w = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
+    expected = w.cpu()
+    ws = WeightsServer(chunk_bytes=1 << 20)
+    announced = []
+
+    async def announce(m):
+        announced.append(m)
+
+    pub = Publisher(ws, announce)
+    await pub.publish(1, [("w", w)])
+    w.add_(1.0)                      # the next step: queued after the copy on the same stream
+    await asyncio.wait_for(pub.drain(), 60)
+    (m,) = announced
+    snap = ws._versions[1]
+    assert snap.flat.is_pinned() and len(snap.events) == 1
+    data = b"".join(bytes(ws.chunk(1, i).data) for i in range(m.num_chunks))
+    got = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
