@@ -133,6 +133,7 @@ class LogReader:
     """
 
     root: Path
+    life: int | None = None                   # read only this life's segments (None: all)
     torn: int = 0
     corrupt: int = 0
     skipped_bytes: int = 0
@@ -144,12 +145,19 @@ class LogReader:
     def __post_init__(self) -> None:
         self.root = Path(self.root)
 
-    def segment_paths(self) -> list[Path]:
+    def _found(self) -> list[tuple[int, int, Path]]:
         if not self.root.is_dir():
             return []
-        found = [(int(m.group(1)), int(m.group(2)), p) for p in self.root.iterdir()
-                 if (m := SEGMENT_RE.match(p.name))]
-        return [p for _, _, p in sorted(found)]
+        return sorted((int(m.group(1)), int(m.group(2)), p) for p in self.root.iterdir()
+                      if (m := SEGMENT_RE.match(p.name)))
+
+    def segment_paths(self) -> list[Path]:
+        return [p for life, _, p in self._found() if self.life is None or life == self.life]
+
+    def last_life(self) -> int | None:
+        """The newest life with a segment in the directory (None: an empty log)."""
+        found = self._found()
+        return found[-1][0] if found else None
 
     def __iter__(self) -> Iterator[LogRecord]:
         self.torn = self.corrupt = self.skipped_bytes = self.records = self.segments = self.bytes = 0
@@ -325,26 +333,25 @@ def untrained_groups(records: Iterator[LogRecord], *, version: int, saved_at: fl
     """The samples to put back after a resume from the checkpoint of ``version`` written at
     ``saved_at`` (module docstring), grouped by assignment id in log order; and the reasons
     the others were left out (in samples; ``lineage`` counts none but says why nothing came back).
+
+    ``records``: those of the last life (``LogReader(root, life=last_life)``), read as a stream
+    (only the candidates are kept). The first life record decides the lineage.
     """
-    lives: dict[int, dict] = {}
-    results: list[LogRecord] = []
-    for rec in records:
-        if rec.kind == LIFE:
-            lives[int(rec.meta.get("life", 0))] = rec.meta
-        else:
-            results.append(rec)
     why: Counter = Counter()
     groups: dict[str, list] = {}
-    if not lives:
-        return groups, why
-    last = max(lives)
-    head = lives[last]
-    if not (saved_at >= float(head.get("started_at", 0)) or version == int(head.get("start_version", -1))):
-        why["lineage"] += 1
-        return groups, why
     seen: set[str] = set()
-    for rec in results:
-        if rec.meta.get("life") != last:
+    last = None
+    for rec in records:
+        if rec.kind == LIFE:
+            if last is not None:
+                continue
+            last = rec.meta.get("life")
+            if not (saved_at >= float(rec.meta.get("started_at", 0))
+                    or version == int(rec.meta.get("start_version", -1))):
+                why["lineage"] += 1
+                return {}, why
+            continue
+        if last is None or rec.meta.get("life") != last:
             continue
         accepted_at = int(rec.meta.get("version", -1))
         for s in rec.result.samples:
@@ -434,6 +441,7 @@ class LearnerRolloutLog:
             state = json.loads((Path(ckpt) / "state.json").read_text())
             trained = effective_trained_ids(svc.run_dir / "trained_ids.jsonl")
             reader = LogReader(self.root)
+            reader.life = reader.last_life()
             plan = untrained_groups(iter(reader), version=svc.version,
                                     saved_at=float(state.get("saved_at", 0.0)),
                                     known_ids=set(state["buffer"].get("seen", [])),

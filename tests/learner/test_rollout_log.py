@@ -143,6 +143,9 @@ def test_which_samples_a_resume_takes_back(tmp_path):
     assert why == {"before_checkpoint": 3, "trained": 1, "rolled_back": 1, "duplicate": 1}
     # A checkpoint older than the last life's start (and not its start version): nothing.
     write(tmp_path, [], life_meta={"start_version": 5, "started_at": 200.0})
-    groups, why = untrained_groups(iter(LogReader(tmp_path)), version=2, saved_at=100.0,
+    reader = LogReader(tmp_path)
+    reader.life = reader.last_life()
+    assert reader.life == 2
+    groups, why = untrained_groups(iter(reader), version=2, saved_at=100.0,
                                    known_ids=set(), trained_ids=set())
     assert groups == {} and why == {"lineage": 1}

@@ -24,7 +24,7 @@ def logged_ids(svc) -> set[str]:
 
 
 async def test_every_ack_follows_its_record_and_a_failed_write_sends_no_ack(tmp_path, tiny_model_dir):
-    cfg = learner_config(tmp_path, rollout_log={"segment_bytes": 1 << 20}, batch_prompts=4)
+    cfg = learner_config(tmp_path, rollout_log={"fsync": "record"}, batch_prompts=4)
     async with running_learner(cfg, tiny_model_dir) as svc:
         on_disk: list[bool] = []
         send = svc._send_rollout
