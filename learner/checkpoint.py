@@ -134,18 +134,21 @@ def _json(obj: Any) -> bytes:
 # ---- nested state <-> JSON + tensors --------------------------------------------------------------
 
 def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "",
-                _ptrs: set[int] | None = None) -> Any:
+                _ptrs: set[int] | None = None, copy: bool = False) -> Any:
     """A nested state (dicts with str/int keys, lists, tuples, numbers, tensors) as JSON data; its
     tensors go into ``tensors`` under their path. Tensors sharing memory are stored once each
-    (safetensors refuses shared storage), as contiguous CPU copies where they are not already."""
+    (safetensors refuses shared storage), as contiguous CPU copies where they are not already
+    (``copy``: always a copy, so the live tensors may change while it is written)."""
     if _ptrs is None:                     # storages already in ``tensors`` (the RNG states, say)
         _ptrs = {u.data_ptr() for u in tensors.values() if u.numel()}
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if t.numel() and t.data_ptr() in _ptrs:
+        copied = t.device.type != "cpu"
+        if copied:
+            t = t.cpu()                   # a new host tensor
+        if not t.is_contiguous():
+            t, copied = t.contiguous(), True
+        if (copy and not copied) or (t.numel() and t.data_ptr() in _ptrs):
             t = t.clone()
         if t.numel():
             _ptrs.add(t.data_ptr())
@@ -156,12 +159,12 @@ def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "",
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TypeError(f"checkpoint state: key {k!r} at {path or '/'} is not a str or int")
-            items.append([k, encode_tree(v, tensors, f"{path}/{k}", _ptrs)])
+            items.append([k, encode_tree(v, tensors, f"{path}/{k}", _ptrs, copy)])
         return {_DICT: items}
     if isinstance(obj, tuple):
-        return {_TUPLE: [encode_tree(v, tensors, f"{path}/{i}", _ptrs) for i, v in enumerate(obj)]}
+        return {_TUPLE: [encode_tree(v, tensors, f"{path}/{i}", _ptrs, copy) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode_tree(v, tensors, f"{path}/{i}", _ptrs) for i, v in enumerate(obj)]
+        return [encode_tree(v, tensors, f"{path}/{i}", _ptrs, copy) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"checkpoint state: {type(obj).__name__} at {path or '/'} cannot be saved")
@@ -349,6 +352,18 @@ class Checkpoint:
     state: dict
 
 
+@dataclass
+class Pending:
+    """A checkpoint taken from the trainer (:meth:`Checkpointer.prepare`), not yet written."""
+
+    version: int
+    tmp: Path
+    tensors: dict[str, torch.Tensor]
+    trainer_json: Any
+    state: dict
+    policy: str
+
+
 def _fail(path: Path, what: str) -> StartupError:
     return StartupError(f"checkpoint {path}: {what} (pass another one with --resume PATH, or start "
                         "without --resume)")
@@ -390,27 +405,43 @@ class Checkpointer:
     def save(self, version: int, state: dict, trainer: Any) -> Path:
         """Write checkpoint ``step-<version>`` (module docstring); returns its path. On any error
         the temporary directory is removed, older checkpoints are untouched, and it is raised."""
+        return self.commit(self.prepare(version, state, trainer))
+
+    def prepare(self, version: int, state: dict, trainer: Any) -> Pending:
+        """The part that reads the trainer (call it while no step runs): the policy saved into a
+        new temporary directory, every other tensor copied to host memory. :meth:`commit` writes the
+        rest without touching the trainer, so training can go on meanwhile."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{version}-", dir=self.root))
-        final = self.root / f"step-{version}"
-        aside: Path | None = None
-        placed = False
         try:
             save_policy(trainer, tmp / POLICY)
             tensors: dict[str, torch.Tensor] = {}
             rest = {k: v for k, v in trainer.state_dict().items() if k not in _NOT_SAVED}
-            trainer_json = encode_tree(rest, tensors)
+            trainer_json = encode_tree(rest, tensors, copy=True)
             state = {**state, "version": int(version), "rng": rng_state(tensors)}
-            _save_tensors(tensors, tmp / TRAINER_TENSORS)
-            _write_bytes(tmp / TRAINER_JSON, _json(trainer_json))
-            _write_bytes(tmp / STATE, _json(state))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return Pending(int(version), tmp, tensors, trainer_json, state,
+                       "adapter" if is_peft(trainer.model) else "full")
+
+    def commit(self, p: Pending) -> Path:
+        """Write what :meth:`prepare` took, fsync, rename into place, write the marker, prune."""
+        version, tmp = p.version, p.tmp
+        final = self.root / f"step-{version}"
+        aside: Path | None = None
+        placed = False
+        try:
+            _save_tensors(p.tensors, tmp / TRAINER_TENSORS)
+            _write_bytes(tmp / TRAINER_JSON, _json(p.trainer_json))
+            _write_bytes(tmp / STATE, _json(p.state))
             files = {}
-            for p in sorted(tmp.rglob("*")):
-                if p.is_file():
-                    files[p.relative_to(tmp).as_posix()] = {"bytes": p.stat().st_size, DIGEST: _digest(p)}
-            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": int(version),
-                        "run_id": state.get("run_id"), "created": time.time(),
-                        "policy": "adapter" if is_peft(trainer.model) else "full", "files": files}
+            for f in sorted(tmp.rglob("*")):
+                if f.is_file():
+                    files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, DIGEST: _digest(f)}
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": version,
+                        "run_id": p.state.get("run_id"), "created": time.time(), "policy": p.policy,
+                        "files": files}
             manifest_bytes = _json(manifest)
             _write_bytes(tmp / MANIFEST, manifest_bytes)
             _fsync_tree(tmp)
@@ -420,7 +451,7 @@ class Checkpointer:
             os.rename(tmp, final)
             placed = True
             _fsync_path(self.root)
-            marker = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": int(version),
+            marker = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": version,
                       "manifest_digest": xxhash.xxh3_128_hexdigest(manifest_bytes)}
             _write_bytes(final / f".{MARKER}.tmp", _json(marker))
             os.rename(final / f".{MARKER}.tmp", final / MARKER)
@@ -431,6 +462,8 @@ class Checkpointer:
                 with contextlib.suppress(OSError):
                     os.rename(aside, final)
             raise
+        finally:
+            p.tensors.clear()                    # the host copies go as soon as they are written
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
         self.prune()
@@ -582,8 +615,14 @@ class LearnerCheckpoints:
     was trained since the last one, at the end of training, and on ``ctl checkpoint``. Always
     between steps: the train loop takes its batches through :meth:`next_batch`, which saves when
     one is due and, once the learner is stopping, takes no batch any more, so a stop waits for a
-    running step to finish (:meth:`on_stop`) and then saves what it trained. The write runs in a
-    thread (the sockets keep being served); the state is captured on the loop first.
+    running step to finish (:meth:`on_stop`) and then saves what it trained.
+
+    Two phases, both in threads (the sockets keep being served): the state is captured on the loop,
+    then :meth:`Checkpointer.prepare` saves the policy and copies every other tensor to host
+    memory while the train loop waits (``slipstream_checkpoint_pause_seconds``); the write of the
+    rest (:meth:`Checkpointer.commit`: the optimizer moments, digests, fsync, rename, marker)
+    goes on beside the next steps. One checkpoint at a time: the next one waits for it, and so
+    do a stop and the end of training before they exit.
     """
 
     def __init__(self, svc: Any):
@@ -596,7 +635,9 @@ class LearnerCheckpoints:
         self.failed_stop = False
         self.resumed_from: Path | None = None
         self.idle = asyncio.Event()           # the train loop waits for a batch, or is parked
-        self.lock = asyncio.Lock()            # one write at a time, and no step while one runs
+        self.lock = asyncio.Lock()            # one checkpoint at a time (held until it is written)
+        self.capturing = asyncio.Lock()       # held while the trainer is read: no step starts
+        self.pending: asyncio.Task | None = None
         r = svc.metrics.registry
         self.m_seconds = Histogram("slipstream_checkpoint_seconds", "Seconds to write a checkpoint",
                                    registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
@@ -605,6 +646,10 @@ class LearnerCheckpoints:
         self.m_failures = Counter("slipstream_checkpoint_failures",
                                   "Checkpoints that could not be written (disk full, not writable)",
                                   registry=r)
+        self.m_pause = Gauge("slipstream_checkpoint_pause_seconds",
+                             "Seconds the last checkpoint held up training (policy saved, the other "
+                             "tensors copied to host memory; the rest is written beside training)",
+                             registry=r)
         self.m_load = Gauge("slipstream_checkpoint_load_seconds",
                             "Seconds the resume took to verify and apply its checkpoint", registry=r)
 
@@ -656,28 +701,58 @@ class LearnerCheckpoints:
                 "data": svc.prompts.state_dict(), "buffer": svc.buffer.state_dict(binary=False),
                 "saved_at": time.time()}
 
-    async def save(self, reason: str) -> dict | None:
-        """Write a checkpoint of the current version now (the caller makes sure no step runs);
-        returns what was written, or None when it failed (logged, counted, and under
+    async def save(self, reason: str, wait: bool = True) -> dict | None:
+        """Checkpoint the current version (the caller makes sure no step runs). Returns what was
+        written once it is complete (``wait``), or once the trainer was read (not ``wait``: the
+        write goes on, :attr:`pending`); None when it failed (logged, counted, and under
         ``checkpoint_failure: stop`` the learner stops)."""
         svc = self.svc
-        async with self.lock:
-            version = svc.version
-            state = self.capture()
-            start = time.monotonic()
+        await self.lock.acquire()
+        handed = False
+        try:
+            async with self.capturing:
+                version = svc.version
+                state = self.capture()
+                start = time.monotonic()
+                try:
+                    pending = await asyncio.to_thread(self.store.prepare, version, state, svc.trainer)
+                except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
+                    self.failed(e, version, reason)
+                    return None
+            paused = time.monotonic() - start
+            self.pending = asyncio.create_task(self._commit(pending, reason, start, paused),
+                                               name="checkpoint")
+            handed = True                     # the commit releases the lock
+        finally:
+            if not handed:
+                self.lock.release()
+        if wait:
+            return await self.pending
+        return {"version": version, "reason": reason, "pause_s": round(paused, 3), "written": False}
+
+    async def _commit(self, pending: Pending, reason: str, start: float, paused: float) -> dict | None:
+        try:
             try:
-                path = await asyncio.to_thread(self.store.save, version, state, svc.trainer)
+                path = await asyncio.to_thread(self.store.commit, pending)
             except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
-                self.failed(e, version, reason)
+                self.failed(e, pending.version, reason)
                 return None
-            seconds = time.monotonic() - start
-        self.saved_version = version
+        finally:
+            self.lock.release()
+        version, seconds = pending.version, time.monotonic() - start
+        self.saved_version = max(self.saved_version, version)
         self.m_seconds.observe(seconds)
+        self.m_pause.set(paused)
         self.m_version.set(version)
         info = {"checkpoint": str(path), "version": version, "reason": reason,
-                "seconds": round(seconds, 3)}
-        svc.log("checkpoint", **info)
+                "seconds": round(seconds, 3), "pause_s": round(paused, 3)}
+        self.svc.log("checkpoint", **info)
         return info
+
+    async def settled(self) -> None:
+        """Wait until no checkpoint is being written."""
+        async with self.lock:
+            pass
 
     def failed(self, e: BaseException, version: int, reason: str) -> None:
         svc = self.svc
@@ -695,10 +770,13 @@ class LearnerCheckpoints:
 
     async def request(self) -> dict:
         """``ctl checkpoint``: write one as soon as no step runs."""
+        await self.settled()
         while not (self.idle.is_set() and not self.lock.locked()):
             if self.svc.stopping.is_set():
                 raise RuntimeError("the learner is stopping (its final checkpoint follows)")
             await self._wait_idle()
+            if self.lock.locked():
+                await self.settled()
         info = await self.save("ctl")
         if info is None:
             raise RuntimeError("the checkpoint could not be written (see the checkpoint_failed event)")
@@ -722,7 +800,7 @@ class LearnerCheckpoints:
         every = svc.cfg.save_every
         if every and svc.version % every == 0 and svc.version > self.saved_version \
                 and not svc.stopping.is_set():
-            await self.save("periodic")
+            await self.save("periodic", wait=False)
         if svc.stopping.is_set():
             self.idle.set()
             await asyncio.Future()            # cancelled by the stop
@@ -731,14 +809,15 @@ class LearnerCheckpoints:
             batch = await svc.buffer.next_batch(svc.version)
         finally:
             self.idle.clear()
-        if self.lock.locked():                # a ctl checkpoint is being written: no step yet
-            async with self.lock:
+        if self.capturing.locked():           # a ctl checkpoint reads the trainer: no step yet
+            async with self.capturing:
                 pass
         return batch
 
     async def at_end(self) -> None:
-        """After the last step."""
-        if self.svc.version > self.saved_version:
+        """After the last step (a checkpoint still being written is waited for)."""
+        await self.settled()
+        if self.svc.version > self.saved_version and not self.failed_stop:
             await self.save("end")
 
     async def on_stop(self, train: asyncio.Task) -> int:
@@ -757,6 +836,7 @@ class LearnerCheckpoints:
         train.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await train
+        await self.settled()
         if not self.failed_stop and svc.version > self.saved_version and svc.trainer is not None:
             await self.save("stop")
         return EXIT_CHECKPOINT_FAILED if self.failed_stop else 0
