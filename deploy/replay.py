@@ -79,7 +79,15 @@ def groups_of(entries: list[dict]) -> list[list[dict]]:
     return out
 
 
-def replay_stats(log_dir: str | Path) -> dict[str, Any]:
+def trained_ids_near(log_dir: str | Path) -> Path | None:
+    """RUN_DIR/trained_ids.jsonl when the log is the default RUN_DIR/rollout_log."""
+    p = Path(log_dir).resolve().parent / "trained_ids.jsonl"
+    return p if p.is_file() else None
+
+
+def replay_stats(log_dir: str | Path, trained_ids: str | Path | None = None) -> dict[str, Any]:
+    """The statistics; with ``trained_ids`` (default: the run directory's, when found) also how many
+    logged samples the run's final weights were trained on (rolled-back steps not counted)."""
     entries, info = read_samples(log_dir)
     rewards = [e["sample"].reward for e in entries]
     stale = [staleness_of(e) for e in entries]
@@ -106,7 +114,18 @@ def replay_stats(log_dir: str | Path) -> dict[str, Any]:
         "accepted_version_min": min((e["accepted_version"] for e in entries), default=0),
         "accepted_version_max": max((e["accepted_version"] for e in entries), default=0),
         "servers": servers,
+        **_trained(entries, trained_ids if trained_ids is not None else trained_ids_near(log_dir)),
     }
+
+
+def _trained(entries: list[dict], path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    from learner.checkpoint import effective_trained_ids
+
+    trained = set(effective_trained_ids(Path(path)))
+    n = sum(e["sample"].sample_id in trained for e in entries)
+    return {"trained_ids": str(path), "trained_samples": n, "untrained_samples": len(entries) - n}
 
 
 def format_stats(st: dict[str, Any]) -> str:
@@ -120,8 +139,11 @@ def format_stats(st: dict[str, Any]) -> str:
         f"histogram {st['staleness_histogram']}",
         f"token versions {st['token_version_min']}..{st['token_version_max']}  accepted at versions "
         f"{st['accepted_version_min']}..{st['accepted_version_max']}",
-        f"{'server':<24} {'samples':>8} {'reward':>9} {'std':>8} {'staleness':>10}",
     ]
+    if "trained_samples" in st:
+        lines.append(f"trained {st['trained_samples']}  untrained {st['untrained_samples']}  "
+                     f"(by {st['trained_ids']})")
+    lines.append(f"{'server':<24} {'samples':>8} {'reward':>9} {'std':>8} {'staleness':>10}")
     for sid, s in st["servers"].items():
         lines.append(f"{sid[:24]:<24} {s['samples']:>8} {s['reward_mean']:>9.4f} {s['reward_std']:>8.4f} "
                      f"{s['staleness_mean']:>10.3f}")

@@ -448,7 +448,12 @@ class LearnerRolloutLog:
                                     trained_ids=set(trained))
             log_stats = reader.stats()
         s = self.settings
-        self.writer = RolloutLogWriter(self.root, s.segment_bytes, s.fsync)
+        try:
+            self.writer = RolloutLogWriter(self.root, s.segment_bytes, s.fsync)
+        except OSError as e:
+            raise protocol.StartupError(
+                f"learner.rollout_log.path {str(self.root)!r} cannot be written ({e.strerror or e}); "
+                "point it at a writable directory") from None
         self.writer.append(LIFE, {"life": self.writer.life, "run_id": svc.run_id,
                                   "start_version": svc.version, "started_at": time.time(),
                                   "resumed_from": str(ckpt) if ckpt else None})

@@ -44,8 +44,14 @@ def make_log(root, groups: int = 6, torn: bool = False):
 
 
 def test_replay_prints_the_statistics(tmp_path, capsys):
-    make_log(tmp_path, torn=True)
-    assert main(["replay", str(tmp_path), "--json"]) == 0
+    log = tmp_path / "rollout_log"
+    make_log(log, torn=True)
+    # The run directory's trained_ids.jsonl: groups 0 and 1 trained, then group 1's step rolled back.
+    (tmp_path / "trained_ids.jsonl").write_text("\n".join(json.dumps(x) for x in [
+        {"trained_on_version": 0, "sample_ids": ["r-a0/0", "r-a0/1"]},
+        {"trained_on_version": 1, "sample_ids": ["r-a1/0", "r-a1/1"]},
+        {"resumed_at_version": 1}]) + "\n")
+    assert main(["replay", str(log), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     # The torn last record (group 5) is skipped and counted: 5 groups of 2 remain.
     assert st["torn"] == 1 and st["samples"] == 10 and st["groups"] == 5 and st["lives"] == 1
@@ -53,9 +59,10 @@ def test_replay_prints_the_statistics(tmp_path, capsys):
     assert st["staleness_mean"] == 1 and st["staleness_histogram"] == {"1": 10}
     assert (st["token_version_min"], st["token_version_max"]) == (1, 2)
     assert {k: v["samples"] for k, v in st["servers"].items()} == {"s1": 6, "s2": 4}
-    assert main(["replay", str(tmp_path)]) == 0
+    assert st["trained_samples"] == 2 and st["untrained_samples"] == 8
+    assert main(["replay", str(log)]) == 0
     text = capsys.readouterr().out
-    assert "torn records skipped 1" in text and "s2" in text
+    assert "torn records skipped 1" in text and "s2" in text and "untrained 8" in text
     assert main(["replay", str(tmp_path / "nothing")]) == 2          # one line, exit 2
 
 

@@ -3,13 +3,19 @@ resume takes back (learner.rollout_log). Pure file I/O; no model."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 
 import protocol
+from learner.metrics import LearnerMetrics
 from learner.rollout_log import (
     LIFE,
     RESULT,
+    LearnerRolloutLog,
     LogReader,
+    RolloutLogSettings,
     RolloutLogWriter,
     accepted_result,
     untrained_groups,
@@ -149,3 +155,13 @@ def test_which_samples_a_resume_takes_back(tmp_path):
     groups, why = untrained_groups(iter(reader), version=2, saved_at=100.0,
                                    known_ids=set(), trained_ids=set())
     assert groups == {} and why == {"lineage": 1}
+
+
+async def test_a_log_directory_that_cannot_be_written_is_a_startup_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    svc = SimpleNamespace(cfg=SimpleNamespace(run_dir=str(tmp_path)), metrics=LearnerMetrics(),
+                          checkpoints=SimpleNamespace(resumed_from=None), run_id="r", version=0,
+                          log=lambda *a, **k: None)
+    log = LearnerRolloutLog(svc, RolloutLogSettings(path=str(tmp_path / "file" / "log")))
+    with pytest.raises(protocol.StartupError, match="learner.rollout_log.path"):
+        await log.open()
