@@ -472,7 +472,7 @@ class DeepSpeedTrainer(Trainer):
 
 def launch_ranks(nproc: int, cfg: LearnerConfig, config_file: str, overrides: list[str],
                  resume: str | None) -> int:
-    """``slipstream learner --nproc N``: this process becomes ``torchrun --standalone`` running N
+    """``slipstream learner --nproc N``: this process becomes ``torchrun`` (one node) running N
     ``slipstream learner`` ranks with the same arguments (no restarts: a rank that dies ends the
     group, and torchrun exits non-zero)."""
     import sys
@@ -480,8 +480,11 @@ def launch_ranks(nproc: int, cfg: LearnerConfig, config_file: str, overrides: li
     if cfg.deepspeed is None:
         raise StartupError(f"--nproc {nproc} needs a learner.deepspeed section (e.g. --set "
                            "learner.deepspeed.zero_stage=2)")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            str(nproc), "--max-restarts", "0", "-m", "deploy.cli", "learner", "--config", config_file]
+    # Static rendezvous on a free local port: no rendezvous keep-alives to miss on a busy host
+    # (--standalone's c10d rendezvous times out under load).
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--max-restarts", "0", "-m", "deploy.cli", "learner", "--config", config_file]
     for item in overrides:
         argv += ["--set", item]
     if resume is not None:

@@ -34,8 +34,11 @@ from learner.trainer import Trainer
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CLI = [sys.executable, "-m", "deploy.cli"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "--max-restarts", "0"]
+def torchrun() -> list[str]:
+    """torchrun of 2 ranks, static rendezvous on a free port (c10d's keep-alives time out on a
+    loaded host)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0"]
 
 ORACLE = {"group_size": 4, "batch_prompts": 2, "micro_batch_samples": 3, "ppo_epochs": 2,
           "kl_coef": 0.05, "lr": 1e-3, "max_grad_norm": 1e6, "seed": 0, "threads": 1}
@@ -123,7 +126,7 @@ def test_two_ranks_match_one_plain_process(tmp_path, tiny_model_dir, ds_env, pro
     fields = {**ORACLE, **extra}
     ds = {"zero_stage": stage, "timeout_s": 120, "heartbeat_s": 5, "publish_bucket_bytes": 64 << 10}
     out = tmp_path / "ranks.pt"
-    r = process_groups.run([*TORCHRUN, str(HERE / "ds_oracle_worker.py"), tiny_model_dir, str(out),
+    r = process_groups.run([*torchrun(), str(HERE / "ds_oracle_worker.py"), tiny_model_dir, str(out),
                             json.dumps({**fields, "deepspeed": ds})], timeout=400, env=ds_env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     got = torch.load(out, weights_only=True)
