@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="offline steps (default 10)")
     p.add_argument("--beta", type=float, default=0.1, help="DPO beta (default 0.1)")
     p.add_argument("--lr", type=float, default=1e-4, help="DPO learning rate (default 1e-4)")
+    p.add_argument("--out", default=None, metavar="DIR", help="save the offline-trained policy here")
     return parser
 
 

@@ -153,8 +153,9 @@ def format_stats(st: dict[str, Any]) -> str:
 # ---- offline re-training ------------------------------------------------------------------------
 
 def train_offline(log_dir: str | Path, cfg: Any, model_path: str, steps: int,
-                  emit=print) -> list[dict[str, float]]:
-    """Up to ``steps`` Trainer steps on batches of ``cfg.batch_prompts`` logged groups."""
+                  emit=print, out: str | Path | None = None) -> list[dict[str, float]]:
+    """Up to ``steps`` Trainer steps on batches of ``cfg.batch_prompts`` logged groups; the policy
+    saved to ``out`` (as the learner's ``final/``) when given."""
     from buffer import Batch
     from learner.distributed import make_trainer
 
@@ -162,20 +163,23 @@ def train_offline(log_dir: str | Path, cfg: Any, model_path: str, steps: int,
     groups = [g for g in groups_of(entries) if len(g) == cfg.group_size]
     k = cfg.batch_prompts
     trainer = make_trainer(cfg, model_path)
-    out = []
+    stats_rows = []
     for step in range(min(steps, len(groups) // k)):
         chosen = groups[step * k:(step + 1) * k]
         es = [e for g in chosen for e in g]
         batch = Batch([e["sample"] for e in es], step, [staleness_of(e) for e in es],
                       [False] * len(es), [len(g) for g in chosen])
         stats = trainer.step(batch)
-        out.append(stats)
+        stats_rows.append(stats)
         emit(json.dumps({"step": step, **{k_: round(v, 6) for k_, v in stats.items()
                                          if isinstance(v, float) and ("loss" in k_ or "reward" in k_
                                                                       or k_.startswith("is_"))}}))
-    if not out:
+    if not stats_rows:
         emit(json.dumps({"event": "no_batch", "groups": len(groups), "batch_prompts": k}))
-    return out
+    if out is not None:
+        trainer.save_policy(Path(out))
+        emit(json.dumps({"event": "saved", "policy": str(out)}))
+    return stats_rows
 
 
 # ---- offline DPO ---------------------------------------------------------------------------------
@@ -218,8 +222,9 @@ def sequence_logprobs(model: Any, samples: list[Any], pad_id: int = 0):
 
 
 def dpo_offline(log_dir: str | Path, model_path: str, steps: int, beta: float = 0.1, lr: float = 1e-4,
-                seed: int = 0, emit=print) -> list[float]:
-    """``steps`` full-batch DPO updates (AdamW) on the log's pairs; the loss of every step."""
+                seed: int = 0, emit=print, out: str | Path | None = None) -> list[float]:
+    """``steps`` full-batch DPO updates (AdamW) on the log's pairs; the loss of every step. The
+    model is saved to ``out`` (save_pretrained) when given."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -250,6 +255,9 @@ def dpo_offline(log_dir: str | Path, model_path: str, steps: int, beta: float = 
         losses.append(float(loss.detach()))
         emit(json.dumps({"step": step, "dpo_loss": round(losses[-1], 6), "pairs": len(pairs),
                          **{k: round(v, 6) for k, v in stats.items()}}))
+    if out is not None:
+        model.save_pretrained(out)
+        emit(json.dumps({"event": "saved", "policy": str(out)}))
     return losses
 
 
@@ -273,8 +281,8 @@ def replay(args) -> int:
 
         model_path = resolve_model(cfg.model, log=lambda m: None)
     if args.train:
-        train_offline(args.log_dir, cfg.learner, model_path, args.steps)
+        train_offline(args.log_dir, cfg.learner, model_path, args.steps, out=args.out)
     else:
         dpo_offline(args.log_dir, model_path, args.steps, beta=args.beta, lr=args.lr,
-                    seed=cfg.learner.seed)
+                    seed=cfg.learner.seed, out=args.out)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from learner.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter
 
 def sample(aid: str, i: int, reward: float, versions=(0, 0, 0), size: int = 2) -> protocol.Sample:
     n = len(versions)
-    rng = np.random.default_rng(abs(hash((aid, i))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{aid}/{i}".encode()))
     return protocol.Sample(
         sample_id=protocol.sample_id(aid, i), assignment_id=aid, group_index=i, group_size=size,
         prompt_token_ids=np.array([1, 5, 6, 7], np.int32),
@@ -70,8 +71,8 @@ def test_replay_train_runs_trainer_steps_on_logged_batches(tmp_path, tiny_model_
     make_log(tmp_path)
     code = main(["replay", str(tmp_path), "--train", "--model", tiny_model_dir, "--steps", "2",
                  "--set", "learner.batch_prompts=2", "--set", "learner.group_size=2",
-                 "--set", "learner.threads=1"])
-    assert code == 0
+                 "--set", "learner.threads=1", "--out", str(tmp_path / "policy")])
+    assert code == 0 and (tmp_path / "policy" / "config.json").is_file()
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["pg_loss"]) and r["reward_mean"] == pytest.approx(0.5) for r in rows)
