@@ -4,8 +4,9 @@
                                            [--out bench_results/bench_checkpoint.json]
 
 For each model (fp32, CPU): a Trainer after one policy step (so the AdamW moments exist), then
-``Checkpointer.save`` (policy via save_pretrained, optimizer and RNG tensors via safetensors,
-JSON state, sha256 of every file, fsync, rename, marker), ``Checkpointer.read`` (the full
+``Checkpointer.save`` (prepare: policy via save_pretrained and the other tensors copied to host
+memory, what training waits for — the pause; commit: optimizer and RNG tensors via safetensors,
+JSON state, XXH3 digest of every file, fsync, rename, marker), ``Checkpointer.read`` (the full
 verification: every file hashed against the manifest) and ``restore_trainer`` into a fresh
 Trainer. The baseline, measured in the same process on the same disk: ``safetensors.save_file``
 of the same tensors (policy + optimizer moments) without fsync or hashing, and ``load_file`` of
@@ -73,16 +74,18 @@ def bench(name: str, repeat: int, workdir: Path) -> dict:
     from safetensors.torch import load_file, save_file
 
     model_dir = _model_dir(name, workdir)
-    cfg = LearnerConfig(group_size=4, batch_prompts=2, micro_batch_samples=8, threads=0, seed=0)
+    cfg = LearnerConfig(group_size=4, batch_prompts=2, micro_batch_samples=8, threads=2, seed=0)
     tr = Trainer(cfg, model_dir)
     tr.step(_batch(tr.vocab_size))
     fresh = Trainer(cfg, model_dir)
     store = Checkpointer(workdir / f"ck-{name.replace(':', '_')}", keep_last=1)
-    save, verify, restore, raw_save, raw_load = [], [], [], [], []
+    save, pause, verify, restore, raw_save, raw_load = [], [], [], [], [], []
     path = None
     for i in range(repeat):
         t0 = time.perf_counter()
-        path = store.save(i + 1, STATE, tr)
+        pending = store.prepare(i + 1, STATE, tr)
+        pause.append(time.perf_counter() - t0)
+        path = store.commit(pending)
         save.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         ck = store.read(path)
@@ -106,7 +109,7 @@ def bench(name: str, repeat: int, workdir: Path) -> dict:
     med = statistics.median
     params = sum(p.numel() for p in tr.model.parameters())
     return {"model": name, "parameters": params, "checkpoint_bytes": _dir_bytes(path),
-            "save_s": med(save), "verify_s": med(verify), "restore_s": med(restore),
+            "save_s": med(save), "pause_s": med(pause), "verify_s": med(verify), "restore_s": med(restore),
             "load_s": med(verify) + med(restore), "raw_save_s": med(raw_save), "raw_load_s": med(raw_load),
             "save_vs_raw": med(save) / med(raw_save), "load_vs_raw": (med(verify) + med(restore)) / med(raw_load)}
 
@@ -121,11 +124,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             rows.append(bench(name, args.repeat, Path(tmp)))
-    print(f"{'model':24} {'params':>11} {'MiB':>8} {'save s':>8} {'verify s':>9} {'restore s':>10} "
+    print(f"{'model':24} {'params':>11} {'MiB':>8} {'save s':>8} {'pause s':>8} {'verify s':>9} {'restore s':>10} "
           f"{'raw save':>9} {'raw load':>9} {'save/raw':>9} {'load/raw':>9}")
     for r in rows:
         print(f"{r['model']:24} {r['parameters']:>11,} {r['checkpoint_bytes'] / 2**20:>8.1f} {r['save_s']:>8.3f} "
-              f"{r['verify_s']:>9.3f} {r['restore_s']:>10.3f} {r['raw_save_s']:>9.3f} {r['raw_load_s']:>9.3f} "
+              f"{r['pause_s']:>8.3f} {r['verify_s']:>9.3f} {r['restore_s']:>10.3f} {r['raw_save_s']:>9.3f} {r['raw_load_s']:>9.3f} "
               f"{r['save_vs_raw']:>9.2f} {r['load_vs_raw']:>9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
