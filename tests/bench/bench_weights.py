@@ -315,7 +315,7 @@ def checkpoint_times(model_dir: str, lora: dict | None, samples: int) -> dict:
     with tempfile.TemporaryDirectory() as root:
         ck = Checkpointer(root)
         t = time.monotonic()
-        path = ck.save(1, {"run_id": "bench"}, trainer)
+        path = ck.save(1, {"run_id": "bench", "data": {}, "buffer": {}, "assignment_counter": 0}, trainer)
         save_s = time.monotonic() - t
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         fresh = Trainer(cfg, model_dir)
@@ -348,19 +348,30 @@ def main() -> int:
     model_dir = resolve(args.model)
     res: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
                  "cpus": os.cpu_count(), "model": args.model, "threads": torch.get_num_threads()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:                 # after every part: a late failure keeps the earlier ones
+        out.write_text(json.dumps(res, indent=2))
+
     if "full" not in skip:
         res["full"] = [asyncio.run(publish_to_applied(model_dir, d, None, args.reps, args.chunk_bytes, args.window,
                                                    args.threads))
                        for d in ("float32", "bfloat16")]
+        save()
     if "lora" not in skip:
         res["lora"] = asyncio.run(publish_to_applied(model_dir, "float32", LORA, args.reps, args.chunk_bytes,
                                                      args.window, args.threads))
+        save()
     if "wait" not in skip:
         res["loop_wait"] = asyncio.run(loop_wait(model_dir, args.reps, args.step_samples, 32, 32))
+        save()
     if "service" not in skip:
         res["service_wait"] = asyncio.run(service_wait(20))
+        save()
     if "checkpoint" not in skip:
         res["checkpoint"] = [checkpoint_times(model_dir, None, 8), checkpoint_times(model_dir, LORA, 8)]
+        save()
 
     print(f"{'measure':54s} {'value':>10s} {'target':>9s}")
     for f in res.get("full", []):
@@ -390,9 +401,7 @@ def main() -> int:
     for c in res.get("checkpoint", []):
         name = f"checkpoint {c['kind']} ({c['bytes'] / 1e6:.0f} MB) save / load s"
         print(f"{name:54s} {c['save_s']:.2f} / {c['load_s']:.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    save()
     print(f"wrote {out}")
     return 0
 
