@@ -39,7 +39,7 @@ import asyncio
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -63,10 +63,19 @@ class HostBuffers:
         self.spare = spare
         self.allocated = 0                 # buffers allocated so far (a reuse allocates nothing)
         self._free: list[torch.Tensor] = []
+        # give() only appends here (atomic, no lock): it runs from finalizers, which may fire
+        # on any thread and at any allocation, even inside take().
+        self._returned: deque[torch.Tensor] = deque()
         self._lock = threading.Lock()
+
+    def _collect(self) -> None:
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        del self._free[:max(0, len(self._free) - self.spare)]      # keep the newest ``spare``
 
     def take(self, nbytes: int, pin: bool = False) -> torch.Tensor:
         with self._lock:
+            self._collect()
             for i, buf in enumerate(self._free):
                 if buf.numel() == nbytes and buf.is_pinned() == pin:
                     return self._free.pop(i)
@@ -74,15 +83,13 @@ class HostBuffers:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            while len(self._free) > self.spare:
-                self._free.pop(0)
+        self._returned.append(buf)
 
     @property
     def free(self) -> int:
         """Buffers waiting to be reused."""
         with self._lock:
+            self._collect()
             return len(self._free)
 
 
