@@ -70,7 +70,8 @@ class Run:
 
 def read_runs(path: Path) -> tuple[dict[str, Run], int]:
     """The runs of a metrics.jsonl file in order of first appearance, and how many lines were not
-    JSON objects (a line cut short by a crash is skipped, not fatal)."""
+    JSON objects (a line cut short by a crash is skipped, not fatal). Steps trained again after a
+    resume from an earlier checkpoint replace the rolled-back rows of the same run."""
     runs: dict[str, Run] = {}
     bad = 0
     legacy = 0
@@ -93,7 +94,16 @@ def read_runs(path: Path) -> tuple[dict[str, Run], int]:
                 legacy += 1
             last_legacy_step = step if isinstance(step, (int, float)) else math.inf
             run_id = f"legacy-{legacy}"
-        runs.setdefault(run_id, Run(run_id)).rows.append(row)
+        run = runs.setdefault(run_id, Run(run_id))
+        step = row.get("step")
+        if row.get("kind") != "eval" and isinstance(step, (int, float)) and any(
+                r.get("kind") != "eval" and isinstance(r.get("step"), (int, float)) and r["step"] >= step
+                for r in run.rows):
+            # A resume from an earlier checkpoint trains these steps again: the later life wins
+            # (the earlier life's rows from this step on were rolled back, learner/checkpoint.py).
+            run.rows = [r for r in run.rows
+                        if not (isinstance(r.get("step"), (int, float)) and r["step"] >= step)]
+        run.rows.append(row)
     return runs, bad
 
 

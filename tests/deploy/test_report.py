@@ -50,6 +50,20 @@ def test_runs_are_told_apart_by_run_id_and_old_rows_by_step_resets(tmp_path):
         "legacy-1": [1, 2, 3], "legacy-2": [1, 2], "x": [1]}
 
 
+def test_steps_trained_again_after_a_resume_replace_the_rolled_back_rows(tmp_path):
+    """A learner killed at step 5 and resumed from its step-3 checkpoint trains steps 4 and 5
+    again under the same run id: the report keeps the later life's rows."""
+    first = [_row("r", s, reward_mean=0.1) for s in range(1, 6)]
+    first.append({**_row("r", 4), "kind": "eval", "eval_accuracy": 0.5})
+    again = [_row("r", s, t0=5000.0, reward_mean=0.9) for s in range(4, 8)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in first + again))
+    runs, _ = report.read_runs(tmp_path / "metrics.jsonl")
+    rows = runs["r"].rows
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["reward_mean"] for r in rows] == [0.1, 0.1, 0.1, 0.9, 0.9, 0.9, 0.9]
+    assert not any(r.get("kind") == "eval" for r in rows)      # the eval of a rolled-back version
+
+
 def test_the_report_is_of_the_last_run_with_plots_of_what_exists(run_dir):
     path = report.write_report(run_dir)
     out = run_dir / "report"
