@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import numpy as np
 import pytest
 from learner_testkit import FakeServer, learner_config, metric, running_learner, samples_for, wait_until
 
@@ -117,6 +118,10 @@ async def test_after_a_crash_the_untrained_samples_come_back_from_the_log(tmp_pa
                 m = await s.expect(protocol.Assignment)
                 got[m.assignment_id] = m
             assert set(got) == {"test-a5", "test-a6", "test-a8", "test-a9"}, sorted(got)
+            # The data stream continues from the checkpoint: a6 is the prompt it was; a7's prompt
+            # (its group is back) is passed over, not handed out under a new id.
+            assert np.array_equal(got["test-a6"].prompt_token_ids, a[6].prompt_token_ids)
+            assert not any(np.array_equal(m.prompt_token_ids, a[7].prompt_token_ids) for m in got.values())
             await s.answer(samples_for(got["test-a6"]))
             await wait_until(lambda: svc.version >= 2, timeout_s=60, what="step 1")
         finally:
