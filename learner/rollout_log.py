@@ -507,12 +507,26 @@ class LearnerRolloutLog:
         return True, bool(np.array_equal(tokens, prompt_token_ids))
 
     async def after_step(self) -> None:
+        """``fsync: step``: this step's records to the disk (in a thread). A failure is an event and
+        a count, not the end of the run: those records did reach the OS before their Acks."""
         if self.settings.fsync == "step" and self.writer is not None:
-            await self.writer.sync_async()
+            try:
+                await self.writer.sync_async()
+            except OSError as e:
+                self._sync_failed(e)
+
+    def _sync_failed(self, e: OSError) -> None:
+        self.m_failures.inc()
+        self.svc.log("rollout_log_failed", level="error", error=f"{type(e).__name__}: {e}"[:300],
+                     directory=str(self.root), action="fsync failed: the last step's records are in "
+                     "the OS, not known to be on disk", hint="check the disk of learner.rollout_log.path")
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._sync_failed(e)
 
 
 __all__ = ["FSYNC_POLICIES", "LearnerRolloutLog", "RolloutLogFailed", "LogReader", "LogRecord", "RolloutLogSettings",
