@@ -79,6 +79,8 @@ EXIT_CHECKPOINT_FAILED = 3
 """Exit code of a learner stopped by a failed checkpoint under ``checkpoint_failure: stop``."""
 
 _TENSOR, _DICT, _TUPLE = "__tensor__", "__dict__", "__tuple__"
+ENGINE = "engine"
+"""DeepSpeed only: the engines' master weights and Adam moments, gathered (learner.distributed)."""
 _NOT_SAVED = ("policy", "reference")     # Trainer.state_dict() keys saved otherwise (docstring)
 
 
@@ -415,6 +417,8 @@ class Checkpointer:
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{version}-", dir=self.root))
         try:
             save_policy(trainer, tmp / POLICY)
+            if callable(getattr(trainer, "save_engine_state", None)):   # DeepSpeed (learner.distributed)
+                trainer.save_engine_state(tmp / ENGINE)
             tensors: dict[str, torch.Tensor] = {}
             rest = {k: v for k, v in trainer.state_dict().items() if k not in _NOT_SAVED}
             trainer_json = encode_tree(rest, tensors, copy=True)
@@ -570,7 +574,10 @@ class Checkpointer:
 
         path = ckpt.path
         try:
-            load_policy(trainer.model, path / POLICY)          # first: LoRA vs full says most
+            if callable(getattr(trainer, "load_engine_state", None)):   # DeepSpeed: weights and
+                trainer.load_engine_state(path / ENGINE)                # moments of every rank
+            else:
+                load_policy(trainer.model, path / POLICY)      # first: LoRA vs full says most
             tensors = load_file(str(path / TRAINER_TENSORS))
             used: set[str] = set()
             rest = decode_tree(json.loads((path / TRAINER_JSON).read_text()), tensors, used)

@@ -31,7 +31,13 @@ Steps that apply nothing. DeepSpeed clips on the reduced gradients and skips an 
 is not finite (fp32, bf16 with ``check_grad_overflow``, fp16's loss scaler); the trainer reports a
 skipped step. Gradients that must be dropped without an update (a non-finite loss, ``target_kl``)
 are discarded through DeepSpeed's own overflow path. Not supported yet: restoring earlier updates
-of the same step when a later one is skipped (the plain path's snapshot), and checkpoints.
+of the same step when a later one is skipped (the plain path's snapshot).
+
+Checkpoints. learner.checkpoint writes them as for one process (atomically, with a manifest);
+the trainer adds ``engine/``: each trained parameter's float32 master weight and Adam moments,
+gathered whole from every rank's partitions and written by rank 0 as safetensors (no pickle,
+and a resume may use another number of ranks); resuming, every rank reads it and sets its own
+partitions. The policy directory is saved as well (plain HF, gathered under ZeRO-3).
 
 Failure. Every process group has ``timeout_s``; rank 0 pings idle workers every ``heartbeat_s``.
 A rank that dies makes the collectives of the others fail (or time out), each raises and exits
@@ -40,6 +46,7 @@ non-zero, and the launcher takes the group down.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -61,6 +68,9 @@ from protocol.messages import Sample
 __all__ = ["DeepSpeedTrainer", "Group", "join_group", "launch_ranks", "make_trainer", "worker_main"]
 
 _GROUP: Group | None = None
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+ENGINE_TENSORS = "engine.safetensors"
+ENGINE_JSON = "engine.json"
 
 
 def _free_port() -> int:
@@ -360,12 +370,118 @@ class DeepSpeedTrainer(Trainer):
         finally:
             self.group.lock.release()
 
+    # ---- checkpoints (learner.checkpoint calls these; module docstring) ------------------------
     def state_dict(self) -> dict:
-        raise RuntimeError("checkpoints under learner.deepspeed are not implemented yet (issue 11): "
-                           "the engines' sharded optimizer state is not saved")
+        """What a checkpoint's trainer.json / trainer.safetensors hold under DeepSpeed: the KL
+        controller and the running reward moments. Weights and optimizer moments are the
+        engines' (:meth:`save_engine_state`); the reference is the initial policy (not saved)."""
+        return {"kl_controller": self.kl_controller.state_dict(),
+                "reward_moments": self.reward_moments.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        raise StartupError("--resume with learner.deepspeed is not implemented yet (issue 11)")
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+
+    def _engines(self) -> list[tuple[str, object]]:
+        return [(n, e) for n, e in (("policy", self.engine), ("critic", self.critic_engine)) if e is not None]
+
+    def save_engine_state(self, path: str | Path) -> None:
+        """Write ``path/engine.safetensors`` and ``path/engine.json``: every trained parameter's
+        float32 master weight and Adam moments, each gathered whole from the ranks' partitions
+        (collective) and written by rank 0, so a resume does not depend on the number of ranks
+        and nothing is pickled (DeepSpeed's own checkpoints are torch.save files)."""
+        self._command("save_engine", str(path))
+
+    def _do_save_engine(self, path: str) -> None:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        tensors: dict[str, torch.Tensor] = {}
+        steps: dict[str, int] = {}
+        for prefix, engine in self._engines():
+            for name, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                values = {"fp32": safe_get_full_fp32_param(p)}
+                for key in ADAM_STATES:
+                    values[key] = safe_get_full_optimizer_state(p, key)
+                if self.rank == 0:
+                    for key, t in values.items():
+                        tensors[f"{prefix}/{key}/{name}"] = t.detach().float().cpu().contiguous().clone()
+            opt = self.optimizer if prefix == "policy" else self.critic_optimizer
+            steps[prefix] = max((int(st["step"]) for st in opt.state.values() if "step" in st), default=0)
+        if self.rank != 0:
+            return
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / ENGINE_TENSORS))
+        (out / ENGINE_JSON).write_text(json.dumps({"zero_stage": self.ds.zero_stage, "world": self.group.world,
+                                                   "precision": self.ds.precision, "adam_steps": steps}))
+
+    def load_engine_state(self, path: str | Path) -> None:
+        """Every rank reads ``path`` (a directory every rank can see) and sets its partitions of
+        the master weights and Adam moments, and the model's own weights; ValueError when the
+        file does not fit this model."""
+        self._command("load_engine", str(path))
+
+    def _init_adam_state(self) -> None:
+        """Before the first step torch's AdamW has no state (it makes it in its first step) and
+        DeepSpeed has not linked its parameters to it: make both, as that first step would (zero
+        moments), so a resume can set them."""
+        for _, engine in self._engines():
+            opt = self.optimizer if engine is self.engine else self.critic_optimizer
+            flats = [p for group in opt.param_groups for p in group["params"]]
+            for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+                flats += list(getattr(engine.optimizer, name, None) or [])   # ZeRO-1/2, ZeRO-3
+            for p in {id(p): p for p in flats}.values():
+                st = opt.state[p]
+                if "exp_avg" not in st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                              exp_avg_sq=torch.zeros_like(p))
+            link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+            if callable(link):
+                link()
+
+    def _do_load_engine(self, path: str) -> None:
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from safetensors.torch import load_file
+
+        self._init_adam_state()
+        src = Path(path)
+        meta = json.loads((src / ENGINE_JSON).read_text())
+        tensors = load_file(str(src / ENGINE_TENSORS))
+        want = {f"{prefix}/{key}/{name}" for prefix, engine in self._engines()
+                for name, p in engine.module.named_parameters() if p.requires_grad
+                for key in ("fp32", *ADAM_STATES)}
+        if set(tensors) != want:
+            extra, missing = sorted(set(tensors) - want)[:2], sorted(want - set(tensors))[:2]
+            raise ValueError(f"engine state does not fit: extra {extra}, missing {missing}")
+        for prefix, engine in self._engines():
+            for name, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                t = tensors[f"{prefix}/fp32/{name}"]
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"engine tensor {name!r} has shape {tuple(t.shape)}, the model {shape}")
+                safe_set_full_fp32_param(p, t.to(engine.device))
+                for key in ADAM_STATES:
+                    safe_set_full_optimizer_state(p, tensors[f"{prefix}/{key}/{name}"].to(engine.device), key)
+                if self.ds.zero_stage == 3:
+                    with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                        if self.rank == 0:
+                            p.data.copy_(t.to(p.dtype))
+                else:
+                    with torch.no_grad():
+                        p.data.copy_(t.to(p.dtype))
+            opt = self.optimizer if prefix == "policy" else self.critic_optimizer
+            for st in opt.state.values():
+                if "step" in st:
+                    old, n = st["step"], meta["adam_steps"][prefix]
+                    st["step"] = (torch.tensor(float(n), dtype=old.dtype, device=old.device)
+                                  if torch.is_tensor(old) else n)
 
     # ---- the trainer's hooks -----------------------------------------------------------------
     def _engine(self, which: str):

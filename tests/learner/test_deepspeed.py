@@ -196,14 +196,15 @@ async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_pa
     assert (Path(cfg.run_dir) / "final" / "config.json").exists()
 
 
-def _two_rank_config(tmp_path, model: str, stage: int, total_steps: int) -> tuple[str, int]:
+def _two_rank_config(tmp_path, model: str, stage: int, total_steps: int,
+                     save_every: int = 0) -> tuple[str, int]:
     port = _free_port()
     cfg = {
         "model": model,
         "learner": {"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": total_steps, "batch_prompts": 2, "group_size": 2,
                     "micro_batch_samples": 1, "max_new_tokens": 4, "max_staleness": 1,
-                    "run_dir": str(tmp_path / "run"), "save_every": 0, "threads": 1,
+                    "run_dir": str(tmp_path / "run"), "save_every": save_every, "threads": 1,
                     "final_sync_s": 20, "reannounce_s": 1.0,
                     "deepspeed": {"zero_stage": stage, "timeout_s": 60, "heartbeat_s": 5,
                                   "publish_bucket_bytes": 64 << 10}},
@@ -250,15 +251,29 @@ def test_two_ranks_via_nproc_train_end_to_end_with_a_rollout_server(tmp_path, ti
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_takes_the_group_down(tmp_path, tiny_model_dir, ds_env, process_groups):
-    """SIGKILL of rank 1 after a step: torchrun ends rank 0 too and exits non-zero (no rank waits
-    forever; the process-group timeout is the backstop when a launcher does not)."""
-    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000)
+def test_a_rank_that_dies_takes_the_group_down_and_resume_continues(tmp_path, tiny_model_dir, ds_env,
+                                                                     process_groups):
+    """ZeRO-2, two ranks, a checkpoint every 2 steps. SIGKILL of rank 1 after a checkpoint:
+    torchrun ends rank 0 too and exits non-zero (no rank waits forever). ``--nproc 2 --resume``
+    then starts from the last complete checkpoint (engine state included) and the version
+    continues past it."""
+    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000, save_every=2)
     learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
-    process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"], env=ds_env)
+    server = process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"],
+                                  env=ds_env)
     worker = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "worker_ready" and ev,
                               240, "rank 1 ready")
-    learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "step", 120, "a step")
+    saved = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "checkpoint"
+                             and ev.get("version", 0) >= 2 and ev, 180, "a checkpoint")
     os.kill(worker["pid"], signal.SIGKILL)
     code = learner.proc.wait(timeout=120)
     assert code != 0, learner.output()
+    assert (Path(saved["checkpoint"]) / "engine" / "engine.safetensors").is_file()
+    second = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2", "--resume"], env=ds_env)
+    resumed = second.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "resumed" and ev,
+                              240, "the resume")
+    assert resumed["resumed_version"] >= saved["version"], (resumed, saved)
+    second.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "step"
+                    and ev["version"] > resumed["resumed_version"], 180, "a step after the resume")
+    process_groups.stop(second.proc)
+    process_groups.stop(server.proc, grace_s=2)
