@@ -28,7 +28,7 @@ is sent, so an acknowledged result survives a crash of the learner process in ev
 ``step`` (default) fsyncs once per policy step (and at rotation and exit): a crash of the whole
 machine loses at most the results acknowledged since the last step. ``record`` fsyncs every
 record before its Ack (in a thread; the rollout socket waits, the loop does not): nothing
-acknowledged is ever lost, at one fsync per result message (about 6 ms on this machine's disk,
+acknowledged is ever lost, at one fsync per result message (about 5 ms on this machine's disk,
 tests/bench/bench_rollout_log.py). A write that fails (disk full) sends no Ack at all: the server
 keeps the result and re-sends it after a reconnect (the buffer already has it: a duplicate), the
 failure is an event and ``slipstream_rollout_log_failures_total``.
