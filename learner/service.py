@@ -409,7 +409,7 @@ class LearnerService:
         only (learner.weights_server.Publisher: checksums, install and the announcement run
         beside the next step). The process's first version is awaited until announced, so a
         server that connects finds something to fetch."""
-        wait = await self.publisher.publish(self.version, self.trainer.named_tensors())
+        wait = await self.publisher.publish(self.version, self.trainer.named_tensors)
         if self.weights.latest is None:
             await self.publisher.drain()
         return wait

@@ -269,11 +269,15 @@ class Publisher:
         """The version waiting for the background task, if any."""
         return self._waiting.version if self._waiting is not None else None
 
-    async def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Snapshot ``version`` and hand it to the background task; returns the seconds waited."""
+    async def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      | Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> float:
+        """Snapshot ``version`` and hand it to the background task; returns the seconds waited.
+
+        ``named_tensors`` may be a callable (``Trainer.named_tensors``): then the wait includes
+        collecting them (for LoRA, PEFT's adapter state dict is most of it)."""
         self._raise_failure()
         start = time.monotonic()
-        named_tensors = list(named_tensors)
+        named_tensors = list(named_tensors() if callable(named_tensors) else named_tensors)
         if inline_snapshot(named_tensors):
             snap = self.weights.snapshot(version, named_tensors)
         else:

@@ -121,7 +121,7 @@ async def _learner_side(conn, model_dir, dtype, lora, chunk_bytes) -> None:
             with torch.no_grad():                                  # a new version: change it a little
                 trainable[version % len(trainable)].add_(1e-3)
             t0 = time.monotonic()
-            wait = await pub.publish(version, trainer.named_tensors())
+            wait = await pub.publish(version, trainer.named_tensors)
             manifest = await announced.get()
             conn.send({"t0": t0, "wait_s": wait, "announced_s": time.monotonic() - t0,
                        "frames": [bytes(f) for f in protocol.encode(manifest)]})
@@ -276,7 +276,7 @@ async def loop_wait(model_dir: str, reps: int, samples: int, prompt_len: int, co
         t = time.monotonic()
         await asyncio.to_thread(trainer.step, batch)
         steps.append(time.monotonic() - t)
-        waits.append(await pub.publish(v, trainer.named_tensors()))
+        waits.append(await pub.publish(v, trainer.named_tensors))
     await pub.drain()
     steps, waits = steps[1:], waits[1:]
     return {"samples": samples, "prompt_tokens": prompt_len, "completion_tokens": completion_len,
