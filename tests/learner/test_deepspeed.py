@@ -151,6 +151,50 @@ def test_two_ranks_match_one_plain_process(tmp_path, tiny_model_dir, ds_env, pro
 
 
 # ---- end to end ---------------------------------------------------------------------------------
+def _group_of_one(monkeypatch, builtin_cache) -> None:
+    """This process as a group of one (the env a launcher would set; the group, once made, stays)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(builtin_cache) / "torch_extensions"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(_free_port())).items():
+            monkeypatch.setenv(k, v)
+
+
+@pytest.mark.slow
+def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(tmp_path, tiny_model_dir,
+                                                                               builtin_cache, monkeypatch):
+    """ZeRO-3 with LoRA: a publish carries the adapter's tensors only (under the names a plain
+    LoRA trainer publishes), gathered from the partitions. The engine state of a checkpoint
+    (master weights and Adam moments) loaded into a fresh trainer gives it the same published
+    weights and, one step later on the same batch, the same parameters, bit for bit; a fresh
+    trainer without it ends elsewhere."""
+    from learner.distributed import DeepSpeedTrainer
+
+    _group_of_one(monkeypatch, builtin_cache)
+    cfg = LearnerConfig(**{**ORACLE, "ppo_epochs": 1, "lr": 1e-2}, lora={"r": 4},
+                        deepspeed={"zero_stage": 3, "publish_bucket_bytes": 4096})
+    plain_names = [n for n, _ in Trainer(LearnerConfig(**{**ORACLE, "lora": {"r": 4}}), tiny_model_dir).named_tensors()]
+    a = DeepSpeedTrainer(cfg, tiny_model_dir)
+    before = dict(a.named_tensors())
+    a.step(make_batch(seed=0))
+    after = dict(a.named_tensors())
+    assert a.publish_kind == "lora" and list(after) == plain_names
+    assert all("lora_" in n for n in after)
+    assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-3
+    a.save_engine_state(tmp_path / "engine")
+    b = DeepSpeedTrainer(cfg, tiny_model_dir)
+    b.load_engine_state(tmp_path / "engine")
+    assert all(torch.equal(t, after[n]) for n, t in b.named_tensors())
+    a.step(make_batch(seed=1))
+    b.step(make_batch(seed=1))
+    ta, tb = dict(a.named_tensors()), dict(b.named_tensors())
+    assert all(torch.equal(ta[n], tb[n]) for n in ta)
+    c = DeepSpeedTrainer(cfg, tiny_model_dir)
+    c.step(make_batch(seed=1))
+    assert max(float((dict(c.named_tensors())[n] - ta[n]).abs().max()) for n in ta) > 1e-3
+
+
 
 @pytest.mark.slow
 async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_path, tiny_model_dir,
@@ -158,12 +202,7 @@ async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_pa
     """ZeRO-2 in this process (a group of one): with max_staleness 0 every batch at version v was
     sampled from version v's published weights, so the server's behavior log-probs are the
     learner's own at the step's start; the server applies every version up to the last."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(builtin_cache) / "torch_extensions"))
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    if "RANK" not in os.environ:
-        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(_free_port())).items():
-            monkeypatch.setenv(k, v)
+    _group_of_one(monkeypatch, builtin_cache)
     steps = 3
     cfg = learner_config(tmp_path, deepspeed={"zero_stage": 2}, max_staleness=0, batch_prompts=2,
                          group_size=2, total_steps=steps, lr=1e-2, final_sync_s=10.0,
