@@ -82,6 +82,9 @@ class HFEngine(TokenizerEngine):
         self._updates_waiting = 0                 # updates that want the lock (guarded by _cv)
         self._lora_config: dict | None = None
         self._adapter = "default"                 # name of the live PEFT adapter
+        # PEFT state-dict name -> the adapter's own tensor (a view of its parameter), built when
+        # the adapter is created: an update is then one in-place copy per tensor.
+        self._lora_tensors: dict[str, torch.Tensor] = {}
         self._pending: list[tuple[list[GenRequest], asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self.generate_calls = 0                   # decode batches run (tests check batching)
@@ -165,7 +168,7 @@ class HFEngine(TokenizerEngine):
             p.copy_(tensors[name])                        # to the engine's device and dtype
 
     def _apply_lora(self, version: int, tensors: dict[str, torch.Tensor], lora_config: dict) -> None:
-        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+        from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
         allowed = {f.name for f in dataclasses.fields(LoraConfig) if f.init} - {"peft_type"}
         cfg = {k: v for k, v in (lora_config or {}).items() if k in allowed}
@@ -181,10 +184,18 @@ class HFEngine(TokenizerEngine):
             self.model.set_adapter(self._adapter)
             self.model.delete_adapter(old)
             self._lora_config = cfg
-        self.model.eval()
-        expected = get_peft_model_state_dict(self.model, adapter_name=self._adapter)
+            self._lora_tensors = {}
+        if not self._lora_tensors:
+            self.model.eval()
+            # get_peft_model_state_dict's values share storage with the adapter's parameters
+            # (state_dict detaches, it does not copy): copying into them updates the model, with
+            # none of set_peft_model_state_dict's per-call key mapping and load_state_dict.
+            self._lora_tensors = get_peft_model_state_dict(self.model, adapter_name=self._adapter)
+        expected = self._lora_tensors
         _check_tensors(expected, tensors, f"LoRA version {version}: tensors do not match the adapter")
-        set_peft_model_state_dict(self.model, tensors, adapter_name=self._adapter)
+        with torch.no_grad():
+            for name, target in expected.items():
+                target.copy_(tensors[name])
 
     def _step_boundary(self) -> bool:
         """Called by the decoding thread (holding the lock) between steps: let waiting updates in
