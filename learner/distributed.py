@@ -560,6 +560,12 @@ class DeepSpeedTrainer(Trainer):
     def _snapshot(self):
         return None                          # no rollback of earlier updates under DeepSpeed (yet)
 
+    def _skip(self, s: StepData, snapshot, log: UpdateLog, reason: str, start: float) -> SkippedStep:
+        if log.applied:                      # say so: the plain path would have rolled them back
+            reason += (f" ({log.applied} earlier update(s) of this step stay applied: no rollback "
+                       "under learner.deepspeed)")
+        return super()._skip(s, snapshot, log, reason, start)
+
     def _update(self, s: StepData, start: float) -> UpdateLog:
         log = super()._update(s, start)
         self._merge_log(s, log)

@@ -151,6 +151,32 @@ def test_two_ranks_match_one_plain_process(tmp_path, tiny_model_dir, ds_env, pro
 
 
 # ---- end to end ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, builtin_cache, monkeypatch):
+    """ZeRO-2: a NaN reward makes the loss non-finite; the step is skipped on every rank with the
+    plain path's reason, nothing changes, and the gradients already reduced into DeepSpeed's
+    partitions are dropped (its overflow path): the next good step ends where a fresh trainer's
+    does, bit for bit (stale NaN gradients would make it NaN)."""
+    from learner.distributed import DeepSpeedTrainer
+    from learner.step import SkippedStep
+
+    _group_of_one(monkeypatch, builtin_cache)
+    cfg = LearnerConfig(**{**ORACLE, "ppo_epochs": 1}, reward_norm="running", deepspeed={"zero_stage": 2})
+    a = DeepSpeedTrainer(cfg, tiny_model_dir)
+    before = {n: t.clone() for n, t in a.named_tensors()}
+    bad = make_batch()
+    bad.samples[3].reward = float("nan")
+    with pytest.raises(SkippedStep, match="non-finite loss at update 1 of 1"):
+        a.step(bad)
+    assert all(torch.equal(before[n], t) for n, t in a.named_tensors())
+    assert a.reward_moments.count == 0
+    a.step(make_batch(seed=1))
+    b = DeepSpeedTrainer(cfg, tiny_model_dir)
+    b.step(make_batch(seed=1))
+    tb = dict(b.named_tensors())
+    assert all(torch.equal(t, tb[n]) for n, t in a.named_tensors())
+
+
 def _group_of_one(monkeypatch, builtin_cache) -> None:
     """This process as a group of one (the env a launcher would set; the group, once made, stays)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(builtin_cache) / "torch_extensions"))
