@@ -20,7 +20,8 @@ worker; once every worker is stuck, later calls time out too (each counted) inst
 forever. The built-ins are pure and take microseconds: they run inline.
 
 Built-ins: ``exact_numeric`` (GSM8K ``#### 42`` / ``\\boxed{42}`` answer vs ``metadata["answer"]``),
-``format`` (``format_reward`` when ``format_regex`` matches, else 0), ``length_penalty``
+``exact_match`` (the stripped completion equals ``metadata["answer"]``), ``format``
+(``format_reward`` when ``format_regex`` matches, else 0), ``length_penalty``
 (``-length_penalty_per_token · max(0, tokens - length_free_tokens)``, tokens from
 ``metadata["completion_tokens"]``, which the server sets), ``reward_model`` (see
 :class:`RewardModelScorer`). The service adds ``completion_tokens`` and ``finish_reason`` to a
@@ -65,6 +66,11 @@ def exact_numeric(prompt: str, completion: str, metadata: dict[str, Any]) -> flo
     if got is None or want is None:
         return 0.0
     return 1.0 if math.isclose(float(got), float(want), rel_tol=0, abs_tol=1e-9) else 0.0
+
+
+def exact_match(prompt: str, completion: str, metadata: dict[str, Any]) -> float:
+    """1.0 if the completion, stripped of surrounding whitespace, is ``metadata["answer"]``."""
+    return 1.0 if completion.strip() == str(metadata.get("answer", "")).strip() else 0.0
 
 
 def make_format_reward(pattern: str, value: float) -> Callable:
@@ -113,6 +119,8 @@ def load_reward(spec: str, options: RewardOptions | None = None) -> Callable:
     o = options or RewardOptions()
     if spec == "builtin:exact_numeric":
         return _inline(exact_numeric)
+    if spec == "builtin:exact_match":
+        return _inline(exact_match)
     if spec == "builtin:format":
         return _inline(make_format_reward(o.format_regex, o.format_reward))
     if spec == "builtin:length_penalty":
@@ -126,7 +134,8 @@ def load_reward(spec: str, options: RewardOptions | None = None) -> Callable:
                                  batch_size=o.rm_batch_size)
     if spec.startswith("builtin:"):
         raise ValueError(f"reward {spec!r}: unknown built-in; choose builtin:exact_numeric, "
-                         f"builtin:format, builtin:length_penalty or builtin:reward_model")
+                         f"builtin:exact_match, builtin:format, builtin:length_penalty or "
+                         f"builtin:reward_model")
     return _import(spec)
 
 

@@ -40,6 +40,21 @@ RECIPES: dict[str, dict] = {
         "seed": 1234,
         "revision": 3,
     },
+    "builtin:tiny-longtail": {
+        # The demo's model warmed up on builtin:longtail (answers of 1..64 tokens): the
+        # long-tail workload of tests/bench/bench_async.py.
+        "name": "tiny-longtail",
+        "task": "longtail",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 384,
+        "warmup_steps": 120,
+        "warmup_batch": 64,
+        "warmup_lr": 3e-3,
+        "seed": 1234,
+        "revision": 1,
+    },
     "builtin:smollm2-135m": {
         "name": "smollm2-135m",
         "kind": "gguf",

@@ -1,0 +1,343 @@
+"""Async vs synchronous (issue 12): the demo at η ∈ {0, 1, 2, 4} against TRL's GRPOTrainer.
+
+    python tests/bench/bench_async.py [--samples 3840] [--etas 0,1,2,4] [--workloads demo,longtail]
+        [--trl-python /tmp/trl-venv/bin/python] [--out bench_results/bench_async.json]
+
+Every slipstream run is ``slipstream run`` (deploy/launcher.py) in a subprocess with ``--set``
+overrides: the same seeds, threads pinned per process (``learner.threads``,
+``rollout.threads``), the same number of trained samples. From its metrics.jsonl step rows
+(after ``--skip`` warm-up steps):
+
+- trained samples/s (samples of the steps after the first counted one over the time between
+  their ends), the mean step cycle and train step time, the publish wait of the train loop;
+- learner idle fraction (time waiting for samples / cycle) and rollout idle fraction (the
+  servers' engine idle time, from their heartbeats);
+- the ideal overlap from the same run's phase timings: per batch, generation takes
+  ``gen = cycle · (1 − rollout_idle)`` (engine busy time) and training ``train = step + publish
+  wait``; a synchronous loop needs their sum, a perfect overlap their max. ``of_ideal`` is the
+  measured samples/s over ``batch / max(gen, train)``;
+- reward at equal trained samples: the mean reward of the first and of the last quarter of the
+  steps, for ``is_mode`` tis (the default) and, at the largest η, none.
+
+The baseline in the same run: tests/bench/trl_baseline.py run by ``--trl-python`` (an
+interpreter of a separate environment with ``trl==1.16.0``; never a slipstream dependency) on the
+same model directory, prompts (same task, same seed), reward, batch, max_completion_length,
+temperature, learning rate, beta = 0, with ``--trl-threads`` torch threads (default: all the
+cores slipstream's processes share). Without that interpreter the TRL rows are skipped with a note.
+
+Workloads: ``demo`` (deploy/configs/default.yaml: builtin:tiny-arith on builtin:arith,
+max_new_tokens 4) and ``longtail`` (builtin:tiny-longtail on builtin:longtail: answers of 1..64
+tokens, max_new_tokens 64), where a synchronous step waits for the longest completion.
+
+Writes the JSON (every row and its per-step series) and a PNG next to it (samples/s per η
+with TRL as a line, and reward against trained samples), and prints the table. The machine's load
+average is recorded with the numbers: ratios within one run are what counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+BATCH_PROMPTS, GROUP = 8, 8
+WORKLOADS = {
+    "demo": {"model": "builtin:tiny-arith", "dataset": "builtin:arith", "max_new_tokens": 4,
+             "reward": "exact_numeric"},
+    "longtail": {"model": "builtin:tiny-longtail", "dataset": "builtin:longtail",
+                 "max_new_tokens": 64, "reward": "exact_match"},
+}
+LR, TEMPERATURE = 3.0e-4, 1.0
+
+
+def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path, args) -> dict:
+    """One ``slipstream run``; its step rows and wall time."""
+    w = WORKLOADS[work]
+    sets = {"model": w["model"], "learner.dataset": w["dataset"],
+            "learner.max_new_tokens": w["max_new_tokens"], "learner.total_steps": steps,
+            "learner.max_staleness": eta, "learner.is_mode": is_mode,
+            "learner.batch_prompts": BATCH_PROMPTS, "learner.group_size": GROUP,
+            "learner.lr": LR, "learner.temperature": TEMPERATURE,
+            "learner.threads": args.learner_threads, "rollout.threads": args.rollout_threads,
+            "learner.seed": args.seed, "rollout.seed": args.seed, "learner.save_every": 0,
+            "learner.run_dir": str(run_dir), "learner.metrics_port": 0, "rollout.metrics_port": 0,
+            **dict(kv.split("=", 1) for kv in args.set)}
+    cmd = [sys.executable, "-m", "deploy.cli", "run"]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    env = dict(os.environ, SLIPSTREAM_CACHE=os.environ.get("SLIPSTREAM_CACHE", "/tmp/slipstream-cache"))
+    t0 = time.monotonic()
+    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=args.run_timeout_s)
+    wall = time.monotonic() - t0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    rows = [r for r in rows if "step_s" in r and r.get("kind", "step") == "step"]
+    if proc.returncode != 0 or len(rows) < steps:
+        raise RuntimeError(f"slipstream run {work} eta={eta} {is_mode}: exit {proc.returncode}, "
+                           f"{len(rows)}/{steps} steps; see {run_dir}.log")
+    return {"rows": rows, "wall_s": wall}
+
+
+def summarize(rows: list[dict], skip: int) -> dict:
+    """Throughput, phase and reward figures of one run's step rows (see the module docstring)."""
+    steady = rows[skip:]
+    span = steady[-1]["time"] - steady[0]["time"]
+    samples = sum(r["samples"] for r in steady[1:])
+    n = len(steady) - 1
+    mean = lambda key: sum(r.get(key, 0.0) for r in steady[1:]) / n  # noqa: E731
+    cycle = span / n
+    train = mean("step_s") + mean("publish_wait_s")
+    rollout_idle = mean("rollout_idle_ratio")
+    gen = cycle * (1.0 - rollout_idle)
+    sps = samples / span
+    q = max(1, len(rows) // 4)
+    rewards = [r["reward_mean"] for r in rows]
+    return {
+        "samples_per_s": sps, "cycle_s": cycle, "step_s": mean("step_s"),
+        "publish_wait_s": mean("publish_wait_s"),
+        "learner_idle": sum(r.get("learner_idle_s", 0.0) for r in steady[1:]) / span,
+        "rollout_idle": rollout_idle, "gen_s": gen, "train_s": train,
+        "ideal_sync_sps": samples / n / (gen + train), "ideal_overlap_sps": samples / n / max(gen, train),
+        "of_ideal": sps / (samples / n / max(gen, train)),
+        "time_update_s": mean("time_update_s"), "time_collate_s": mean("time_collate_s"),
+        "time_proximal_s": mean("time_proximal_s"),
+        "staleness_mean": mean("staleness_mean"),
+        "completion_tokens_mean": mean("completion_tokens_mean"),
+        "reward_first_q": sum(rewards[:q]) / q, "reward_last_q": sum(rewards[-q:]) / q,
+        "reward_gain": sum(rewards[-q:]) / q - sum(rewards[:q]) / q,
+    }
+
+
+def trl_run(work: str, steps: int, threads: int, out_dir: Path, args) -> dict:
+    """TRL's GRPOTrainer in its own interpreter; its per-step records."""
+    from learner.models.builtin import ensure_builtin_model
+    from learner.tasks import get_task
+
+    w = WORKLOADS[work]
+    task = get_task(w["dataset"])
+    rng = random.Random(args.seed)
+    prompts = [task.example(rng) for _ in range(steps * BATCH_PROMPTS)]
+    spec = {"model": str(ensure_builtin_model(w["model"], log=lambda m: print(f"[setup] {m}"))),
+            "prompts": [{"prompt": e.prompt, "answer": e.answer} for e in prompts],
+            "reward": w["reward"], "batch_prompts": BATCH_PROMPTS, "group_size": GROUP,
+            "max_new_tokens": w["max_new_tokens"], "temperature": TEMPERATURE, "lr": LR,
+            "steps": steps, "seed": args.seed, "threads": threads,
+            "output_dir": str(out_dir / f"trl-{work}-out")}
+    tag = f"trl-{work}-t{threads}"
+    spec_file, result = out_dir / f"{tag}.spec.json", out_dir / f"{tag}.json"
+    spec_file.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    with open(out_dir / f"{tag}.log", "w") as log:
+        proc = subprocess.run([args.trl_python, str(REPO / "tests/bench/trl_baseline.py"),
+                               str(spec_file), str(result)], cwd=REPO, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=args.run_timeout_s,
+                              env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL {work}: exit {proc.returncode}; see {out_dir}/{tag}.log")
+    data = json.loads(result.read_text())
+    data["wall_s"] = time.monotonic() - t0
+    return data
+
+
+def summarize_trl(data: dict, skip: int) -> dict:
+    steady = data["steps"][skip:]
+    span = steady[-1]["time"] - steady[0]["time"]
+    n = len(steady) - 1
+    gen = sum(s["gen_s"] for s in steady[1:]) / n
+    step = sum(s["step_s"] for s in steady[1:]) / n
+    rewards = [s.get("reward_mean", 0.0) for s in data["steps"]]
+    q = max(1, len(rewards) // 4)
+    return {"samples_per_s": data["batch"] * n / span, "cycle_s": span / n, "step_s": step,
+            "gen_s": gen, "train_s": step - gen,
+            "completion_tokens_mean": sum(s.get("completion_tokens_mean", 0.0) for s in steady) / len(steady),
+            "reward_first_q": sum(rewards[:q]) / q, "reward_last_q": sum(rewards[-q:]) / q,
+            "reward_gain": sum(rewards[-q:]) / q - sum(rewards[:q]) / q}
+
+
+def fmt_table(results: list[dict]) -> str:
+    head = (f"{'workload':<9} {'run':<14} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
+            f"{'step s':>7} {'pub s':>6} {'L idle':>6} {'R idle':>6} {'gen s':>7} {'train s':>7} "
+            f"{'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'reward q1→q4':>14}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s = r["summary"]
+        def opt(k: str, f: str, s: dict = s) -> str:
+            return format(s[k], f) if k in s else "-"
+        lines.append(
+            f"{r['workload']:<9} {r['name']:<14} {s['samples_per_s']:>9.0f} "
+            f"{r.get('x_eta0', float('nan')):>6.2f} {r.get('x_trl', float('nan')):>6.2f} "
+            f"{s['cycle_s']:>8.4f} {s['step_s']:>7.4f} {opt('publish_wait_s', '6.4f'):>6} "
+            f"{opt('learner_idle', '6.2f'):>6} {opt('rollout_idle', '6.2f'):>6} {s['gen_s']:>7.4f} "
+            f"{s['train_s']:>7.4f} {opt('ideal_overlap_sps', '8.0f'):>8} {opt('of_ideal', '8.2f'):>8} "
+            f"{s['completion_tokens_mean']:>6.1f} "
+            f"{s['reward_first_q']:>6.3f}→{s['reward_last_q']:.3f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    works = sorted({r["workload"] for r in results})
+    fig, axes = plt.subplots(2, len(works), figsize=(6 * len(works), 8), squeeze=False)
+    for j, work in enumerate(works):
+        rs = [r for r in results if r["workload"] == work]
+        tis = [r for r in rs if r["kind"] == "slipstream" and r["is_mode"] == "tis"]
+        ax = axes[0][j]
+        ax.bar([str(r["eta"]) for r in tis], [r["summary"]["samples_per_s"] for r in tis], label="slipstream (tis)")
+        ax.scatter([str(r["eta"]) for r in tis], [r["summary"]["ideal_overlap_sps"] for r in tis],
+                   color="k", marker="_", s=400, label="ideal overlap")
+        for r in rs:
+            if r["kind"] == "trl":
+                ax.axhline(r["summary"]["samples_per_s"], color="r", ls="--", label=r["name"])
+        ax.set_xlabel("max_staleness η")
+        ax.set_ylabel("trained samples/s")
+        ax.set_title(f"{work}: throughput")
+        ax.legend()
+        ax = axes[1][j]
+        for r in rs:
+            y = r["rewards"]
+            ax.plot([(i + 1) * BATCH_PROMPTS * GROUP for i in range(len(y))], y, label=r["name"], alpha=0.8)
+        ax.set_xlabel("trained samples")
+        ax.set_ylabel("mean reward")
+        ax.set_title(f"{work}: reward at equal trained samples")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--samples", type=int, default=3840, help="trained samples per run (÷ 64 = steps)")
+    p.add_argument("--etas", default="0,1,2,4")
+    p.add_argument("--workloads", default="demo,longtail")
+    p.add_argument("--longtail-samples", type=int, default=None,
+                   help="trained samples per long-tail run (default: --samples / 2)")
+    p.add_argument("--no-is-ablation", action="store_true", help="skip is_mode=none at the largest η")
+    p.add_argument("--learner-threads", type=int, default=1)
+    p.add_argument("--rollout-threads", type=int, default=1)
+    p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
+    p.add_argument("--trl-threads", default="1,2",
+                   help="torch threads of the TRL process, one TRL run each (the best is the baseline)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the timings")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra slipstream --set for every slipstream run")
+    p.add_argument("--run-timeout-s", type=float, default=1800)
+    p.add_argument("--out", default=str(REPO / "bench_results" / "bench_async.json"))
+    p.add_argument("--collect", default=None, metavar="DIR",
+                   help="run nothing: summarize the runs a previous invocation left in DIR")
+    args = p.parse_args()
+    etas = [int(e) for e in args.etas.split(",")]
+    have_trl = Path(args.trl_python).exists()
+    if not have_trl:
+        print(f"[bench] no TRL interpreter at {args.trl_python}: TRL rows skipped (python3 -m venv "
+              f"/tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl==1.16.0, or "
+              f"--trl-python PATH)", flush=True)
+    tmp = Path(args.collect) if args.collect else Path(tempfile.mkdtemp(prefix="bench_async-"))
+    print(f"[bench] run directories and logs in {tmp}", flush=True)
+    load0 = os.getloadavg()
+    results: list[dict] = []
+    for work in args.workloads.split(","):
+        samples = args.samples if work == "demo" else (args.longtail_samples or args.samples // 2)
+        steps = max(args.skip + 4, samples // (BATCH_PROMPTS * GROUP))
+        plan = [("slipstream", eta, "tis") for eta in etas]
+        if not args.no_is_ablation:
+            plan.append(("slipstream", max(etas), "none"))
+        if have_trl:                             # after η=0: the same load, roughly
+            for i, t in enumerate(x for x in args.trl_threads.split(",") if x):
+                plan.insert(1 + i, ("trl", int(t), None))
+        for kind, eta, is_mode in plan:
+            name = f"TRL {eta} thr" if kind == "trl" else f"eta={eta} {is_mode}"
+            try:
+                row = one_run(work, kind, eta, is_mode, steps, tmp, args, collect=bool(args.collect))
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                print(f"[bench] {work}: {name} failed: {e}", flush=True)
+                continue
+            if row is None:
+                continue
+            results.append({"workload": work, "name": name, "steps": steps, **row,
+                            "load_after": os.getloadavg()[0]})
+            print(f"[bench]   {row['summary']['samples_per_s']:.0f} samples/s", flush=True)
+        ratios(results, work)
+        write(results, args, load0, have_trl)
+    print()
+    print(fmt_table(results))
+    print(f"[bench] load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+          f"({os.cpu_count()} cores)")
+
+
+def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp: Path, args,
+            collect: bool) -> dict | None:
+    """Run (or, with ``collect``, read back) one configuration; None if collecting and absent."""
+    if kind == "trl":
+        result = tmp / f"trl-{work}-t{eta}.json"
+        if collect:
+            if not result.exists():
+                return None
+            data = json.loads(result.read_text())
+        else:
+            print(f"[bench] {work}: TRL {eta} thr, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
+            data = trl_run(work, steps, eta, tmp, args)
+        return {"kind": kind, "eta": eta, "is_mode": None, "summary": summarize_trl(data, args.skip),
+                "rewards": [s.get("reward_mean", 0.0) for s in data["steps"]], "series": data["steps"]}
+    run_dir = tmp / f"{work}-eta{eta}-{is_mode}"
+    if collect:
+        if not (run_dir / "metrics.jsonl").exists():
+            return None
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = [r for r in rows if "step_s" in r and r.get("kind", "step") == "step"]
+    else:
+        print(f"[bench] {work}: eta={eta} {is_mode}, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
+        rows = slipstream_run(work, eta, is_mode, steps, run_dir, args)["rows"]
+    keys = ("time", "step_s", "publish_wait_s", "learner_idle_s", "rollout_idle_ratio", "reward_mean",
+            "staleness_mean", "completion_tokens_mean")
+    return {"kind": kind, "eta": eta, "is_mode": is_mode, "summary": summarize(rows, args.skip),
+            "rewards": [r["reward_mean"] for r in rows], "series": [{k: r.get(k) for k in keys} for r in rows]}
+
+
+def ratios(results: list[dict], work: str) -> None:
+    """× η=0 (tis) and × the fastest TRL run of the same workload."""
+    base = next((r for r in results if r["workload"] == work and r["kind"] == "slipstream"
+                 and r["eta"] == 0 and r["is_mode"] == "tis"), None)
+    trls = [r for r in results if r["workload"] == work and r["kind"] == "trl"]
+    trl = max(trls, key=lambda r: r["summary"]["samples_per_s"]) if trls else None
+    for r in results:
+        if r["workload"] == work:
+            if base:
+                r["x_eta0"] = r["summary"]["samples_per_s"] / base["summary"]["samples_per_s"]
+            if trl:
+                r["x_trl"] = r["summary"]["samples_per_s"] / trl["summary"]["samples_per_s"]
+
+
+def write(results: list[dict], args, load0, have_trl: bool) -> None:
+    """The JSON and the PNG so far (after every workload: a long run leaves its first half)."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "loadavg_start": load0,
+            "loadavg_end": os.getloadavg(), "learner_threads": args.learner_threads,
+            "rollout_threads": args.rollout_threads, "trl_threads": args.trl_threads,
+            "trl": have_trl, "seed": args.seed, "skip": args.skip, "time": time.time()}
+    out.write_text(json.dumps({"meta": meta, "table": fmt_table(results), "results": results}, indent=1))
+    try:
+        plot(results, out.with_suffix(".png"))
+        print(f"[bench] wrote {out} and {out.with_suffix('.png')}", flush=True)
+    except ImportError:
+        print(f"[bench] wrote {out} (no matplotlib: no PNG)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The synchronous baseline of bench_async.py: TRL's ``GRPOTrainer`` on the same model and task.
+
+Run by bench_async.py with the interpreter of a separate environment that has ``trl`` (never a
+slipstream dependency)::
+
+    /tmp/trl-venv/bin/python tests/bench/trl_baseline.py SPEC.json OUT.json
+
+SPEC (written by bench_async.py): the model directory, the prompts with their answers (drawn from
+the same built-in task and seed as slipstream's run), the reward kind (``exact_numeric``: the first
+number of the completion equals the answer; ``exact_match``: the stripped completion equals it),
+the batch (prompts × group), ``max_completion_length``, temperature, learning rate, steps, seed
+and torch threads. This file imports nothing of slipstream, so it runs in TRL's environment alone.
+
+OUT: per optimizer step its end time, the seconds spent generating and scoring (TRL's
+``_generate_and_score_completions``, timed by wrapping it) and the mean reward.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def make_reward(kind: str):
+    def first_number(text: str) -> str | None:
+        m = NUMBER.search(text.replace(",", ""))
+        return m.group(0) if m else None
+
+    def reward(prompts, completions, answer, **_):
+        out = []
+        for c, a in zip(completions, answer, strict=True):
+            if kind == "exact_match":
+                out.append(1.0 if c.strip() == a.strip() else 0.0)
+            else:
+                got = first_number(c)
+                out.append(1.0 if got is not None and float(got) == float(a) else 0.0)
+        return out
+
+    reward.__name__ = kind
+    return reward
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    out_path = sys.argv[2]
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    # The learner encodes BOS + the prompt's characters; the tokenizer adds no BOS itself here.
+    rows = [{"prompt": tok.bos_token + r["prompt"], "answer": r["answer"]} for r in spec["prompts"]]
+    batch = spec["batch_prompts"] * spec["group_size"]
+    args = GRPOConfig(
+        output_dir=spec["output_dir"], use_cpu=True, bf16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=batch, num_generations=spec["group_size"],
+        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, beta=0.0, max_steps=spec["steps"], num_iterations=1,
+        logging_steps=1, save_strategy="no", report_to="none", seed=spec["seed"],
+        shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=make_reward(spec["reward"]),
+                          args=args, train_dataset=Dataset.from_list(rows))
+    steps: list[dict] = []
+    gen_s = [0.0]
+    inner = trainer._generate_and_score_completions
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            gen_s[0] += time.perf_counter() - t0
+
+    trainer._generate_and_score_completions = timed
+
+    class Record(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, gen_s[0] = time.perf_counter(), 0.0
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append({"step": state.global_step, "time": time.time(),
+                          "step_s": time.perf_counter() - self.t0, "gen_s": gen_s[0]})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and steps and "reward" in logs:
+                steps[-1]["reward_mean"] = float(logs["reward"])
+                steps[-1]["completion_tokens_mean"] = float(logs.get("completions/mean_length", 0.0))
+
+    trainer.add_callback(Record())
+    t0 = time.time()
+    trainer.train()
+    json.dump({"steps": steps, "wall_s": time.time() - t0, "threads": spec["threads"],
+               "batch": batch}, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main()
