@@ -39,7 +39,7 @@ import yaml
 
 from deploy.config import SlipstreamConfig
 from deploy.cores import available_cores, share_cores
-from deploy.live import LiveView
+from deploy.live import LiveView, cell
 
 SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
                 "control_set", "control_pause", "control_resume", "staleness_changed", "checkpoint", "resumed",
@@ -101,6 +101,10 @@ def _print_line(name: str, line: str, verbose: bool, view: LiveView) -> dict | N
         return None
     if ev.get("event") == "step" and name == "learner":
         view.step(ev)
+    elif ev.get("event") == "eval" and name == "learner":
+        view.eval(ev)
+        view.note(f"[{name}] eval accuracy {cell(ev, 'eval_accuracy', '{:.3f}')} reward "
+                  f"{cell(ev, 'eval_reward_mean', '{:.3f}')} at version {ev.get('eval_version')}")
     elif ev.get("event") in SHOWN_EVENTS or verbose:
         rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
         view.note(f"[{name}] {ev.get('event')} {json.dumps(rest)}")

@@ -86,6 +86,7 @@ class LiveView:
         self.rate = StepRate()
         self.first: dict | None = None
         self.last: dict | None = None
+        self.evals: list[dict] = []          # the learner's "eval" events (held-out rounds)
         self._header_shown = False
         self._live = None
         if self.live:
@@ -121,9 +122,15 @@ class LiveView:
             table.add_row(*[cell(ev, key, fmt) for _, key, fmt in COLUMNS], servers_cell(ev))
         return Group(self.progress, table)
 
+    def eval(self, ev: dict) -> None:
+        """A finished held-out round: its accuracy shows in the steps from now on."""
+        self.evals.append(ev)
+
     def step(self, ev: dict) -> None:
         ev = dict(ev)
         ev["samples_per_s"] = self.rate.add(ev)
+        if self.evals and "eval_accuracy" not in ev:
+            ev["eval_accuracy"] = self.evals[-1].get("eval_accuracy")
         self.first = self.first or ev
         self.last = ev
         if self._live is not None:
@@ -149,14 +156,15 @@ class LiveView:
             self._live = None
 
     def summary(self, **where: Any) -> str:
-        text = summary(self.first, self.last, **where)
+        text = summary(self.first, self.last, evals=self.evals, **where)
         self.note(text)
         return text
 
 
-def summary(first: dict | None, last: dict | None, **where: Any) -> str:
-    """The end-of-run lines: reward first → last, samples/s, and where things are (``where``:
-    name -> path or None)."""
+def summary(first: dict | None, last: dict | None, evals: list[dict] | None = None,
+            **where: Any) -> str:
+    """The end-of-run lines: reward first → last, held-out accuracy first → last (with the
+    versions evaluated), samples/s, and where things are (``where``: name -> path or None)."""
     lines = ["[run] summary"]
     if first is None or last is None:
         lines.append("  no policy step was trained")
@@ -164,8 +172,10 @@ def summary(first: dict | None, last: dict | None, **where: Any) -> str:
         lines.append(f"  steps          {int(first.get('step', 0))} → {int(last.get('step', 0))}")
         lines.append(f"  reward         {cell(first, 'reward_mean', '{:.3f}')} → "
                      f"{cell(last, 'reward_mean', '{:.3f}')}")
-        if last.get("eval_accuracy") is not None:
-            lines.append(f"  eval accuracy  {cell(last, 'eval_accuracy', '{:.3f}')}")
+        if evals:
+            a, b = evals[0], evals[-1]
+            lines.append(f"  eval accuracy  {cell(a, 'eval_accuracy', '{:.3f}')} (v{a.get('eval_version', '?')})"
+                         f" → {cell(b, 'eval_accuracy', '{:.3f}')} (v{b.get('eval_version', '?')})")
         lines.append(f"  samples/s      {cell(last, 'samples_per_s', '{:.1f}')}")
     for name, path in where.items():
         if path is not None:

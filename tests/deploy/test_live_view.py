@@ -52,3 +52,18 @@ def test_summary_and_rate():
     assert "reward         0.100 → 0.400" in text and "samples/s      32.0" in text
     assert "runs/x/report/report.md" in text and "checkpoint" not in text
     assert "no policy step" in summary(None, None)
+
+
+def test_eval_rounds_show_in_the_steps_after_them_and_in_the_summary():
+    out = io.StringIO()
+    view = LiveView(total_steps=4, out=out)
+    evs = steps(4)
+    view.eval({"event": "eval", "eval_version": 0, "eval_accuracy": 0.0625})
+    view.step(evs[0])
+    view.step(evs[1])
+    view.eval({"event": "eval", "eval_version": 2, "eval_accuracy": 0.8438})
+    view.step(evs[2])
+    rows = [line.split() for line in out.getvalue().splitlines()[1:]]
+    assert [r[2] for r in rows] == ["0.062", "0.062", "0.844"]        # the eval acc column
+    text = view.summary()
+    assert "eval accuracy  0.062 (v0) → 0.844 (v2)" in text
