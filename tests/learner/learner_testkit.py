@@ -190,6 +190,26 @@ async def running_learner(cfg: LearnerConfig, model_dir: str):
     assert code == 0
 
 
+@contextlib.asynccontextmanager
+async def real_server(svc: LearnerService, model_dir: str, **overrides):
+    """A real RolloutService (HF engine) on ``svc``'s rollout endpoint, running in this loop;
+    yields ``(server, task)`` and stops it (checked to exit 0) at the end."""
+    from rollout_server.config import RolloutConfig
+    from rollout_server.service import RolloutService
+
+    fields = dict(learner=svc.endpoints["rollout"], server_id="real", metrics_port=0, threads=1,
+                  max_concurrency=8)
+    fields.update(overrides)
+    server = RolloutService(RolloutConfig(**fields), model_dir)
+    task = asyncio.create_task(server.run())
+    try:
+        yield server, task
+    finally:
+        server.stopping.set()
+        server.abort.set()
+        assert await asyncio.wait_for(task, 60) == 0
+
+
 async def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
     """Poll ``predicate`` on the loop (the learner runs on it too) until true or ``timeout_s``."""
     loop = asyncio.get_running_loop()

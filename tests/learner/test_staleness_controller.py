@@ -4,15 +4,12 @@ KL up and η comes down."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from learner_testkit import ctl, learner_config, metric, running_learner, wait_until
+from learner_testkit import ctl, learner_config, metric, real_server, running_learner, wait_until
 
 from learner.staleness import StalenessController
-from rollout_server.config import RolloutConfig
-from rollout_server.service import RolloutService
 
 
 def controller(**kw) -> StalenessController:
@@ -73,11 +70,7 @@ async def test_a_learning_rate_jump_brings_eta_down(tmp_path, tiny_model_dir):
     cfg = learner_config(tmp_path, max_staleness=2, staleness_controller="adaptive",
                          staleness_recover_steps=1000, batch_prompts=2)
     async with running_learner(cfg, tiny_model_dir) as svc:
-        server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="real",
-                                              metrics_port=0, threads=1, max_concurrency=8),
-                                tiny_model_dir)
-        task = asyncio.create_task(server.run())
-        try:
+        async with real_server(svc, tiny_model_dir) as (_, task):
             await wait_until(lambda: svc.version >= 2 or task.done(), 240, "two steps")
             assert svc.buffer.max_staleness == 2                 # healthy so far: η untouched
             assert (await ctl(svc.endpoints["control"], "set", key="lr", value=0.05)).ok
@@ -93,7 +86,3 @@ async def test_a_learning_rate_jump_brings_eta_down(tmp_path, tiny_model_dir):
             assert steps and all(0 <= r["learner_idle_ratio"] <= 1 and 0 <= r["rollout_idle_ratio"] <= 1
                                  for r in steps)
             assert 0 <= metric(svc, "slipstream_learner_idle_ratio") <= 1
-        finally:
-            server.stopping.set()
-            server.abort.set()
-            assert await asyncio.wait_for(task, 60) == 0

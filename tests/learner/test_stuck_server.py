@@ -5,7 +5,16 @@ applies the current version it gets work again. Real learner, real sockets, tiny
 from __future__ import annotations
 
 import pytest
-from learner_testkit import FakeServer, HonestServer, learner_config, metric, running_learner, samples_for
+from learner_testkit import (
+    FakeServer,
+    HonestServer,
+    learner_config,
+    metric,
+    real_server,
+    running_learner,
+    samples_for,
+    wait_until,
+)
 
 import protocol
 
@@ -52,27 +61,12 @@ async def test_a_real_server_generates_with_the_version_its_work_was_issued_at(t
     """An assignment issued right after a step can reach the server before that step's manifest
     (announced once its checksums are done, beside the next step). The server waits for the
     version the work was issued at, so no sample goes over η and none is dropped as stale."""
-    import asyncio
-
-    from rollout_server.config import RolloutConfig
-    from rollout_server.service import RolloutService
-
     async with running_learner(learner_config(tmp_path, max_staleness=1, batch_prompts=2),
                                tiny_model_dir) as svc:
-        server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="real",
-                                              metrics_port=0, threads=1, max_concurrency=8),
-                                tiny_model_dir)
-        task = asyncio.create_task(server.run())
-        try:
-            from learner_testkit import wait_until
-
+        async with real_server(svc, tiny_model_dir) as (server, task):
             await wait_until(lambda: svc.version >= 8 or task.done(), 240, "eight steps")
             assert not task.done()
             assert svc.buffer.counters["dropped_stale"] == 0, svc.buffer.counters
             assert server.metrics.error_count("weights_behind") == 0
             hist = svc.buffer.staleness_histogram
             assert hist and max(hist) <= 1, hist
-        finally:
-            server.stopping.set()
-            server.abort.set()
-            assert await asyncio.wait_for(task, 60) == 0
