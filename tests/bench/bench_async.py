@@ -22,8 +22,9 @@ overrides: the same seeds, threads pinned per process (``learner.threads``,
 The baseline in the same run: tests/bench/trl_baseline.py run by ``--trl-python`` (an
 interpreter of a separate environment with ``trl==1.16.0``; never a slipstream dependency) on the
 same model directory, prompts (same task, same seed), reward, batch, max_completion_length,
-temperature, learning rate, beta = 0, with ``--trl-threads`` torch threads (default: all the
-cores slipstream's processes share). Without that interpreter the TRL rows are skipped with a note.
+temperature, learning rate, beta = 0, once per ``--trl-threads`` entry (default 1 and 2 torch
+threads; the faster is the baseline of the ``x TRL`` column). Without that interpreter the TRL rows
+are skipped with a note. ``--collect DIR`` re-reads the runs a killed invocation left in DIR.
 
 Workloads: ``demo`` (deploy/configs/default.yaml: builtin:tiny-arith on builtin:arith,
 max_new_tokens 4) and ``longtail`` (builtin:tiny-longtail on builtin:longtail: answers of 1..64
@@ -32,6 +33,12 @@ tokens, max_new_tokens 64), where a synchronous step waits for the longest compl
 Writes the JSON (every row and its per-step series) and a PNG next to it (samples/s per η
 with TRL as a line, and reward against trained samples), and prints the table. The machine's load
 average is recorded with the numbers: ratios within one run are what counts.
+
+Measured (2 shared cores, other jobs running; see README "Benchmark: async vs synchronous"): long
+tail, load 3-6: eta 1/2/4 at 1.53/1.31/1.47x eta 0 and 1.94/1.66/1.86x TRL (1 thread; 2 threads
+were 6x slower still), overlap 0.94-0.98 of ideal. Demo, load 2.3: eta 0 383/s = 1.09x TRL; eta 2
+336/s (0.88x eta 0): the overlap is 0.96 of ideal but the learner step doubles (0.094 -> 0.18 s)
+while generation runs beside it: the loaded machine had no spare core to overlap onto.
 """
 
 from __future__ import annotations
