@@ -52,21 +52,30 @@ async def client(ctx: zmq.asyncio.Context, endpoint: str, name: str, max_concurr
     await send(protocol.Hello(server_id=name, engine="load", model="none", version=0,
                               max_concurrency=max_concurrency))
     await send(protocol.WorkRequest(server_id=name, credits=max_concurrency))
+    unacked = 0
     try:
-        while time.monotonic() < deadline:
+        # Until the deadline: answer and ask for more. After it: no new work, and wait (bounded)
+        # for the acks of what was sent, so the learner never sends to a closed peer and loses
+        # results in flight (a real server drains the same way on SIGTERM).
+        while time.monotonic() < deadline or (unacked and time.monotonic() < deadline + 10):
             if not await sock.poll(100):
                 continue
             msg = protocol.decode(await sock.recv_multipart())
+            if isinstance(msg, protocol.Assignment) and time.monotonic() >= deadline:
+                continue                      # left unanswered: the learner re-issues the lease
             if isinstance(msg, protocol.Assignment):
                 stats["assignments"] += 1
                 await send(protocol.RolloutResult(server_id=name, samples=group(msg, version)))
                 stats["results"] += 1
                 stats["samples"] += msg.group_size
+                unacked += 1
             elif isinstance(msg, protocol.Ack):
                 stats["acks"] += 1
+                unacked -= 1
                 for s in msg.statuses:
                     stats["ack_statuses"][s] = stats["ack_statuses"].get(s, 0) + 1
-                await send(protocol.WorkRequest(server_id=name, credits=len(msg.statuses)))
+                if time.monotonic() < deadline:
+                    await send(protocol.WorkRequest(server_id=name, credits=len(msg.statuses)))
             elif isinstance(msg, protocol.WeightsAvailable) and msg.version > version:
                 version = msg.version
                 stats["versions_applied"] += 1

@@ -33,7 +33,12 @@ def test_killed_servers_are_restarted_and_nothing_is_lost_or_trained_twice(
     cfg = config(tmp_path / "run", tiny_model_dir, total_steps=STEPS, servers=SERVERS, spiky_reward=True)
     run = ChaosRun(cfg, tmp_path, chaos_env(subprocess_env, tmp_path), popen=process_groups.popen)
     try:
-        chaos(run, kills=KILLS, servers=SERVERS, seed=1, steps_between=4)
+        # keep_serving=0: a kill does not wait for another server to be serving. A restart is a
+        # model load (7 s alone here, 27 s beside three busy processes on 2 cores), and a learner
+        # fed by one server can finish its steps before the others are back; the stall while
+        # every server restarts is part of what R1 survives (bench_chaos measures the stall with
+        # capacity left).
+        chaos(run, kills=KILLS, servers=SERVERS, seed=1, steps_between=4, keep_serving=0)
         nan_window(run)                                # R7: a NaN loss mid-run, step skipped
         code = run.finish(600)
         assert code == 0, "".join(run.lines[-60:])

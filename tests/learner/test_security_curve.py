@@ -202,7 +202,7 @@ async def test_curve_lets_in_only_allowed_keys(tmp_path, tiny_model_dir):
             assert r.returncode == 2 and "slipstream ctl:" in r.stderr and r.stdout == "", r.stderr
         assert not svc.stopping.is_set()
         op = ["--secret-key", str(keys / "operator.key_secret")]
-        r = await run_ctl(*run_dir, *op, "set", "max_staleness", "2", env=env)
+        r = await run_ctl(*run_dir, *op, "--json", "set", "max_staleness", "2", env=env)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["max_staleness"] == 2 == svc.cfg.max_staleness
         r = await run_ctl("--endpoint", e["control"], "--learner-key", str(keys / "learner.key"),
