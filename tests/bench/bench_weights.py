@@ -37,8 +37,10 @@ work, the old in-loop path on the same machine: 10.7 s median, 0.05 GB/s; 13.9 s
 bfloat16 269 MB: 2.00 s, raw 1.37 s, ratio 0.71 (before: 4.66 s). Steady-state breakdown fp32:
 snapshot 0.34-0.41 s (1.3-1.6 s while the pool still allocates: first touch of fresh memory is
 slow here), checksums + announce 0.11-0.19 s, fetch 2.5-3.3 s, engine apply 0.2-0.3 s. LoRA
-r=16 (19.5 MB): 0.67 s median (target 0.2 s missed under this load): the HF engine's apply
-(``set_peft_model_state_dict``) is 0.31-0.42 s of it, fetch 0.1 s; the first (PEFT wrap) 2.6 s.
+r=16 (19.5 MB): 0.67 s median at load 9-11 with the HF engine applying through
+``set_peft_model_state_dict`` (0.31-0.42 s of it); with the engine's in-place copy into cached
+adapter views (apply 0.04-0.08 s): 0.313 s at load 6, **0.137 s at load 1** (target <= 0.2 s);
+the first update (PEFT wrap) 1.4-3.0 s.
 Train loop: a 16 x 64-token fp32 step 34-67 s, the wait 0.24-0.40 s: 0.8 % (target < 5 %); the
 tiny demo through the real service: 1.9 ms of a 294 ms step, 0.6 %. Checkpoints: full fp32
 (1.6 GB with AdamW moments) save 9.6 s / load 0.8 s; LoRA (62 MB) 0.8 s / 0.7 s.
