@@ -6,6 +6,9 @@ row i sits at column ``P_i - 1 + j``; ``mask`` marks those columns. Right paddin
 real tokens keep their positions whatever the width, so a sub-batch may be cut to its own longest
 row (``BatchTensors.rows``) and computes exactly what it would at full width.
 
+Temperatures. Each row keeps the sampling temperature its completion was drawn at
+(``temperatures``); the log-prob passes use it row by row (learner.models.logprobs).
+
 Updates. ``ppo_epochs`` passes over the batch; each pass is a fresh shuffle cut into mini-batches
 of ``mini_batch_samples`` rows (one optimizer step each), each cut into micro-batches of
 ``micro_batch_samples`` rows (one forward/backward each, gradients accumulated). A step with a
@@ -22,7 +25,13 @@ import torch
 
 import protocol
 
-__all__ = ["BatchTensors", "collate", "plan_updates", "take"]
+__all__ = ["SAMPLING_TEMPERATURE", "BatchTensors", "collate", "plan_updates", "sampling_temperature", "take"]
+
+SAMPLING_TEMPERATURE = "sampling_temperature"
+"""The ``Sample.metadata`` key the learner stamps at intake with the temperature of the assignment
+it issued (overwriting whatever a server put there). Every pass recomputes a row's log-probs at
+its own sampling temperature, so ``ctl set temperature`` is safe while older samples are still
+buffered, and the stamp travels with the sample into checkpoints and the rollout log."""
 
 
 @dataclass
@@ -35,6 +44,7 @@ class BatchTensors:
     rewards: torch.Tensor            # (B,) float32
     lengths: torch.Tensor            # (B,) float32, completion tokens
     seq_lens: torch.Tensor           # (B,) long, prompt + completion tokens
+    temperatures: torch.Tensor       # (B,) float32, the sampling temperature of each row
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -49,7 +59,7 @@ class BatchTensors:
             input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
             targets=self.targets[idx], mask=self.mask[idx],
             behavior_logprobs=self.behavior_logprobs[idx], rewards=self.rewards[idx],
-            lengths=self.lengths[idx], seq_lens=self.seq_lens[idx])
+            lengths=self.lengths[idx], seq_lens=self.seq_lens[idx], temperatures=self.temperatures[idx])
 
     def to(self, device: torch.device | str) -> BatchTensors:
         """Every tensor on ``device`` (collated on the CPU, trained where the model is)."""
@@ -62,7 +72,7 @@ class BatchTensors:
             input_ids=self.input_ids[idx, :L], attention_mask=self.attention_mask[idx, :L],
             targets=self.targets[idx, :L - 1], mask=self.mask[idx, :L - 1],
             behavior_logprobs=self.behavior_logprobs[idx, :L - 1], rewards=self.rewards[idx],
-            lengths=self.lengths[idx], seq_lens=self.seq_lens[idx])
+            lengths=self.lengths[idx], seq_lens=self.seq_lens[idx], temperatures=self.temperatures[idx])
 
 
 def take(x: torch.Tensor, idx: torch.Tensor, width: int) -> torch.Tensor:
@@ -70,7 +80,18 @@ def take(x: torch.Tensor, idx: torch.Tensor, width: int) -> torch.Tensor:
     return x[idx, :width - 1]
 
 
-def collate(samples: list[protocol.Sample], pad_id: int) -> BatchTensors:
+def sampling_temperature(s: protocol.Sample, default: float) -> float:
+    """The temperature ``s`` was sampled at: the learner's stamp (:data:`SAMPLING_TEMPERATURE`,
+    written at intake from the assignment it issued), else ``default`` (the run's temperature)."""
+    value = s.metadata.get(SAMPLING_TEMPERATURE) if s.metadata else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 1e-6 <= value <= 1e6:
+        return float(value)
+    return float(default)
+
+
+def collate(samples: list[protocol.Sample], pad_id: int, temperature: float = 1.0) -> BatchTensors:
+    """Right-padded tensors of ``samples``; ``temperature``: the sampling temperature of rows
+    without the learner's stamp (:func:`sampling_temperature`)."""
     seq = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
     B, L = len(samples), max(2, max(seq))
     ids = np.full((B, L), pad_id, dtype=np.int64)
@@ -90,7 +111,9 @@ def collate(samples: list[protocol.Sample], pad_id: int) -> BatchTensors:
         mask=torch.from_numpy(mask), behavior_logprobs=torch.from_numpy(behavior),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         lengths=torch.tensor([len(s.completion_token_ids) for s in samples], dtype=torch.float32),
-        seq_lens=torch.tensor(seq, dtype=torch.long))
+        seq_lens=torch.tensor(seq, dtype=torch.long),
+        temperatures=torch.tensor([sampling_temperature(s, temperature) for s in samples],
+                                  dtype=torch.float32))
 
 
 def _cut(idx: torch.Tensor, size: int) -> list[torch.Tensor]:

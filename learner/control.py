@@ -13,7 +13,11 @@ config object stays the truth and a bad value is refused by the same validation,
 message, as in a config file. Where a setting takes effect:
 
 - at once, on the loop: ``max_staleness``, ``stale_policy`` (the buffer),
-  ``max_inflight_per_server`` (admission; at the next dispatch);
+  ``max_inflight_per_server`` (admission; at the next dispatch), ``temperature`` (every
+  assignment issued from now on; a re-issued one keeps its own). Samples already generated keep
+  the temperature they were drawn at: intake stamps each with its assignment's, and the trainer
+  recomputes every row at its own (learner.batching.SAMPLING_TEMPERATURE), so a batch that mixes
+  the two temperatures is still corrected exactly;
 - at the next policy step: ``is_mode``, ``is_cap``, ``kl_coef``, ``target_kl``, ``lr``. A step runs
   in a worker thread and reads its config throughout, so the trainer has its own copy, and the
   changes reach it between steps (:meth:`Control.before_step`): no step sees half a change.
@@ -96,6 +100,7 @@ class Control:
             "max_staleness": buffer.set_max_staleness,
             "stale_policy": buffer.set_stale_policy,
             "max_inflight_per_server": lambda n: None,      # admission reads cfg at each dispatch
+            "temperature": lambda t: None,                  # read for every new assignment
             "kl_coef": self._check_kl_coef,
             **{k: lambda v: None for k in STEP_SETTINGS if k != "kl_coef"},
         }

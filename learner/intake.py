@@ -16,6 +16,9 @@ crashed the step once) or that is not what was asked for:
     reward       |reward| <= max_abs_reward (the protocol only asks for finite: one sample's 1e30
                  overflows the group statistics in float32 and makes the whole step NaN)
 
+A sample that passes is stamped with the sampling temperature of the assignment the learner issued
+(``metadata["sampling_temperature"]``, :meth:`Intake.stamp`), which the trainer's passes use.
+
 A sample failing one is acknowledged ``invalid`` (final: the server forgets it) and counted in
 ``slipstream_samples_invalid_total{reason}``; its slot stays in flight, so the assignment is
 re-issued when its lease expires — the gate does not drift, and the prompt is not lost.
@@ -34,6 +37,7 @@ import numpy as np
 
 import protocol
 from buffer import AckStatus, RolloutBuffer
+from learner.batching import SAMPLING_TEMPERATURE
 from learner.metrics import LearnerMetrics
 
 REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt", "reward")
@@ -93,6 +97,18 @@ class Intake:
             return "prompt", f"prompt_token_ids differ from assignment {s.assignment_id!r}'s prompt"
         return None
 
+    def stamp(self, s: protocol.Sample) -> None:
+        """Write the temperature the learner asked for into ``s.metadata`` (learner.batching's
+        :data:`SAMPLING_TEMPERATURE`; a server's own value under that key is replaced): the
+        trainer recomputes the sample's log-probs at the temperature it was sampled at, even after
+        a live ``ctl set temperature``."""
+        lease = self.buffer.leases.get(s.assignment_id)
+        assignment = lease.payload if lease is not None else None
+        if isinstance(assignment, protocol.Assignment):
+            s.metadata = {**s.metadata, SAMPLING_TEMPERATURE: float(assignment.sampling.temperature)}
+        elif SAMPLING_TEMPERATURE in s.metadata:      # no assignment of ours: no value of theirs
+            s.metadata = {k: v for k, v in s.metadata.items() if k != SAMPLING_TEMPERATURE}
+
     async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Check and put every sample of ``msg``; the Ack to send back (one status per sample)."""
         version = self.version()
@@ -102,6 +118,7 @@ class Intake:
         for sample in msg.samples:
             problem = self.check(sample, version)
             if problem is None:
+                self.stamp(sample)
                 status = str(await self.buffer.put(sample, version))
             else:
                 status = str(AckStatus.INVALID)

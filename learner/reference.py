@@ -66,7 +66,7 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
-                 temperature: float) -> torch.Tensor:
+                 temperature: float | torch.Tensor) -> torch.Tensor:
         """log π_ref of ``targets`` (b, L-1) given right-padded ``input_ids`` (b, L), on the inputs' device."""
         out_device = input_ids.device
         with self._as_reference():

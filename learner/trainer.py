@@ -263,7 +263,7 @@ class Trainer:
     def _logprobs(self, sub: BatchTensors, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log π (b, L-1), entropy (b, L-1) or None) of the policy; the same function in every
         pass (learner.models.logprobs), so a no-grad pass and a gradient forward agree bit for bit."""
-        return self.forward(sub.input_ids, sub.attention_mask, sub.targets, self.cfg.temperature,
+        return self.forward(sub.input_ids, sub.attention_mask, sub.targets, sub.temperatures,
                             entropy=entropy)
 
     @torch.no_grad()
@@ -291,9 +291,8 @@ class Trainer:
             self.critic.train()
 
     def _reference_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
-        t = self.cfg.temperature
-        return self._no_grad_pass(
-            bt, chunks, lambda s: self.reference.logprobs(s.input_ids, s.attention_mask, s.targets, t))
+        return self._no_grad_pass(bt, chunks, lambda s: self.reference.logprobs(
+            s.input_ids, s.attention_mask, s.targets, s.temperatures))
 
     def _importance(self, proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
                     flagged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[dict, int]]]:
@@ -406,7 +405,7 @@ class Trainer:
         flags = list(batch.needs_correction) or [False] * B
         if len(flags) != B:
             raise ValueError(f"Trainer.step: {len(flags)} needs_correction flags for {B} samples")
-        bt = collate(batch.samples, self.pad_id)
+        bt = collate(batch.samples, self.pad_id, cfg.temperature)
         low, top = int(bt.input_ids.min()), int(bt.input_ids.max())
         if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
             bad = low if low < 0 else top

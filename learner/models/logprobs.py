@@ -27,7 +27,7 @@ import torch
 
 import ops
 
-__all__ = ["LogprobForward", "exact_head_weight"]
+__all__ = ["LogprobForward", "exact_head_weight", "row_temperature_groups"]
 
 CHUNK_TOKENS = 1024
 """Tokens per logits chunk (ops.token_logprobs_from_hidden's default)."""
@@ -106,29 +106,74 @@ class LogprobForward:
         self.uses_hidden = exact_head_weight(model) is not None
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
-                 temperature: float, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``entropy``: ``none``, ``stat`` (detached, computed without gradients) or ``grad``."""
+                 temperature: float | torch.Tensor, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``entropy``: ``none``, ``stat`` (detached, computed without gradients) or ``grad``.
+
+        ``temperature``: one τ for every row, or a (b,) tensor of each row's own τ (the sampling
+        temperature its completion was drawn at; :func:`row_temperature_groups`). Rows are grouped
+        by τ after one model forward, so a batch at a single τ computes exactly what the scalar
+        call does."""
+        groups = row_temperature_groups(temperature, int(input_ids.shape[0]))
         if self.uses_hidden:
             hidden, _ = _call(self.model, input_ids, attention_mask, hidden_only=True)
             h = hidden[:, :-1]                                                     # (b, L-1, H)
             w = _base(self.model).get_output_embeddings().weight                   # (V, H)
-            lp = ops.token_logprobs_from_hidden(h, w, targets, temperature=temperature,
-                                                chunk_size=self.chunk_tokens)
-            ent = None
-            if entropy == "grad":
-                ent = ops.entropy_from_hidden(h, w, temperature=temperature, chunk_size=self.chunk_tokens)
-            elif entropy == "stat":
-                with torch.no_grad():
-                    ent = ops.entropy_from_hidden(h.detach(), w.detach(), temperature=temperature,
-                                                  chunk_size=self.chunk_tokens)
-            return lp, ent
+            return _by_temperature(groups, h, targets, entropy, lambda x, y, tau, ent: self._hidden_part(
+                x, w, y, tau, ent))
         _, logits = _call(self.model, input_ids, attention_mask, hidden_only=False)
-        logits = logits[:, :-1]                                                    # (b, L-1, V)
-        lp = ops.token_logprobs(logits, targets, temperature=temperature)
+        return _by_temperature(groups, logits[:, :-1], targets, entropy, _logits_part)
+
+    def _hidden_part(self, h, w, targets, tau, entropy):
+        lp = ops.token_logprobs_from_hidden(h, w, targets, temperature=tau, chunk_size=self.chunk_tokens)
         ent = None
         if entropy == "grad":
-            ent = ops.entropy_from_logits(logits, temperature=temperature)
+            ent = ops.entropy_from_hidden(h, w, temperature=tau, chunk_size=self.chunk_tokens)
         elif entropy == "stat":
             with torch.no_grad():
-                ent = ops.entropy_from_logits(logits.detach(), temperature=temperature)
+                ent = ops.entropy_from_hidden(h.detach(), w.detach(), temperature=tau,
+                                              chunk_size=self.chunk_tokens)
         return lp, ent
+
+
+def _logits_part(logits, targets, tau, entropy):
+    lp = ops.token_logprobs(logits, targets, temperature=tau)
+    ent = None
+    if entropy == "grad":
+        ent = ops.entropy_from_logits(logits, temperature=tau)
+    elif entropy == "stat":
+        with torch.no_grad():
+            ent = ops.entropy_from_logits(logits.detach(), temperature=tau)
+    return lp, ent
+
+
+def row_temperature_groups(temperature: float | torch.Tensor, rows: int) -> list[tuple[float, torch.Tensor | None]]:
+    """``[(τ, row indices or None for all rows), ...]``: the rows of each distinct temperature.
+
+    A scalar, or a tensor whose rows all share one value, is one group over every row (None), so
+    the common case takes the same path as a scalar call, bit for bit."""
+    if not isinstance(temperature, torch.Tensor):
+        return [(float(temperature), None)]
+    t = temperature.detach().reshape(-1).to("cpu", torch.float64)
+    if t.numel() != rows:
+        raise ValueError(f"{t.numel()} row temperatures for {rows} rows")
+    values = torch.unique(t)
+    if values.numel() == 1:
+        return [(float(values[0]), None)]
+    return [(float(v), torch.nonzero(t == v).reshape(-1)) for v in values]
+
+
+def _by_temperature(groups, x: torch.Tensor, targets: torch.Tensor, entropy: str, part):
+    """``part(x_rows, targets_rows, τ, entropy)`` per temperature group, put back in row order."""
+    if len(groups) == 1:
+        return part(x, targets, groups[0][0], entropy)
+    lps, ents, order = [], [], []
+    for tau, idx in groups:
+        idx = idx.to(x.device)
+        lp, ent = part(x[idx], targets[idx], tau, entropy)
+        lps.append(lp)
+        ents.append(ent)
+        order.append(idx)
+    inverse = torch.argsort(torch.cat(order))            # rows back in their order (differentiable)
+    lp = torch.cat(lps)[inverse]
+    ent = None if ents[0] is None else torch.cat(ents)[inverse]
+    return lp, ent

@@ -27,7 +27,7 @@ def ctl():
 
 
 SETTABLE = ["is_cap", "is_mode", "kl_coef", "lr", "max_inflight_per_server", "max_staleness",
-            "stale_policy", "target_kl"]
+            "stale_policy", "target_kl", "temperature"]
 
 
 async def run(c: Control, command: str, **args) -> protocol.ControlReply:

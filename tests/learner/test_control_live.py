@@ -117,3 +117,31 @@ async def test_ctl_stop_checkpoints_and_tells_the_servers(tmp_path, tiny_model_d
         if not learner.done():
             svc.stopping.set()
             await asyncio.wait_for(learner, 60)
+
+
+async def test_temperature_changes_live_and_samples_are_recomputed_at_theirs(tmp_path, tiny_model_dir):
+    """``ctl set temperature`` with a real HF server: the assignments issued afterwards carry the
+    new temperature, the server samples at it, and the learner recomputes those samples at it
+    (mismatch KL stays at the engines' numerical noise; recomputed at the old 1.0 it is not)."""
+    import json
+
+    from learner_testkit import real_server
+
+    cfg = learner_config(tmp_path, max_staleness=0, batch_prompts=2, max_new_tokens=6)
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        async with real_server(svc, tiny_model_dir) as (_, task):
+            await wait_until(lambda: svc.version >= 2 or task.done(), 240, "two steps")
+            bad = await ctl(svc.endpoints["control"], "set", key="temperature", value=0)
+            assert not bad.ok and "temperature" in bad.error and svc.cfg.temperature == 1.0
+            reply = await ctl(svc.endpoints["control"], "set", key="temperature", value=0.3)
+            assert reply.ok, reply.error
+            changed_at = svc.version
+            assert svc.sampling().temperature == 0.3 and svc.trainer.cfg.temperature == 1.0
+            await wait_until(lambda: svc.version >= changed_at + 4 or task.done(), 240, "four more steps")
+            assert not task.done()
+            assert metric(svc, "slipstream_setting", key="temperature") == 0.3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if r.get("kind", "step") == "step" and "mismatch_kl" in r}
+    after = [steps[v] for v in steps if v > changed_at + 1]     # batches issued after the change
+    assert len(after) >= 2
+    assert all(abs(r["mismatch_kl"]) < 1e-4 for r in steps.values()), [r["mismatch_kl"] for r in steps.values()]

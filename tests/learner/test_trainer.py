@@ -20,6 +20,7 @@ from ops_twins import (  # noqa: E402
 )
 
 from buffer import Batch  # noqa: E402
+from learner.batching import sampling_temperature  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.trainer import FLAGGED_IS_MODE, Trainer  # noqa: E402
 from protocol import Sample  # noqa: E402
@@ -98,9 +99,10 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         t = len(s.completion_token_ids)
         logits = _completion_logits(model, s)
         tokens = torch.from_numpy(s.completion_token_ids.astype(np.int64))
-        logp[i, :t] = token_logprobs_loop(logits.detach()[None], tokens[None], cfg.temperature)[0]
+        tau = sampling_temperature(s, cfg.temperature)       # each row at its own temperature
+        logp[i, :t] = token_logprobs_loop(logits.detach()[None], tokens[None], tau)[0]
         behav[i, :t] = torch.from_numpy(s.behavior_logprobs.astype(np.float64))
-        lp = torch.log_softmax(logits / cfg.temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        lp = torch.log_softmax(logits / tau, dim=-1).gather(-1, tokens[:, None])[:, 0]
         logp_grad = logp_grad.index_put((torch.full((t,), i), torch.arange(t)), lp)
         mask[i, :t] = True
     adv = group_advantages_loop([s.reward for s in samples], GROUP, cfg.advantage)[:, None].expand(B, T)
