@@ -62,6 +62,7 @@ import torch
 import xxhash
 
 from protocol.errors import StartupError
+from protocol.process import fsync_path
 
 FORMAT = "slipstream-checkpoint"
 FORMAT_VERSION = 1
@@ -100,23 +101,15 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": FORMAT})
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every file below ``root``, then every directory (deepest first), then ``root``."""
     dirs = []
     for dirpath, _, files in os.walk(root):
         for name in files:
-            _fsync_path(Path(dirpath) / name)
+            fsync_path(Path(dirpath) / name)
         dirs.append(Path(dirpath))
     for d in reversed(dirs):
-        _fsync_path(d)
+        fsync_path(d)
 
 
 def _digest(path: Path) -> str:
@@ -454,12 +447,12 @@ class Checkpointer:
                 os.rename(final, aside)
             os.rename(tmp, final)
             placed = True
-            _fsync_path(self.root)
+            fsync_path(self.root)
             marker = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": version,
                       "manifest_digest": xxhash.xxh3_128_hexdigest(manifest_bytes)}
             _write_bytes(final / f".{MARKER}.tmp", _json(marker))
             os.rename(final / f".{MARKER}.tmp", final / MARKER)
-            _fsync_path(final)
+            fsync_path(final)
         except BaseException:
             shutil.rmtree(final if placed else tmp, ignore_errors=True)
             if aside is not None and not final.exists():

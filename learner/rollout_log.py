@@ -79,6 +79,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 import protocol
+from protocol.process import fsync_path
 
 MAGIC = b"SRL1"
 _HEAD = struct.Struct("<4sII")          # magic, payload length, crc32(length bytes + payload)
@@ -225,14 +226,6 @@ class LogReader:
 
 # ---- writing ---------------------------------------------------------------------------------------
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class RolloutLogWriter:
     """Appends records to the segments of one life (a new life number per writer)."""
 
@@ -267,7 +260,7 @@ class RolloutLogWriter:
         self.segment += 1
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self.size = 0
-        _fsync_dir(self.root)                 # the new file's name is durable too
+        fsync_path(self.root)                 # the new file's name is durable too
         self._reopen = False
 
     def _write(self, fd: int, data: bytes) -> int:

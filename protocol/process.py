@@ -1,4 +1,4 @@
-"""Process plumbing shared by the learner and the rollout server: event log and task supervision.
+"""Process plumbing shared by the learner and the rollout server: event log, task supervision, fsync.
 
 Every process writes one JSON object per line on stdout for each event (the launcher and log
 collectors read these): ``{"proc", "event", "run_id", "version", ...fields}``. ``run_id`` and
@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
+
+
+def fsync_path(path) -> None:
+    """fsync a file or a directory by name (a directory's fsync makes the names in it durable:
+    a rename or a new file survives a crash only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class EventLog:
