@@ -353,7 +353,7 @@ def _draw_versions(fig, run: Run) -> bool:
 
 PHASES = (("time_collate_s", "collate"), ("time_reference_s", "reference"), ("time_values_s", "values"),
           ("time_proximal_s", "proximal"), ("time_advantages_s", "advantages"),
-          ("time_update_s", "update"), ("publish_s", "publish"))
+          ("time_update_s", "update"), ("publish_wait_s", "publish wait"))
 
 
 def _draw_step_time(fig, run: Run) -> bool:

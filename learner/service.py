@@ -336,8 +336,7 @@ class LearnerService:
             if self.rollout_log is not None:
                 await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
-            # publish_s stays the loop's publish phase (report, dashboard): now the snapshot wait.
-            stats["publish_wait_s"] = stats["publish_s"] = await self.publish()
+            stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
             stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.record_step(stats)
             self.maybe_evaluate()

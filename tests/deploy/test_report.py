@@ -21,7 +21,7 @@ def _row(run_id: str | None, step: int, t0: float = 1000.0, **extra) -> dict:
            "reward_mean": step / 100, "reward_std": 0.4, "entropy": 1.0 - step / 200,
            "mismatch_kl": 1e-3 * step, "is_ess_ratio": 0.9, "is_weight_max": 2.0, "is_weight_mean": 1.0,
            "staleness_mean": 0.5, "staleness_max": float(step % 3), "completion_tokens_mean": 3.0,
-           "step_s": 0.3, "time_update_s": 0.25, "time_collate_s": 0.01, "publish_s": 0.02,
+           "step_s": 0.3, "time_update_s": 0.25, "time_collate_s": 0.01, "publish_wait_s": 0.02,
            "pg_clip_fraction": 0.1, "server_versions": {"rollout-0": step - 1, "rollout-1": step - 2},
            **extra}
     if run_id is not None:

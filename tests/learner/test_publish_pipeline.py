@@ -224,7 +224,7 @@ async def test_the_train_loop_steps_on_while_a_version_is_being_prepared(tmp_pat
         assert metric(svc, "slipstream_weights_publish_seconds_count") >= 3
         rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "publish_wait_s" in r]
-        assert len(steps) >= 2 and all(0 <= r["publish_wait_s"] == r["publish_s"] for r in steps)
+        assert len(steps) >= 2 and all(r["publish_wait_s"] >= 0 and "publish_s" not in r for r in steps)
 
 
 @pytest.mark.gpu
