@@ -30,14 +30,32 @@ parameters to float rounding.
 Steps that apply nothing. DeepSpeed clips on the reduced gradients and skips an update whose norm
 is not finite (fp32, bf16 with ``check_grad_overflow``, fp16's loss scaler); the trainer reports a
 skipped step. Gradients that must be dropped without an update (a non-finite loss, ``target_kl``)
-are discarded through DeepSpeed's own overflow path. Not supported yet: restoring earlier updates
-of the same step when a later one is skipped (the plain path's snapshot).
+are discarded through DeepSpeed's own overflow path; earlier updates of the step are rolled back
+(below).
 
 Checkpoints. learner.checkpoint writes them as for one process (atomically, with a manifest);
 the trainer adds ``engine/``: each trained parameter's float32 master weight and Adam moments,
 gathered whole from every rank's partitions and written by rank 0 as safetensors (no pickle,
 and a resume may use another number of ranks); resuming, every rank reads it and sets its own
 partitions. The policy directory is saved as well (plain HF, gathered under ZeRO-3).
+
+RNG states per rank. ``engine/`` also holds every rank's RNG states (torch CPU, every CUDA device
+the rank initialized, python, numpy: learner.checkpoint's :func:`rng_state`), gathered to rank 0
+(``rng.safetensors``, and ``rng`` in ``engine.json``). Resuming, rank r takes rank r's states back
+(rank 0's equal the checkpoint's top-level ones). With another number of ranks: a rank below the
+saved count takes its own; a rank at or beyond it (or every rank but 0, for an engine state
+saved without RNG states) is seeded from (``learner.seed``, rank) through numpy's SeedSequence
+(:func:`rank_seed`) — deterministic, and different on every rank and from any saved rank's.
+
+Rolling back a step. A step with several optimizer steps whose later update is skipped (a
+non-finite loss, or a non-finite reduced gradient that DeepSpeed declined to apply) restores, on
+every rank, what the step's earlier updates changed: this rank's float32 master partitions, its
+partitions (ZeRO-3) or copies (ZeRO-1/2) of the model's parameters, and the torch optimizer's
+state (Adam moments and step counts) — all local, no collective, each rank the part it holds
+(:meth:`DeepSpeedTrainer._snapshot`). Every rank takes the same decision (the losses are gathered,
+the norm is the reduced one), so every rank rolls back. The same copy guards a step of one update
+that trains both the policy and a critic: DeepSpeed knows a gradient norm only inside
+``engine.step()``, so the policy's update is undone when the critic's is then skipped.
 
 Failure. Every process group has ``timeout_s``; rank 0 pings idle workers every ``heartbeat_s``.
 A rank that dies makes the collectives of the others fail (or time out), each raises and exits
@@ -65,12 +83,35 @@ from learner.trainer import Trainer
 from protocol.errors import StartupError
 from protocol.messages import Sample
 
-__all__ = ["DeepSpeedTrainer", "Group", "join_group", "launch_ranks", "make_trainer", "worker_main"]
+__all__ = ["DeepSpeedTrainer", "Group", "join_group", "launch_ranks", "make_trainer", "rank_seed", "serve",
+           "worker_main"]
 
 _GROUP: Group | None = None
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 ENGINE_TENSORS = "engine.safetensors"
 ENGINE_JSON = "engine.json"
+ENGINE_RNG = "rng.safetensors"
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of a rank that has no saved RNG states (module docstring): deterministic in
+    (seed, rank), a 63-bit integer torch, python and numpy all take."""
+    import numpy as np
+
+    entropy = [int(seed) & 0xFFFFFFFFFFFFFFFF, int(rank)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Seed torch (CPU and CUDA), python and numpy of this process from :func:`rank_seed`."""
+    import random
+
+    import numpy as np
+
+    value = rank_seed(seed, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % (1 << 32))
 
 
 def _free_port() -> int:
@@ -206,6 +247,19 @@ class _Heartbeat(threading.Thread):
                         self.group.send("ping")
                 finally:
                     self.group.lock.release()
+
+
+def _local_data(p: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor this rank holds of a parameter: the ZeRO-3 partition, else the whole tensor."""
+    return p.ds_tensor.data if hasattr(p, "ds_tensor") else p.data
+
+
+def _masters(engine) -> list[torch.Tensor]:
+    """This rank's float32 master partitions (ZeRO-1/2, ZeRO-3), flat."""
+    out = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        out += [t.data for t in (getattr(engine.optimizer, name, None) or []) if t.numel()]
+    return out
 
 
 def _discard_gradients(engine) -> None:
@@ -395,6 +449,11 @@ class DeepSpeedTrainer(Trainer):
     def _do_save_engine(self, path: str) -> None:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        from learner.checkpoint import rng_state
+
+        rng_tensors: dict[str, torch.Tensor] = {}
+        rng = rng_state(rng_tensors)           # first: nothing below draws, but say so
+        ranks_rng = self.group.gather([rng, {k: t.cpu().numpy().tobytes() for k, t in rng_tensors.items()}])
         tensors: dict[str, torch.Tensor] = {}
         steps: dict[str, int] = {}
         for prefix, engine in self._engines():
@@ -416,13 +475,16 @@ class DeepSpeedTrainer(Trainer):
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / ENGINE_TENSORS))
+        save_file({f"rank{r}/{k}": torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                   for r, (_, raw) in enumerate(ranks_rng) for k, b in raw.items()}, str(out / ENGINE_RNG))
         (out / ENGINE_JSON).write_text(json.dumps({"zero_stage": self.ds.zero_stage, "world": self.group.world,
-                                                   "precision": self.ds.precision, "adam_steps": steps}))
+                                                   "precision": self.ds.precision, "adam_steps": steps,
+                                                   "rng": [state for state, _ in ranks_rng]}))
 
     def load_engine_state(self, path: str | Path) -> None:
         """Every rank reads ``path`` (a directory every rank can see) and sets its partitions of
-        the master weights and Adam moments, and the model's own weights; ValueError when the
-        file does not fit this model."""
+        the master weights and Adam moments, the model's own weights and its RNG states (module
+        docstring: another rank count); ValueError when the file does not fit this model."""
         self._command("load_engine", str(path))
 
     def _init_adam_state(self) -> None:
@@ -482,6 +544,22 @@ class DeepSpeedTrainer(Trainer):
                     old, n = st["step"], meta["adam_steps"][prefix]
                     st["step"] = (torch.tensor(float(n), dtype=old.dtype, device=old.device)
                                   if torch.is_tensor(old) else n)
+        self._load_rng(src, meta)
+
+    def _load_rng(self, src: Path, meta: dict) -> None:
+        """This rank's saved RNG states, or the :func:`rank_seed` rule (module docstring)."""
+        from safetensors.torch import load_file
+
+        from learner.checkpoint import set_rng_state
+
+        saved = meta.get("rng") or []
+        if self.rank >= len(saved):
+            seed_rank(self.cfg.seed, self.rank)
+            return
+        prefix = f"rank{self.rank}/"
+        tensors = {k[len(prefix):]: t for k, t in load_file(str(src / ENGINE_RNG)).items()
+                   if k.startswith(prefix)}
+        set_rng_state(saved[self.rank], tensors)
 
     # ---- the trainer's hooks -----------------------------------------------------------------
     def _engine(self, which: str):
@@ -539,6 +617,10 @@ class DeepSpeedTrainer(Trainer):
 
     def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
         norms = {"policy": 0.0, "critic": 0.0}
+        both = s.train_policy and self.critic is not None
+        # One update of both models: the trainer takes no snapshot (one optimizer step), but the
+        # critic's norm is known only after the policy's update (module docstring).
+        guard = self._snapshot(("policy",)) if both and s.n_updates == 1 else None
         for which, on in (("policy", s.train_policy), ("critic", self.critic is not None)):
             if not on:
                 continue
@@ -548,6 +630,8 @@ class DeepSpeedTrainer(Trainer):
             norm = engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else float("nan")
             if not engine.was_step_applied() or not math.isfinite(norm):
+                if guard is not None:
+                    self._restore(guard)
                 raise skip(f"non-finite {which} gradient norm (DeepSpeed skipped the update)")
             norms[which] = norm
         return norms["policy"], norms["critic"]
@@ -557,14 +641,39 @@ class DeepSpeedTrainer(Trainer):
             _discard_gradients(self._engine(which))
         self._dirty.clear()
 
-    def _snapshot(self):
-        return None                          # no rollback of earlier updates under DeepSpeed (yet)
+    def _snapshot(self, which: tuple[str, ...] = ("policy", "critic")) -> list:
+        """What an update changes on this rank, copied (module docstring, "Rolling back"): per
+        engine, the trained parameters' local data (ZeRO-3: the partition), the float32 master
+        partitions and the torch optimizer's state. Local: no collective."""
+        snap = []
+        for name, engine in self._engines():
+            if name not in which:
+                continue
+            opt = self.optimizer if name == "policy" else self.critic_optimizer
+            params = [_local_data(p) for p in engine.module.parameters() if p.requires_grad]
+            masters = _masters(engine)
+            state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+                     for p, st in opt.state.items()}
+            snap.append((engine, opt, [(t, t.clone()) for t in params + masters], state))
+        return snap
 
-    def _skip(self, s: StepData, snapshot, log: UpdateLog, reason: str, start: float) -> SkippedStep:
-        if log.applied:                      # say so: the plain path would have rolled them back
-            reason += (f" ({log.applied} earlier update(s) of this step stay applied: no rollback "
-                       "under learner.deepspeed)")
-        return super()._skip(s, snapshot, log, reason, start)
+    @torch.no_grad()
+    def _restore(self, snap: list) -> None:
+        for _, opt, tensors, state in snap:
+            for live, saved in tensors:
+                live.copy_(saved)
+            for p, st in opt.state.items():
+                before = state.get(id(p))
+                for k, v in st.items():
+                    # A state made by this step's first update goes back to Adam's initial one
+                    # (zeros, step 0) in place: DeepSpeed keeps views of these tensors.
+                    old = before.get(k) if before is not None else None
+                    if torch.is_tensor(v) and old is not None:
+                        v.copy_(old)
+                    elif torch.is_tensor(v):
+                        v.zero_()
+                    elif before is not None:
+                        st[k] = before[k]
 
     def _update(self, s: StepData, start: float) -> UpdateLog:
         log = super()._update(s, start)
@@ -631,6 +740,11 @@ def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
     log = EventLog(f"learner-rank{group.rank}")
     trainer = DeepSpeedTrainer(cfg, model_path, group)
     log("worker_ready", rank=group.rank, world=group.world, pid=os.getpid())
+    return serve(trainer, group)
+
+
+def serve(trainer: DeepSpeedTrainer, group: Group) -> int:
+    """Run rank 0's commands on ``trainer`` until ``stop`` (then 0)."""
     while True:
         name, args = group.receive()
         if name == "stop":

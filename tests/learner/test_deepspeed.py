@@ -99,7 +99,64 @@ def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir,
     assert r.returncode == 2 and len(lines) == 1 and "learner.deepspeed" in lines[0], r.stderr
 
 
-# ---- the equivalence oracle ---------------------------------------------------------------------
+# ---- two ranks: the equivalence oracle, rollback, RNG states per rank ----------------------------
+
+DS_ORACLE = {"timeout_s": 120, "heartbeat_s": 5, "publish_bucket_bytes": 64 << 10}
+RUNS = {
+    # ZeRO-2 with the critic (GAE: values pass, critic engine); its rollback checks poison the
+    # critic: at the second of two updates (the policy's second update was applied first), and in
+    # a one-update step (the policy's update is applied before the critic's norm is known).
+    "zero2-critic": {"fields": {**ORACLE, "advantage": "gae", "deepspeed": {**DS_ORACLE, "zero_stage": 2}},
+                     "poison": [{"fields": {"ppo_epochs": 2}, "at": 2, "which": "critic", "seed": 2},
+                                {"fields": {"ppo_epochs": 1}, "at": 1, "which": "critic", "seed": 3}]},
+    # ZeRO-3 with GRPO and KL: parameters gathered in every pass, the publish in 64 KiB buckets.
+    "zero3": {"fields": {**ORACLE, "deepspeed": {**DS_ORACLE, "zero_stage": 3}},
+              "poison": [{"fields": {"ppo_epochs": 2, "kl_coef": 0.05}, "at": 2, "which": "policy", "seed": 2}]},
+}
+
+
+def _draw() -> list[float]:
+    import random
+
+    import numpy as np
+
+    return [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_groups) -> dict:
+    """One torchrun group of two ranks for every two-rank check (ds_oracle_worker.py: the oracle,
+    rollback and RNG checks of each run in RUNS). Before it, this process (a group of one) trains
+    the ZeRO-2 run's trainer a step and saves a one-rank engine state for the RNG checks; the
+    trainer is kept for the checks that load the two ranks' state back here."""
+    import random
+
+    import numpy as np
+
+    from learner.distributed import DeepSpeedTrainer
+
+    out = tmp_path_factory.mktemp("ds-ranks")
+    with pytest.MonkeyPatch.context() as mp:
+        _group_of_one(mp, builtin_cache)
+        one = DeepSpeedTrainer(LearnerConfig(**RUNS["zero2-critic"]["fields"]), tiny_model_dir)
+        one.step(make_batch(seed=0))
+        torch.manual_seed(4000)
+        random.seed(4001)
+        np.random.seed(4002)
+        one.save_engine_state(out / "engine-one-rank")
+        one_rank_draw = _draw()
+    runs = [{"name": name, **run} for name, run in RUNS.items()]
+    runs[0]["rng"] = {"one_rank": str(out / "engine-one-rank")}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SLIPSTREAM_CACHE=str(builtin_cache),
+               TORCH_EXTENSIONS_DIR=str(Path(builtin_cache) / "torch_extensions"),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    r = module_process_groups.run([*torchrun(), str(HERE / "ds_oracle_worker.py"), tiny_model_dir, str(out),
+                                   json.dumps({"runs": runs})], timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    results = {name: torch.load(out / f"{name}.pt", weights_only=True) for name in RUNS}
+    return {"runs": results, "out": out, "one": one, "one_rank_draw": one_rank_draw}
+
 
 def _plain(model_dir: str, fields: dict, hidden: bool) -> tuple[list[dict], dict, dict]:
     """One plain process through the oracle's two steps: (stats, initial and updated tensors)."""
@@ -113,25 +170,18 @@ def _plain(model_dir: str, fields: dict, hidden: bool) -> tuple[list[dict], dict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,extra", [(2, {"advantage": "gae"}), (3, {})],
-                         ids=["zero2-critic", "zero3"])
-def test_two_ranks_match_one_plain_process(tmp_path, tiny_model_dir, ds_env, process_groups, stage, extra):
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_ranks_match_one_plain_process(two_ranks, tiny_model_dir, name):
     """Same batches, same plan: two ranks give one plain process's loss and every other step
-    statistic (1e-5) and the same updated parameters (1e-5). ZeRO-2 with the critic (GAE: values
-    pass, critic engine); ZeRO-3 with GRPO (parameters gathered in every pass; the publish gathered
-    in 64 KiB buckets). ZeRO-3 computes log-probs through the logits (its head weight is
-    partitioned), so its plain twin does too; the plain hidden-state path agrees with it to
-    about 1e-5 after an Adam step of lr 1e-3 (Adam's first step amplifies rounding of gradients
-    near zero)."""
-    fields = {**ORACLE, **extra}
-    ds = {"zero_stage": stage, "timeout_s": 120, "heartbeat_s": 5, "publish_bucket_bytes": 64 << 10}
-    out = tmp_path / "ranks.pt"
-    r = process_groups.run([*torchrun(), str(HERE / "ds_oracle_worker.py"), tiny_model_dir, str(out),
-                            json.dumps({**fields, "deepspeed": ds})], timeout=400, env=ds_env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    got = torch.load(out, weights_only=True)
+    statistic (1e-5) and the same updated parameters (1e-5). ZeRO-2 with the critic, ZeRO-3 with
+    GRPO (RUNS). ZeRO-3 computes log-probs through the logits (its head weight is partitioned),
+    so its plain twin does too; the plain hidden-state path agrees with it to about 1e-5 after an
+    Adam step of lr 1e-3 (Adam's first step amplifies rounding of gradients near zero)."""
+    got = two_ranks["runs"][name]["oracle"]
+    stage = RUNS[name]["fields"]["deepspeed"]["zero_stage"]
     assert got["world"] == 2
-    stats, initial, updated = _plain(tiny_model_dir, fields, hidden=stage != 3)
+    stats, initial, updated = _plain(tiny_model_dir, {k: v for k, v in RUNS[name]["fields"].items()
+                                                      if k != "deepspeed"}, hidden=stage != 3)
     for step, (want, have) in enumerate(zip(stats, got["stats"], strict=True)):
         keys = {k for k in want if not k.startswith("time_") and k != "step_s"}
         assert keys == {k for k in have if not k.startswith("time_") and k != "step_s"}
@@ -146,8 +196,56 @@ def test_two_ranks_match_one_plain_process(tmp_path, tiny_model_dir, ds_env, pro
     if stage == 3:
         n_bytes = sum(t.numel() * 4 for t in updated.values())
         assert got["gather"]["bytes"] == n_bytes
-    print(f"stage {stage}: max |param diff| {worst:.2e}, largest update {moved:.2e}, "
-          f"gather {got['gather']}")
+    print(f"{name}: max |param diff| {worst:.2e}, largest update {moved:.2e}, gather {got['gather']}")
+
+
+@pytest.mark.slow
+def test_a_later_skipped_update_rolls_back_the_step_on_every_rank(two_ranks):
+    """A step of two updates whose second gets a NaN gradient on rank 1 only: DeepSpeed declines
+    the reduced update on both ranks, and every rank puts back what the first update changed —
+    its parameters (ZeRO-3: its partitions), float32 masters, Adam moments and step counts, bit
+    for bit (the first update had moved them). ZeRO-2 poisons the critic (the policy's second
+    update was applied before the critic's norm was known), ZeRO-3 the policy; and a one-update
+    step whose critic is poisoned undoes the policy's update of that step."""
+    for name, run in RUNS.items():
+        ranks = two_ranks["runs"][name]["ranks"]
+        assert len(ranks) == 2
+        for i, (spec, *per_rank) in enumerate(zip(run["poison"], *(r["rollback"] for r in ranks), strict=True)):
+            n = spec["fields"]["ppo_epochs"]
+            for rank, got in enumerate(per_rank):
+                where = (name, i, rank)
+                assert f"non-finite {spec['which']} gradient norm" in got["reason"], (where, got)
+                assert f"at update {spec['at']} of {n}" in got["reason"], (where, got)
+                assert got["applied_before_skip"] == spec["at"] - 1, (where, got)
+                assert got["compared"] > 10 and got["changed"] == [], (where, got["changed"][:5])
+                if spec["at"] > 1:
+                    assert got["moved_before_skip"] > 1e-5, (where, got)
+
+
+@pytest.mark.slow
+def test_each_rank_gets_its_own_rng_states_back(two_ranks):
+    """RNG states per rank (learner.distributed): two ranks seeded apart save an engine state,
+    draw (torch, python, numpy), reseed and load it back: each rank draws what it drew without
+    the interruption, and the ranks' draws differ. Another rank count: loading the two ranks'
+    state here (one rank) gives rank 0's back; two ranks loading a one-rank state give rank 0
+    that rank's states and seed rank 1 from (learner.seed, 1)."""
+    from learner.distributed import rank_seed, seed_rank
+
+    ranks = [r["rng"] for r in two_ranks["runs"]["zero2-critic"]["ranks"]]
+    for r in ranks:
+        assert r["resumed"] == r["uninterrupted"]
+    assert ranks[0]["uninterrupted"] != ranks[1]["uninterrupted"]
+    # One rank from the two ranks' state: rank 0's.
+    one = two_ranks["one"]
+    torch.manual_seed(9)
+    one.load_engine_state(two_ranks["out"] / "engine-two-ranks")
+    assert _draw() == ranks[0]["uninterrupted"]
+    # Two ranks from a one-rank state: rank 0 its own, rank 1 the rule.
+    assert ranks[0]["from_one_rank"] == two_ranks["one_rank_draw"]
+    seed_rank(ORACLE["seed"], 1)
+    assert ranks[1]["from_one_rank"] == _draw() != ranks[0]["from_one_rank"]
+    assert len({rank_seed(0, 0), rank_seed(0, 1), rank_seed(1, 1), rank_seed(1, 0)}) == 4
+    assert rank_seed(0, 1) == rank_seed(0, 1) < 1 << 63
 
 
 # ---- end to end ---------------------------------------------------------------------------------
