@@ -388,55 +388,56 @@ def _event(line: str) -> dict | None:
     return ev if isinstance(ev, dict) else None
 
 
-@pytest.mark.slow
-def test_two_ranks_via_nproc_train_end_to_end_with_a_rollout_server(tmp_path, tiny_model_dir, ds_env,
-                                                                      process_groups):
-    """``slipstream learner --nproc 2`` (torchrun, ZeRO-3: every publish gathered bucket by bucket)
-    and a real ``slipstream rollout`` server: three steps, every version published and applied,
-    the final policy saved, the group exits 0 (rank 1 on rank 0's stop)."""
-    steps = 3
-    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=3, total_steps=steps)
-    learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
-    server = process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"],
-                                  env=ds_env)
-    worker = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "worker_ready" and ev,
-                              240, "rank 1 ready")
-    assert worker["rank"] == 1 and worker["world"] == 2
-    learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "finished", 240, "the last step")
-    server.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "weights_applied"
-                    and ev.get("weights_version") == steps, 60, f"the server applying version {steps}")
-    assert learner.proc.wait(timeout=60) == 0, learner.output()
-    process_groups.stop(server.proc, grace_s=5)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "step" in r] == list(range(1, steps + 1))
-    assert all(math.isfinite(r["loss"]) for r in rows)
-    assert (tmp_path / "run" / "final" / "config.json").exists()
+def _is(event: str, **want):
+    """A line matcher: the event ``event`` (its dict) whose fields satisfy ``want`` (a value, or a
+    predicate)."""
+    def match(line: str):
+        ev = _event(line)
+        if not ev or ev.get("event") != event:
+            return None
+        ok = all(v(ev.get(k)) if callable(v) else ev.get(k) == v for k, v in want.items())
+        return ev if ok else None
+    return match
 
 
 @pytest.mark.slow
-def test_a_rank_that_dies_takes_the_group_down_and_resume_continues(tmp_path, tiny_model_dir, ds_env,
-                                                                     process_groups):
-    """ZeRO-2, two ranks, a checkpoint every 2 steps. SIGKILL of rank 1 after a checkpoint:
-    torchrun ends rank 0 too and exits non-zero (no rank waits forever). ``--nproc 2 --resume``
-    then starts from the last complete checkpoint (engine state included) and the version
-    continues past it."""
+def test_two_ranks_train_end_to_end_die_together_and_resume_under_zero3(tmp_path, tiny_model_dir, ds_env,
+                                                                        process_groups):
+    """``slipstream learner --nproc 2`` (torchrun) and a real ``slipstream rollout`` server, one
+    group of each life (starting a group is most of the cost):
+
+    - ZeRO-2, a checkpoint every 2 steps: the server applies the published versions; SIGKILL of
+      rank 1 after a checkpoint makes torchrun end rank 0 too and exit non-zero (no rank waits
+      forever in a collective);
+    - ``--nproc 2 --resume`` under ZeRO-3 (the engine state is whole tensors: another stage or
+      rank count resumes it) starts from the last complete checkpoint, the version continues,
+      every publish is gathered bucket by bucket, the server applies the last version, the final
+      policy is saved and the group exits 0 (rank 1 on rank 0's stop)."""
     cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000, save_every=2)
     learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
     server = process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"],
                                   env=ds_env)
-    worker = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "worker_ready" and ev,
-                              240, "rank 1 ready")
-    saved = learner.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "checkpoint"
-                             and ev.get("version", 0) >= 2 and ev, 180, "a checkpoint")
+    worker = learner.wait_for(_is("worker_ready"), 240, "rank 1 ready")
+    assert worker["rank"] == 1 and worker["world"] == 2
+    saved = learner.wait_for(_is("checkpoint", version=lambda v: (v or 0) >= 2), 180, "a checkpoint")
     os.kill(worker["pid"], signal.SIGKILL)
     code = learner.proc.wait(timeout=120)
     assert code != 0, learner.output()
     assert (Path(saved["checkpoint"]) / "engine" / "engine.safetensors").is_file()
-    second = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2", "--resume"], env=ds_env)
-    resumed = second.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "resumed" and ev,
-                              240, "the resume")
-    assert resumed["resumed_version"] >= saved["version"], (resumed, saved)
-    second.wait_for(lambda line: (ev := _event(line)) and ev.get("event") == "step"
-                    and ev["version"] > resumed["resumed_version"], 180, "a step after the resume")
-    process_groups.stop(second.proc)
+    server.wait_for(_is("weights_applied", weights_version=lambda v: (v or 0) >= 2), 60,
+                    "the server applying version 2")
+    last = saved["version"] + 4        # past any checkpoint the first life could still complete
+    second = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2", "--resume",
+                                   "--set", "learner.deepspeed.zero_stage=3",
+                                   "--set", f"learner.total_steps={last}"], env=ds_env)
+    resumed = second.wait_for(_is("resumed"), 240, "the resume")
+    assert saved["version"] <= resumed["resumed_version"] < last, (resumed, saved)
+    second.wait_for(_is("finished"), 240, "the last step")
+    server.wait_for(_is("weights_applied", weights_version=last), 60, f"the server applying version {last}")
+    assert second.proc.wait(timeout=60) == 0, second.output()
     process_groups.stop(server.proc, grace_s=2)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "step" in r]
+    assert steps[-(last - resumed["resumed_version"]):] == list(range(resumed["resumed_version"] + 1, last + 1))
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert (tmp_path / "run" / "final" / "config.json").exists()
