@@ -5,43 +5,78 @@ Conventions: per-token tensors are ``[B, T]``; ``mask`` is ``[B, T]`` bool/float
 token that counts — padding never changes a result. Losses return ``(loss, stats)`` with a 0-dim loss
 that carries grad and a dict of plain floats (``merge_stats`` combines the dicts of micro-batches).
 Low-precision inputs are reduced in float32.
+
+The functions load on first use (``ops.<name>``, ``from ops import <name>``: PEP 562), so what
+only needs the names of the choices (configs, ``ops.names``) does not import torch.
 """
 
-from .advantages import (
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .names import (
     ADVANTAGE_METHODS,
     GROUP_ADVANTAGE_METHODS,
-    discounted_reverse_cumsum,
-    gae,
-    group_advantages,
-    reinforce_pp_advantages,
-    returns_to_go,
-    vtrace,
-)
-from .controllers import AdaptiveKLController, FixedKLController
-from .filtration import PF_PPO_METHODS, pf_ppo_resample, pf_ppo_weights
-from .importance import IS_MODES, importance_weights
-from .kl import KL_KINDS, kl_estimate
-from .logprobs import entropy_from_hidden, entropy_from_logits, token_logprobs, token_logprobs_from_hidden
-from .losses import dpo_loss, entropy_loss, kl_loss, ppo_policy_loss, value_loss
-from .m2po import m2po_mask
-from .masked import (
+    IS_MODES,
+    KL_KINDS,
     LOSS_AGG_MODES,
-    aggregate_loss,
-    loss_normalizer,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
+    PF_PPO_METHODS,
 )
-from .rewards import (
-    RunningMoments,
-    batch_normalize,
-    clip_rewards,
-    last_token_index,
-    length_penalty,
-    shape_token_rewards,
-)
-from .stats import STAT_REDUCTIONS, merge_stats
+
+_WHERE = {
+    "AdaptiveKLController": "controllers",
+    "FixedKLController": "controllers",
+    "RunningMoments": "rewards",
+    "STAT_REDUCTIONS": "stats",
+    "aggregate_loss": "masked",
+    "batch_normalize": "rewards",
+    "clip_rewards": "rewards",
+    "discounted_reverse_cumsum": "advantages",
+    "dpo_loss": "losses",
+    "entropy_from_hidden": "logprobs",
+    "entropy_from_logits": "logprobs",
+    "entropy_loss": "losses",
+    "gae": "advantages",
+    "group_advantages": "advantages",
+    "importance_weights": "importance",
+    "kl_estimate": "kl",
+    "kl_loss": "losses",
+    "last_token_index": "rewards",
+    "length_penalty": "rewards",
+    "loss_normalizer": "masked",
+    "m2po_mask": "m2po",
+    "masked_mean": "masked",
+    "masked_sum": "masked",
+    "masked_var": "masked",
+    "masked_whiten": "masked",
+    "merge_stats": "stats",
+    "pf_ppo_resample": "filtration",
+    "pf_ppo_weights": "filtration",
+    "ppo_policy_loss": "losses",
+    "reinforce_pp_advantages": "advantages",
+    "returns_to_go": "advantages",
+    "shape_token_rewards": "rewards",
+    "token_logprobs": "logprobs",
+    "token_logprobs_from_hidden": "logprobs",
+    "value_loss": "losses",
+    "vtrace": "advantages",
+}
+"""Each public function or class -> the submodule that defines it."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ops' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value                 # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "ADVANTAGE_METHODS",

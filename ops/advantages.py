@@ -16,6 +16,7 @@ import torch
 
 from .kl import LOG_RATIO_CLAMP
 from .masked import compute_dtype, masked_whiten
+from .names import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS
 
 __all__ = [
     "ADVANTAGE_METHODS",
@@ -28,11 +29,6 @@ __all__ = [
     "vtrace",
 ]
 
-GROUP_ADVANTAGE_METHODS = ("grpo", "dr_grpo", "rloo")
-"""Estimators that need only the scores of each group (``group_advantages``)."""
-ADVANTAGE_METHODS = (*GROUP_ADVANTAGE_METHODS, "gae", "reinforce_pp")
-"""Every advantage estimator a trainer offers: the group ones, ``gae`` (with a critic) and
-``reinforce_pp`` (``reinforce_pp_advantages``, no critic, no groups)."""
 
 # Block length of the time axis in ``discounted_reverse_cumsum`` (an L×L discount matrix per block).
 _BLOCK = 32

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from .names import PF_PPO_METHODS
+
 __all__ = ["PF_PPO_METHODS", "pf_ppo_resample", "pf_ppo_weights"]
 
-PF_PPO_METHODS = ("pow", "max_min", "max_random")
 
 
 @torch.no_grad()

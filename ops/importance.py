@@ -30,10 +30,10 @@ import torch
 
 from .kl import LOG_RATIO_CLAMP, kl_estimate
 from .masked import compute_dtype, masked_mean, masked_sum
+from .names import IS_MODES
 
 __all__ = ["IS_MODES", "importance_weights"]
 
-IS_MODES = ("none", "tis", "mis", "seq_tis", "seq_mis", "geo_mis")
 
 
 @torch.no_grad()

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from .masked import compute_dtype
+from .names import KL_KINDS
 
 __all__ = ["KL_KINDS", "LOG_RATIO_CLAMP", "kl_estimate"]
 
-KL_KINDS = ("k1", "k2", "k3")
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 # Log-ratios are clamped to this range before exp (as in verl) so one wild token cannot overflow.

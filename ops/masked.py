@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .names import LOSS_AGG_MODES
+
 __all__ = [
     "LOSS_AGG_MODES",
     "aggregate_loss",
@@ -27,7 +29,6 @@ __all__ = [
     "masked_whiten",
 ]
 
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

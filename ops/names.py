@@ -1,0 +1,18 @@
+"""The names of the choices ``ops`` offers (estimators, modes, kinds), without torch: configs and
+command lines validate against them without paying torch's import (seconds) at start-up."""
+
+from __future__ import annotations
+
+GROUP_ADVANTAGE_METHODS = ("grpo", "dr_grpo", "rloo")
+"""Estimators that need only the scores of each group (``group_advantages``)."""
+ADVANTAGE_METHODS = (*GROUP_ADVANTAGE_METHODS, "gae", "reinforce_pp")
+"""Every advantage estimator a trainer offers: the group ones, ``gae`` (with a critic) and
+``reinforce_pp`` (``reinforce_pp_advantages``, no critic, no groups)."""
+IS_MODES = ("none", "tis", "mis", "seq_tis", "seq_mis", "geo_mis")
+"""Behavior importance weighting modes (``importance_weights``)."""
+KL_KINDS = ("k1", "k2", "k3")
+"""KL estimators (``kl_estimate``)."""
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+"""Loss aggregations (``aggregate_loss``)."""
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
+"""PF-PPO reweighting methods (``pf_ppo_weights``)."""
