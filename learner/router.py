@@ -20,6 +20,7 @@ re-announced; a dropped control reply times out at ctl).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,6 +36,10 @@ ErrorReply = Callable[[protocol.ProtocolError, list], protocol.Message | None]
 Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
 
 LOG_EVERY_S = 1.0
+BURST = 64
+"""Messages a socket loop handles back to back before it yields to the event loop."""
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 def protocol_error_reply(error: protocol.ProtocolError, frames: list) -> protocol.Message:
@@ -49,6 +54,11 @@ class RouterSocket:
                  log: Callable[..., None], clock: Callable[[], float] = time.monotonic):
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock = sock
+        # The same libzmq socket without the asyncio wrapper, for the non-blocking calls of the
+        # hot path: a NOBLOCK recv or send through zmq.asyncio builds a Future and flag enums per
+        # call (about half the learner's cost per result, bench_ingress.py's profile).
+        self.sync = zmq.Socket.shadow(sock.underlying)
+        self._receiving = False               # serve() awaits the asyncio recv (see send_frames)
         self.name = name
         self.metrics = metrics
         self.log = log
@@ -65,9 +75,21 @@ class RouterSocket:
 
     def send_frames(self, identity: bytes, frames: list) -> bool:
         try:
-            # With NOBLOCK the asyncio socket sends at once and returns a finished future; its
-            # exception (EAGAIN: queue full, EHOSTUNREACH: no such peer) is raised by result().
-            self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False).result()
+            if self._receiving:
+                # Another task sends while serve() waits in the asyncio recv: through the asyncio
+                # socket, which re-arms the reader (a send may consume the edge of the socket's
+                # FD that the waiting recv needs). With NOBLOCK it sends at once and returns a
+                # finished future; its exception (EAGAIN: queue full, EHOSTUNREACH: no such
+                # peer) is raised by result().
+                self.sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False).result()
+                return True
+            # From serve()'s handler (no recv waiting; serve() polls before it waits again):
+            # the plain socket, int flags. An error on the first frame leaves nothing queued.
+            send = self.sync.send
+            send(identity, _MORE, copy=False)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                send(frame, _MORE if i < last else _NOBLOCK, copy=False)
             return True
         except zmq.Again:
             reason = "full"
@@ -80,8 +102,25 @@ class RouterSocket:
 
     async def serve(self, handler: Handler, error_reply: ErrorReply = protocol_error_reply) -> None:
         """Receive, decode, handle, reply — forever (cancel the task to stop)."""
+        recv = self.sync.recv_multipart
+        burst = 0
         while True:
-            identity, *frames = await self.sock.recv_multipart(copy=True)
+            # Drain what is queued with non-blocking reads (no Future per message); wait in the
+            # asyncio recv only when the queue is empty, and yield to the loop every BURST
+            # messages so the train loop and the other sockets are never starved.
+            if burst >= BURST:
+                burst = 0
+                await asyncio.sleep(0)        # awaiting a ready recv would not yield
+            try:
+                identity, *frames = recv(_NOBLOCK)
+                burst += 1
+            except zmq.Again:
+                burst = 0
+                self._receiving = True
+                try:
+                    identity, *frames = await self.sock.recv_multipart(copy=True)
+                finally:
+                    self._receiving = False
             try:
                 reply = await handler(identity, protocol.decode(frames))
             except protocol.ProtocolError as e:

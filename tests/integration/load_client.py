@@ -26,13 +26,14 @@ import protocol  # noqa: E402
 TOKENS = 4
 
 
-def group(a: protocol.Assignment, version: int) -> list[protocol.Sample]:
+def group(a: protocol.Assignment, version: int, tokens: int = TOKENS) -> list[protocol.Sample]:
+    """One valid group for ``a``: ``tokens`` completion tokens per sample, tagged ``version``."""
     return [protocol.Sample(
         sample_id=protocol.sample_id(a.assignment_id, i), assignment_id=a.assignment_id,
         group_index=i, group_size=a.group_size, prompt_token_ids=a.prompt_token_ids,
-        completion_token_ids=np.arange(4, 4 + TOKENS, dtype=np.int32),
-        behavior_logprobs=np.full(TOKENS, -1.5, dtype=np.float32),
-        token_versions=np.full(TOKENS, version, dtype=np.int32), reward=float(i % 2))
+        completion_token_ids=np.arange(4, 4 + tokens, dtype=np.int32),
+        behavior_logprobs=np.full(tokens, -1.5, dtype=np.float32),
+        token_versions=np.full(tokens, version, dtype=np.int32), reward=float(i % 2))
         for i in range(a.group_size)]
 
 
