@@ -249,6 +249,19 @@ class _Heartbeat(threading.Thread):
                     self.group.lock.release()
 
 
+def _check_precision(ds: DeepSpeedSettings) -> None:
+    """StartupError when this device's DeepSpeed accelerator cannot run the precision (its CPU
+    accelerator has no fp16: ``deepspeed.initialize`` would raise "Type fp16 is not supported")."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    ok = {"fp32": True, "bf16": acc.is_bf16_supported(), "fp16": acc.is_fp16_supported()}[ds.precision]
+    if not ok:
+        raise StartupError(f"learner.deepspeed.precision={ds.precision} is not supported by DeepSpeed's "
+                           f"{acc.device_name()} accelerator here: use "
+                           f"{' or '.join(p for p in ('bf16', 'fp32') if p != ds.precision)}")
+
+
 def _local_data(p: torch.nn.Parameter) -> torch.Tensor:
     """The tensor this rank holds of a parameter: the ZeRO-3 partition, else the whole tensor."""
     return p.ds_tensor.data if hasattr(p, "ds_tensor") else p.data
@@ -293,6 +306,7 @@ class DeepSpeedTrainer(Trainer):
                                "(bf16 / fp16) for the engines' precision")
         self.group = group or join_group(ds)
         self.ds = ds
+        _check_precision(ds)
         # The engines decide the device (one per rank) and cast to their precision themselves.
         super().__init__(cfg.model_copy(update={"device": self.group.device, "dtype": "float32"}),
                          model_path)

@@ -36,10 +36,11 @@ class DeepSpeedSettings(BaseModel):
     layer by layer in each pass, and bucket by bucket on rank 0 for a publish)."""
     precision: Literal[PRECISIONS] = "fp32"
     """Engine precision: fp32, bf16 (bfloat16 weights with float32 master weights in the optimizer
-    partitions) or fp16 (dynamic loss scaling; an overflowing step is skipped). learner.dtype must
-    be float32 or auto (the engine casts)."""
+    partitions) or fp16 (dynamic loss scaling; an overflowing step is skipped; not on DeepSpeed's
+    CPU accelerator, a StartupError there). learner.dtype must be float32 or auto (the engine casts)."""
     offload_optimizer: Literal["none", "cpu"] = "none"
-    """Keep optimizer states (and the float32 master weights) in CPU memory (ZeRO-Offload)."""
+    """Keep optimizer states (and the float32 master weights) in CPU memory (ZeRO-Offload); the
+    trainer's torch AdamW updates them there (no DeepSpeedCPUAdam op to compile; slower)."""
     offload_param: Literal["none", "cpu"] = "none"
     """ZeRO-3 only: keep the parameter partitions in CPU memory between uses."""
     reduce_bucket_bytes: int = Field(50_000_000, ge=1024)
@@ -90,6 +91,10 @@ def engine_config(ds: DeepSpeedSettings, max_grad_norm: float, world_size: int) 
         "gradient_clipping": max_grad_norm,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        # ZeRO-Offload with the trainer's torch AdamW (the masters' update runs on the CPU in
+        # torch): DeepSpeed refuses a client optimizer under offload unless told, and its own
+        # DeepSpeedCPUAdam is a C++ op to compile.
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }

@@ -79,6 +79,7 @@ def test_section_becomes_the_engine_config_and_refuses_what_cannot_work():
     assert ec["zero_optimization"]["offload_param"] == {"device": "cpu"}
     assert ec["bf16"] == {"enabled": True, "check_grad_overflow": True} and "fp16" not in ec
     assert "optimizer" not in ec                    # the trainer's torch AdamW, no fused Adam
+    assert ec["zero_force_ds_cpu_optimizer"] is False   # ... offloaded too (no DeepSpeedCPUAdam)
     assert "fp16" in engine_config(DeepSpeedSettings(precision="fp16"), 1.0, 1)
     assert LearnerConfig().deepspeed is None        # absent: the plain PyTorch path
     with pytest.raises(ValueError, match="offload_param needs zero_stage: 3"):
@@ -87,6 +88,21 @@ def test_section_becomes_the_engine_config_and_refuses_what_cannot_work():
         DeepSpeedSettings(timeout_s=10, heartbeat_s=5)
     with pytest.raises(ValueError):
         LearnerConfig(deepspeed={"zero_stage": 4})
+
+
+def test_a_precision_the_device_cannot_run_is_a_startup_error(tiny_model_dir, builtin_cache, monkeypatch):
+    """DeepSpeed's CPU accelerator has no fp16 (``deepspeed.initialize`` raises "Type fp16 is not
+    supported on your device"): one line saying what to use instead, before any model loads."""
+    from deepspeed.accelerator import get_accelerator
+
+    from learner.distributed import DeepSpeedTrainer
+    from protocol.errors import StartupError
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator runs fp16")
+    _group_of_one(monkeypatch, builtin_cache)
+    with pytest.raises(StartupError, match=r"precision=fp16 is not supported .* use bf16 or fp32"):
+        DeepSpeedTrainer(LearnerConfig(deepspeed={"precision": "fp16"}), tiny_model_dir)
 
 
 def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir, subprocess_env,
@@ -109,6 +125,10 @@ RUNS = {
     "zero2-critic": {"fields": {**ORACLE, "advantage": "gae", "deepspeed": {**DS_ORACLE, "zero_stage": 2}},
                      "poison": [{"fields": {"ppo_epochs": 2}, "at": 2, "which": "critic", "seed": 2},
                                 {"fields": {"ppo_epochs": 1}, "at": 1, "which": "critic", "seed": 3}]},
+    # ZeRO-1 with the optimizer offloaded to the CPU (the trainer's torch AdamW there: no
+    # DeepSpeedCPUAdam to compile), GRPO and KL.
+    "zero1-offload": {"fields": {**ORACLE, "deepspeed": {**DS_ORACLE, "zero_stage": 1, "offload_optimizer": "cpu"}},
+                      "poison": [{"fields": {"ppo_epochs": 2}, "at": 2, "which": "policy", "seed": 2}]},
     # ZeRO-3 with GRPO and KL: parameters gathered in every pass, the publish in 64 KiB buckets.
     "zero3": {"fields": {**ORACLE, "deepspeed": {**DS_ORACLE, "zero_stage": 3}},
               "poison": [{"fields": {"ppo_epochs": 2, "kl_coef": 0.05}, "at": 2, "which": "policy", "seed": 2}]},
@@ -146,7 +166,7 @@ def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_gr
         one.save_engine_state(out / "engine-one-rank")
         one_rank_draw = _draw()
     runs = [{"name": name, **run} for name, run in RUNS.items()]
-    runs[0]["rng"] = {"one_rank": str(out / "engine-one-rank")}
+    next(r for r in runs if r["name"] == "zero2-critic")["rng"] = {"one_rank": str(out / "engine-one-rank")}
     env = dict(os.environ, PYTHONUNBUFFERED="1", SLIPSTREAM_CACHE=str(builtin_cache),
                TORCH_EXTENSIONS_DIR=str(Path(builtin_cache) / "torch_extensions"),
                DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -173,8 +193,8 @@ def _plain(model_dir: str, fields: dict, hidden: bool) -> tuple[list[dict], dict
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_ranks_match_one_plain_process(two_ranks, tiny_model_dir, name):
     """Same batches, same plan: two ranks give one plain process's loss and every other step
-    statistic (1e-5) and the same updated parameters (1e-5). ZeRO-2 with the critic, ZeRO-3 with
-    GRPO (RUNS). ZeRO-3 computes log-probs through the logits (its head weight is partitioned),
+    statistic (1e-5) and the same updated parameters (1e-5). ZeRO-2 with the critic, ZeRO-1 with
+    the optimizer offloaded, ZeRO-3 with GRPO (RUNS). ZeRO-3 computes log-probs through the logits (its head weight is partitioned),
     so its plain twin does too; the plain hidden-state path agrees with it to about 1e-5 after an
     Adam step of lr 1e-3 (Adam's first step amplifies rounding of gradients near zero)."""
     got = two_ranks["runs"][name]["oracle"]
@@ -205,7 +225,8 @@ def test_a_later_skipped_update_rolls_back_the_step_on_every_rank(two_ranks):
     the reduced update on both ranks, and every rank puts back what the first update changed —
     its parameters (ZeRO-3: its partitions), float32 masters, Adam moments and step counts, bit
     for bit (the first update had moved them). ZeRO-2 poisons the critic (the policy's second
-    update was applied before the critic's norm was known), ZeRO-3 the policy; and a one-update
+    update was applied before the critic's norm was known), ZeRO-1 with the optimizer offloaded
+    (masters and moments in CPU memory) and ZeRO-3 the policy; and a one-update
     step whose critic is poisoned undoes the policy's update of that step."""
     for name, run in RUNS.items():
         ranks = two_ranks["runs"][name]["ranks"]
