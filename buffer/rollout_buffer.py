@@ -433,7 +433,8 @@ class RolloutBuffer:
             return _DUPLICATE, False
         tv = s.token_versions
         if len(tv):
-            mv = int(_min(tv))
+            # argmin + item costs a third of min() on 1k tokens (bench_ingress.py profile)
+            mv = int(tv.item(tv.argmin())) if type(tv) is np.ndarray else int(_min(tv))
             # Versions never decrease along a completion, so the last token is the newest.
             newest = int(tv[-1])
             if newest > version or mv > version:
