@@ -422,16 +422,17 @@ def _is(event: str, **want):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_end_to_end_die_together_and_resume_under_zero3(tmp_path, tiny_model_dir, ds_env,
+def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_launcher(tmp_path, tiny_model_dir, ds_env,
                                                                         process_groups):
-    """``slipstream learner --nproc 2`` (torchrun) and a real ``slipstream rollout`` server, one
-    group of each life (starting a group is most of the cost):
+    """Two ranks and a real ``slipstream rollout`` server, one group of each life (starting a
+    group is most of the cost):
 
-    - ZeRO-2, a checkpoint every 2 steps: the server applies the published versions; SIGKILL of
-      rank 1 after a checkpoint makes torchrun end rank 0 too and exit non-zero (no rank waits
-      forever in a collective);
-    - ``--nproc 2 --resume`` under ZeRO-3 (the engine state is whole tensors: another stage or
-      rank count resumes it) starts from the last complete checkpoint, the version continues,
+    - ``slipstream learner --nproc 2`` (torchrun), ZeRO-2, a checkpoint every 2 steps: the server
+      applies the published versions; SIGKILL of rank 1 after a checkpoint makes torchrun end
+      rank 0 too and exit non-zero (no rank waits forever in a collective);
+    - ``deepspeed --num_gpus 2 --no_local_rank --module deploy.cli learner ... --resume`` (the
+      deepspeed launcher) under ZeRO-3 (the engine state is whole tensors: another stage or rank
+      count resumes it) starts from the last complete checkpoint, the version continues,
       every publish is gathered bucket by bucket, the server applies the last version, the final
       policy is saved and the group exits 0 (rank 1 on rank 0's stop)."""
     cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000, save_every=2)
@@ -448,7 +449,11 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_zero3(tmp_path
     server.wait_for(_is("weights_applied", weights_version=lambda v: (v or 0) >= 2), 60,
                     "the server applying version 2")
     last = saved["version"] + 4        # past any checkpoint the first life could still complete
-    second = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2", "--resume",
+    # The second life under the deepspeed launcher (CPU: --num_gpus counts ranks; --no_local_rank:
+    # the ranks read LOCAL_RANK from the environment, the CLI takes no --local_rank).
+    second = process_groups.watch([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                                   "--master_port", str(_free_port()), "--no_local_rank", "--module",
+                                   "deploy.cli", "learner", "--config", cfg, "--resume",
                                    "--set", "learner.deepspeed.zero_stage=3",
                                    "--set", f"learner.total_steps={last}"], env=ds_env)
     resumed = second.wait_for(_is("resumed"), 240, "the resume")
