@@ -55,7 +55,14 @@ state (Adam moments and step counts) — all local, no collective, each rank the
 (:meth:`DeepSpeedTrainer._snapshot`). Every rank takes the same decision (the losses are gathered,
 the norm is the reduced one), so every rank rolls back. The same copy guards a step of one update
 that trains both the policy and a critic: DeepSpeed knows a gradient norm only inside
-``engine.step()``, so the policy's update is undone when the critic's is then skipped.
+``engine.step()``, so the policy's update is undone when the critic's is then skipped. The cost
+is the plain path's: one copy of this rank's part of the weights and optimizer state per step of
+several updates (and, with a critic, of the policy's part per one-update step).
+
+Launchers. ``slipstream learner --nproc N`` (torchrun, :func:`launch_ranks`), ``torchrun ... -m
+deploy.cli learner ...``, or the deepspeed launcher with ``--no_local_rank --module deploy.cli
+learner ...`` (the ranks read ``LOCAL_RANK`` from the environment; the CLI takes no
+``--local_rank`` argument). On CPU the deepspeed launcher's ``--num_gpus N`` starts N ranks.
 
 Failure. Every process group has ``timeout_s``; rank 0 pings idle workers every ``heartbeat_s``.
 A rank that dies makes the collectives of the others fail (or time out), each raises and exits

@@ -1,12 +1,16 @@
-"""The learner under DeepSpeed (issue 11; CPU, gloo): the config section, the equivalence oracle
-(two ranks under ZeRO-2 and ZeRO-3 give one plain process's losses, statistics and updated
-parameters), one rank end to end with a rollout server that applies every published version, two
-ranks through ``slipstream learner --nproc 2`` end to end, and a rank that dies taking the group
-down with a non-zero exit.
+"""The learner under DeepSpeed (issue 11; CPU, gloo): the config section; one torchrun group of
+two ranks shared by the two-rank checks (the equivalence oracle under ZeRO-2 with a critic, ZeRO-1
+with the optimizer offloaded and ZeRO-3: one plain process's losses, statistics and updated
+parameters; the rollback of a step whose later update is skipped, on every rank; every rank's RNG
+states through a checkpoint, also with another rank count); one rank in this process (a skipped
+non-finite step, ZeRO-3 LoRA publishing and engine state, end to end with a rollout server); and
+two ranks end to end with a rollout server: ``--nproc 2`` killed after a checkpoint (the group
+goes down, non-zero), resumed under the ``deepspeed`` launcher and ZeRO-3 to the last step.
 
-Compile cost: DeepSpeed builds its shared-memory comm op once per machine (~35 s; minutes on
-2 busy cores), cached in ``TORCH_EXTENSIONS_DIR`` (here under the session's SLIPSTREAM_CACHE); the
-optimizer is the trainer's torch AdamW, so fused Adam is never built.
+Time: starting a group of ranks (imports, engines) is most of each two-rank test, so checks share
+groups. DeepSpeed builds its shared-memory comm op once per machine (~35 s; minutes on 2 busy
+cores), cached in ``TORCH_EXTENSIONS_DIR`` (here under the session's SLIPSTREAM_CACHE); the
+optimizer is the trainer's torch AdamW (offloaded too), so no Adam op is ever built.
 """
 
 from __future__ import annotations
