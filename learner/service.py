@@ -101,6 +101,9 @@ class LearnerService:
         self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
                                     max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy,
                                     lease_timeout_s=cfg.lease_timeout_s)
+        # Read at each scrape, not set after every result (two locked sets per message).
+        self.metrics.buffered.set_function(lambda: self.buffer.pending_samples)
+        self.metrics.inflight.set_function(lambda: self.buffer.inflight_samples)
         self.prompts: PromptSource | None = None      # built in _load: it needs the tokenizer
         self.evaluation: Evaluation | None = None     # eval_every > 0 (learner.evaluation)
         self.data_done = asyncio.Event()              # a finite dataset is used up (next_batch)
@@ -478,8 +481,6 @@ class LearnerService:
         if (p is not None and p.exhausted and not self.buffer.inflight_samples
                 and self.buffer.ready_samples < self.cfg.batch_samples):
             self.data_done.set()
-        self.metrics.buffered.set(self.buffer.pending_samples)
-        self.metrics.inflight.set(self.buffer.inflight_samples)
 
     # ---- admission plumbing ----------------------------------------------------------------
     async def _send_rollout(self, identity: bytes, message: protocol.Message) -> bool:
