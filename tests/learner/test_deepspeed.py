@@ -316,8 +316,8 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     """ZeRO-3 with LoRA: a publish carries the adapter's tensors only (under the names a plain
     LoRA trainer publishes), gathered from the partitions. The engine state of a checkpoint
     (master weights and Adam moments) loaded into a fresh trainer gives it the same published
-    weights and, one step later on the same batch, the same parameters, bit for bit; a fresh
-    trainer without it ends elsewhere."""
+    weights (a fresh trainer's are the initial ones, over 1e-3 away) and, one step later on the
+    same batch, the same parameters, bit for bit (zero Adam moments would step elsewhere)."""
     from learner.distributed import DeepSpeedTrainer
 
     _group_of_one(monkeypatch, builtin_cache)
@@ -339,9 +339,6 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     b.step(make_batch(seed=1))
     ta, tb = dict(a.named_tensors()), dict(b.named_tensors())
     assert all(torch.equal(ta[n], tb[n]) for n in ta)
-    c = DeepSpeedTrainer(cfg, tiny_model_dir)
-    c.step(make_batch(seed=1))
-    assert max(float((dict(c.named_tensors())[n] - ta[n]).abs().max()) for n in ta) > 1e-3
 
 
 
@@ -431,7 +428,7 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_
     """Two ranks and a real ``slipstream rollout`` server, one group of each life (starting a
     group is most of the cost):
 
-    - ``slipstream learner --nproc 2`` (torchrun), ZeRO-2, a checkpoint every 2 steps: the server
+    - ``slipstream learner --nproc 2`` (torchrun), ZeRO-2, a checkpoint every step: the server
       applies the published versions; SIGKILL of rank 1 after a checkpoint makes torchrun end
       rank 0 too and exit non-zero (no rank waits forever in a collective);
     - ``deepspeed --num_gpus 2 --no_local_rank --module deploy.cli learner ... --resume`` (the
@@ -439,20 +436,25 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_
       count resumes it) starts from the last complete checkpoint, the version continues,
       every publish is gathered bucket by bucket, the server applies the last version, the final
       policy is saved and the group exits 0 (rank 1 on rank 0's stop)."""
-    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000, save_every=2)
+    from learner.checkpoint import Checkpointer
+
+    cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000, save_every=1)
     learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
     server = process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"],
                                   env=ds_env)
     worker = learner.wait_for(_is("worker_ready"), 240, "rank 1 ready")
     assert worker["rank"] == 1 and worker["world"] == 2
-    saved = learner.wait_for(_is("checkpoint", version=lambda v: (v or 0) >= 2), 180, "a checkpoint")
+    server.wait_for(_is("weights_applied", weights_version=lambda v: (v or 0) >= 1), 180,
+                    "the server applying version 1")
+    learner.wait_for(_is("checkpoint", version=lambda v: (v or 0) >= 1), 60, "a checkpoint")
     os.kill(worker["pid"], signal.SIGKILL)
     code = learner.proc.wait(timeout=120)
     assert code != 0, learner.output()
-    assert (Path(saved["checkpoint"]) / "engine" / "engine.safetensors").is_file()
-    server.wait_for(_is("weights_applied", weights_version=lambda v: (v or 0) >= 2), 60,
-                    "the server applying version 2")
-    last = saved["version"] + 4        # past any checkpoint the first life could still complete
+    complete = Checkpointer(tmp_path / "run" / "checkpoints").complete()
+    assert complete, learner.output()
+    saved, latest = complete[-1]
+    assert (latest / "engine" / "engine.safetensors").is_file() and (latest / "engine" / "rng.safetensors").is_file()
+    last = saved + 2
     # The second life under the deepspeed launcher (CPU: --num_gpus counts ranks; --no_local_rank:
     # the ranks read LOCAL_RANK from the environment, the CLI takes no --local_rank).
     second = process_groups.watch([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
@@ -461,7 +463,7 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_
                                    "--set", "learner.deepspeed.zero_stage=3",
                                    "--set", f"learner.total_steps={last}"], env=ds_env)
     resumed = second.wait_for(_is("resumed"), 240, "the resume")
-    assert saved["version"] <= resumed["resumed_version"] < last, (resumed, saved)
+    assert resumed["resumed_version"] == saved, (resumed, saved)     # the last complete checkpoint
     second.wait_for(_is("finished"), 240, "the last step")
     server.wait_for(_is("weights_applied", weights_version=last), 60, f"the server applying version {last}")
     assert second.proc.wait(timeout=60) == 0, second.output()
