@@ -278,8 +278,10 @@ def test_each_rank_gets_its_own_rng_states_back(two_ranks):
 def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, builtin_cache, monkeypatch):
     """ZeRO-2: a NaN reward makes the loss non-finite; the step is skipped on every rank with the
     plain path's reason, nothing changes, and the gradients already reduced into DeepSpeed's
-    partitions are dropped (its overflow path): the next good step ends where a fresh trainer's
-    does, bit for bit (stale NaN gradients would make it NaN)."""
+    partitions are dropped (its overflow path). Then the trainer's first applied update: a step of
+    two updates whose second backs a NaN gradient; the rollback puts the Adam state the first one
+    made back to Adam's initial one. The next good step ends where a fresh trainer's does, bit for
+    bit (stale NaN gradients would make it NaN, the first update's moments elsewhere)."""
     from learner.distributed import DeepSpeedTrainer
     from learner.step import SkippedStep
 
@@ -293,6 +295,22 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
         a.step(bad)
     assert all(torch.equal(before[n], t) for n, t in a.named_tensors())
     assert a.reward_moments.count == 0
+    seen = {"updates": 0}
+    accumulate, backward = a._accumulate, a._backward
+
+    def counting(*args, **kwargs):
+        seen["updates"] += 1
+        return accumulate(*args, **kwargs)
+
+    a._accumulate = counting
+    a._backward = lambda loss, which: backward(loss * (float("nan") if seen["updates"] == 2 else 1.0), which)
+    a.cfg.ppo_epochs = 2
+    with pytest.raises(SkippedStep, match="non-finite policy gradient norm .* at update 2 of 2"):
+        a.step(make_batch(seed=2))
+    del a._accumulate, a._backward
+    a.cfg.ppo_epochs = 1
+    assert seen["updates"] == 2 and all(torch.equal(before[n], t) for n, t in a.named_tensors())
+    assert all(float(st["step"]) == 0 for st in a.optimizer.state.values())
     a.step(make_batch(seed=1))
     b = DeepSpeedTrainer(cfg, tiny_model_dir)
     b.step(make_batch(seed=1))
