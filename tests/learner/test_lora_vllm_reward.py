@@ -38,13 +38,14 @@ from test_algorithms_service import demo_model, jsonl  # noqa: F401 - demo_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# test_lora_served.py's reward run (r 8, alpha 16, lr 1e-3, 100 steps of 8 x 8): the highest
-# stable LoRA learning rate measured. At 2e-3 (8 x 8) the reward rose, then collapsed near step 50;
-# at 5e-3 it fell; 16 x 8 at 2e-3 learned as much in 60 steps but each step cost twice as long.
+# test_lora_served.py's LoRA (r 8, alpha 16) and learning rate (1e-3: at 2e-3 the reward of 8 x 8
+# batches rose, then collapsed near step 50; at 5e-3 it fell), on batches of 16 x 8: the per-step
+# reward's noise is 0.055 there against 0.08 at 8 x 8, whose rise (0.086-0.123 in four vLLM runs)
+# was too close to the noise for a margin that a flat reward fails.
 STEPS = 100
 LR = 1e-3
 LORA = {"r": 8, "alpha": 16.0, "target_modules": "all-linear"}
-PROMPTS, GROUP = 8, 8
+PROMPTS, GROUP = 16, 8
 
 
 class Publications:
@@ -86,12 +87,13 @@ def rollout_cmd(tmp_path: Path, endpoint: str, model_dir: str) -> list[str]:
 
 async def test_lora_reward_rises_with_a_vllm_rollout_server(tmp_path, demo_model, subprocess_env,  # noqa: F811
                                                             process_groups):
-    """Measured (k = 20, first -> last k steps' mean training reward) on vLLM: 0.246 -> 0.353 and
-    0.202 -> 0.326; the same run on the HF engine, five seeds: rises of 0.129-0.146. The per-step
-    reward's noise around its trend is 0.07-0.09, so a 20-step mean's is ~0.018 and the difference
-    of two ~0.025: the 0.06 margin is 2.4 of those above a flat reward (a server that ignores the
-    adapters) and 1.9-3.4 below the rises measured. Time: 290-410 s at load 11-19 on the two
-    shared cores (the server's start to version 1: 150-210 s of it); 60 steps took 113 s at load 1."""
+    """Measured (k = 20, first -> last k steps' mean training reward) on vLLM: 0.210 -> 0.315 and
+    0.227 -> 0.353 (rises 0.105, 0.126; the reward reaches ~0.3 near step 50). The per-step
+    reward's noise around its trend is 0.055 (16 prompts' difficulty on top of 128 Bernoulli
+    draws), so a 20-step mean's is ~0.012 and the difference of two ~0.017: the 0.05 margin is 2.9
+    of those above a flat reward (a server that ignores the adapters) and 3.2-4.4 below the rises
+    measured. Time: 125 s at load 2-3, 190 s at load 4-5 on the two shared cores (the server's
+    start to version 1 applied: 38-53 s of it)."""
     cfg = learner_config(tmp_path, lora=LORA, batch_prompts=PROMPTS, group_size=GROUP, lr=LR,
                          total_steps=STEPS, max_staleness=0, final_sync_s=30.0,
                          micro_batch_samples=PROMPTS * GROUP)
@@ -124,4 +126,4 @@ async def test_lora_reward_rises_with_a_vllm_rollout_server(tmp_path, demo_model
     k = STEPS // 5
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
     print(f"training reward, first {k} steps {first:.3f} -> last {k} {last:.3f}")
-    assert last > first + 0.06, (first, last, rewards)
+    assert last > first + 0.05, (first, last, rewards)
