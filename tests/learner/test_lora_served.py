@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +36,16 @@ LORA = {"r": 8, "alpha": 16.0, "target_modules": "all-linear"}
 
 
 class Recorder:
-    """Wraps a live learner: before each step, the learner's log-probs of the batch under the
-    adapter and under the base (adapter disabled); every manifest announced; every WeightsApplied
-    with whether its checksum matched."""
+    """Wraps a live learner: every manifest announced; every WeightsApplied with whether its
+    checksum matched (and when the first came); with ``steps``, before each step, the learner's
+    log-probs of the batch under the adapter and under the base (adapter disabled)."""
 
-    def __init__(self, svc):
+    def __init__(self, svc, steps: bool = True):
         self.svc = svc
         self.steps: list[dict] = []
         self.manifests: dict[int, object] = {}
         self.applied: list[tuple[str, int, str, bool]] = []
+        self.first_applied_at: float | None = None
         tr, adm = svc.trainer, svc.admission
         step, announce, applied = tr.step, adm.announce, adm.weights_applied
 
@@ -58,9 +60,12 @@ class Recorder:
         async def recording_applied(srv, msg):
             ok = await applied(srv, msg)
             self.applied.append((srv.server_id, msg.version, msg.checksum, ok))
+            self.first_applied_at = self.first_applied_at or time.monotonic()
             return ok
 
-        tr.step, adm.announce, adm.weights_applied = recording_step, recording_announce, recording_applied
+        adm.announce, adm.weights_applied = recording_announce, recording_applied
+        if steps:
+            tr.step = recording_step
 
     @torch.no_grad()
     def logprobs(self, batch) -> dict:
@@ -69,7 +74,7 @@ class Recorder:
         mask = bt.mask.bool()
         tr.model.eval()
         try:
-            args = (bt.input_ids, bt.attention_mask, bt.targets, tr.cfg.temperature)
+            args = (bt.input_ids, bt.attention_mask, bt.targets, bt.temperatures)
             adapter = tr.forward(*args)[0]
             with tr.model.disable_adapter():
                 base = tr.forward(*args)[0]

@@ -35,6 +35,7 @@ except Exception as e:  # noqa: BLE001
 
 from learner_testkit import learner_config, running_learner, wait_until
 from test_algorithms_service import demo_model, jsonl  # noqa: F401 - demo_model is a fixture
+from test_lora_served import Recorder
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -46,30 +47,6 @@ STEPS = 100
 LR = 1e-3
 LORA = {"r": 8, "alpha": 16.0, "target_modules": "all-linear"}
 PROMPTS, GROUP = 16, 8
-
-
-class Publications:
-    """Every manifest the learner announces, and every ``WeightsApplied`` a server reports with
-    whether the learner found its checksum right."""
-
-    def __init__(self, svc):
-        self.manifests: dict[int, object] = {}
-        self.applied: list[tuple[str, int, str, bool]] = []
-        self.first_applied_at: float | None = None
-        adm = svc.admission
-        announce, applied = adm.announce, adm.weights_applied
-
-        async def recording_announce(manifest):
-            self.manifests[manifest.version] = manifest
-            return await announce(manifest)
-
-        async def recording_applied(srv, msg):
-            ok = await applied(srv, msg)
-            self.applied.append((srv.server_id, msg.version, msg.checksum, ok))
-            self.first_applied_at = self.first_applied_at or time.monotonic()
-            return ok
-
-        adm.announce, adm.weights_applied = recording_announce, recording_applied
 
 
 def rollout_cmd(tmp_path: Path, endpoint: str, model_dir: str) -> list[str]:
@@ -99,7 +76,7 @@ async def test_lora_reward_rises_with_a_vllm_rollout_server(tmp_path, demo_model
                          micro_batch_samples=PROMPTS * GROUP)
     async with running_learner(cfg, demo_model) as svc:
         assert svc.weights.kind == "lora"
-        pubs = Publications(svc)
+        pubs = Recorder(svc, steps=False)
         start = time.monotonic()
         server = process_groups.watch(rollout_cmd(tmp_path, svc.endpoints["rollout"], demo_model),
                                       env=subprocess_env, cwd=tmp_path)
