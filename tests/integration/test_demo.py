@@ -79,5 +79,10 @@ def test_run_with_the_vllm_engine(tmp_path, subprocess_env, process_groups):
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == list(range(1, 7))
     assert all(x["token_version_max"] <= x["trained_on_version"] for x in log)
-    # The server applied a recent version: versions reached the vLLM engine.
-    assert max(log[-1]["server_versions"].values()) >= 5
+    # Versions reached the vLLM engine and were sampled from: the demo's gate (max_staleness 1)
+    # admits a step-6 sample only if every token of it came from version >= 4, so the run could
+    # not have finished otherwise. (Whether the server already applied 5 when step 6 was logged
+    # is a race, not a property.)
+    assert all(x["token_version_min"] >= x["trained_on_version"] - 1 for x in log)
+    assert log[-1]["token_version_min"] >= 4
+    assert max(log[-1]["server_versions"].values()) >= 4

@@ -82,9 +82,12 @@ class FakeServer:
         self.seen.extend(got)
         return got
 
-    async def hello(self, version: int = 0) -> protocol.Welcome:
+    async def say_hello(self, version: int = 0) -> None:
         await self.send(protocol.Hello(server_id=self.server_id, engine="fake", model="tiny",
                                        version=version, max_concurrency=self.max_concurrency))
+
+    async def hello(self, version: int = 0) -> protocol.Welcome:
+        await self.say_hello(version)
         return await self.expect(protocol.Welcome, skip=(protocol.WeightsAvailable, protocol.Assignment,
                                                          protocol.Heartbeat))
 
@@ -137,6 +140,7 @@ class HonestServer:
         try:
             await s.hello()
             await s.work(self.max_concurrency)
+            rejoining = False
             while True:
                 msg = await s.recv(timeout_s=120)
                 if isinstance(msg, protocol.Assignment):
@@ -151,7 +155,14 @@ class HonestServer:
                         self.version = msg.version
                         self._changed.notify_all()
                 elif isinstance(msg, protocol.Error) and msg.code == "unknown_server":
-                    await s.hello(self.version)
+                    # Lost (e.g. a send to it refused as full): say Hello again, once. Messages
+                    # already on the way get more unknown_server answers before the Welcome; like
+                    # the real server, one Hello is outstanding at a time.
+                    if not rejoining:
+                        rejoining = True
+                        await s.say_hello(self.version)
+                elif isinstance(msg, protocol.Welcome) and rejoining:
+                    rejoining = False
                     await s.work(self.max_concurrency)
         finally:
             s.close()
