@@ -41,6 +41,7 @@ import os
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -96,6 +97,10 @@ class LearnerService:
         self.version = 0
         self.log = EventLog("learner", run_id=lambda: self.run_id, version=lambda: self.version)
         self.metrics = LearnerMetrics()
+        # Every step on one thread: torch's OpenMP pool belongs to the thread that calls into it,
+        # so steps hopping between the default executor's threads would build one team of
+        # learner.threads workers per thread, the idle teams spinning against the busy one.
+        self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-train")
         self.checkpoints = LearnerCheckpoints(self)
         self.rollout_log = LearnerRolloutLog(self, cfg.rollout_log) if cfg.rollout_log else None
         self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
@@ -263,6 +268,7 @@ class LearnerService:
         close = getattr(self.trainer, "close", None)      # DeepSpeed: the other ranks exit
         if close is not None:
             close()
+        self.train_thread.shutdown(wait=False)
         self.http.close()
         for name, s in self.sockets.items():
             # The last words to the servers (learner_finished / learner_stopping) get a moment
@@ -329,7 +335,8 @@ class LearnerService:
             self.train_busy = True
             idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
             try:
-                stats = await asyncio.to_thread(self.trainer.step, batch)
+                stats = await asyncio.get_running_loop().run_in_executor(
+                    self.train_thread, self.trainer.step, batch)
             except SkippedStep as skip:
                 self.skip_step(batch, skip)
                 await self.admission.dispatch()

@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -239,7 +240,9 @@ def main() -> None:
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     p.add_argument("--trl-threads", default="1,2",
                    help="torch threads of the TRL process, one TRL run each (the best is the baseline)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="round k runs with seed + k")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the whole plan, interleaved; the table shows medians over rounds")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the timings")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra slipstream --set for every slipstream run")
@@ -258,38 +261,46 @@ def main() -> None:
     print(f"[bench] run directories and logs in {tmp}", flush=True)
     load0 = os.getloadavg()
     results: list[dict] = []
-    for work in args.workloads.split(","):
-        samples = args.samples if work == "demo" else (args.longtail_samples or args.samples // 2)
-        steps = max(args.skip + 4, samples // (BATCH_PROMPTS * GROUP))
-        plan = [("slipstream", eta, "tis") for eta in etas]
-        if not args.no_is_ablation:
-            plan.append(("slipstream", max(etas), "none"))
-        if have_trl:                             # after η=0: the same load, roughly
-            for i, t in enumerate(x for x in args.trl_threads.split(",") if x):
-                plan.insert(1 + i, ("trl", int(t), None))
-        for kind, eta, is_mode in plan:
-            name = f"TRL {eta} thr" if kind == "trl" else f"eta={eta} {is_mode}"
-            try:
-                row = one_run(work, kind, eta, is_mode, steps, tmp, args, collect=bool(args.collect))
-            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-                print(f"[bench] {work}: {name} failed: {e}", flush=True)
-                continue
-            if row is None:
-                continue
-            results.append({"workload": work, "name": name, "steps": steps, **row,
-                            "load_after": os.getloadavg()[0]})
-            print(f"[bench]   {row['summary']['samples_per_s']:.0f} samples/s", flush=True)
-        ratios(results, work)
-        write(results, args, load0, have_trl)
+    seed0 = args.seed
+    for rnd in range(args.repeats):
+        args.seed = seed0 + rnd            # every round its own seed: reward figures average seeds
+        for work in args.workloads.split(","):
+            samples = args.samples if work == "demo" else (args.longtail_samples or args.samples // 2)
+            steps = max(args.skip + 4, samples // (BATCH_PROMPTS * GROUP))
+            plan = [("slipstream", eta, "tis") for eta in etas]
+            if not args.no_is_ablation:
+                plan.append(("slipstream", max(etas), "none"))
+            if have_trl:                             # after η=0: the same load, roughly
+                for i, t in enumerate(x for x in args.trl_threads.split(",") if x):
+                    plan.insert(1 + i, ("trl", int(t), None))
+            for kind, eta, is_mode in plan:
+                name = f"TRL {eta} thr" if kind == "trl" else f"eta={eta} {is_mode}"
+                tag = f"round {rnd + 1}/{args.repeats}, " if args.repeats > 1 else ""
+                try:
+                    row = one_run(work, kind, eta, is_mode, steps, tmp / f"r{rnd}" if rnd else tmp,
+                                  args, collect=bool(args.collect), tag=tag)
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                    print(f"[bench] {work}: {name} failed: {e}", flush=True)
+                    continue
+                if row is None:
+                    continue
+                results.append({"workload": work, "name": name, "steps": steps, "round": rnd,
+                                "seed": args.seed, **row, "load_after": os.getloadavg()[0]})
+                print(f"[bench]   {row['summary']['samples_per_s']:.0f} samples/s", flush=True)
+            ratios(results, work, rnd)
+            write(results, args, load0, have_trl, seed0)
     print()
-    print(fmt_table(results))
+    print(fmt_table(medians(results)))
+    print()
+    print(targets(results))
     print(f"[bench] load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
           f"({os.cpu_count()} cores)")
 
 
 def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp: Path, args,
-            collect: bool) -> dict | None:
+            collect: bool, tag: str = "") -> dict | None:
     """Run (or, with ``collect``, read back) one configuration; None if collecting and absent."""
+    tmp.mkdir(parents=True, exist_ok=True)
     if kind == "trl":
         result = tmp / f"trl-{work}-t{eta}.json"
         if collect:
@@ -297,7 +308,7 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
                 return None
             data = json.loads(result.read_text())
         else:
-            print(f"[bench] {work}: TRL {eta} thr, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
+            print(f"[bench] {work}: {tag}TRL {eta} thr, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
             data = trl_run(work, steps, eta, tmp, args)
         return {"kind": kind, "eta": eta, "is_mode": None, "summary": summarize_trl(data, args.skip),
                 "rewards": [s.get("reward_mean", 0.0) for s in data["steps"]], "series": data["steps"]}
@@ -308,7 +319,7 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         rows = [r for r in rows if "step_s" in r and r.get("kind", "step") == "step"]
     else:
-        print(f"[bench] {work}: eta={eta} {is_mode}, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
+        print(f"[bench] {work}: {tag}eta={eta} {is_mode}, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
         rows = slipstream_run(work, eta, is_mode, steps, run_dir, args)["rows"]
     keys = ("time", "step_s", "publish_wait_s", "learner_idle_s", "rollout_idle_ratio", "reward_mean",
             "staleness_mean", "completion_tokens_mean")
@@ -316,31 +327,87 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
             "rewards": [r["reward_mean"] for r in rows], "series": [{k: r.get(k) for k in keys} for r in rows]}
 
 
-def ratios(results: list[dict], work: str) -> None:
-    """× η=0 (tis) and × the fastest TRL run of the same workload."""
-    base = next((r for r in results if r["workload"] == work and r["kind"] == "slipstream"
-                 and r["eta"] == 0 and r["is_mode"] == "tis"), None)
-    trls = [r for r in results if r["workload"] == work and r["kind"] == "trl"]
+def ratios(results: list[dict], work: str, rnd: int = 0) -> None:
+    """× η=0 (tis) and × the fastest TRL run of the same workload and round."""
+    mine = [r for r in results if r["workload"] == work and r.get("round", 0) == rnd]
+    base = next((r for r in mine if r["kind"] == "slipstream" and r["eta"] == 0
+                 and r["is_mode"] == "tis"), None)
+    trls = [r for r in mine if r["kind"] == "trl"]
     trl = max(trls, key=lambda r: r["summary"]["samples_per_s"]) if trls else None
+    for r in mine:
+        if base:
+            r["x_eta0"] = r["summary"]["samples_per_s"] / base["summary"]["samples_per_s"]
+        if trl:
+            r["x_trl"] = r["summary"]["samples_per_s"] / trl["summary"]["samples_per_s"]
+
+
+def medians(results: list[dict]) -> list[dict]:
+    """One row per (workload, configuration): the median over rounds of every summary figure and
+    of the per-round ratios (a ratio pairs two runs of the same round, minutes apart)."""
+    out: dict[tuple, list[dict]] = {}
     for r in results:
-        if r["workload"] == work:
-            if base:
-                r["x_eta0"] = r["summary"]["samples_per_s"] / base["summary"]["samples_per_s"]
-            if trl:
-                r["x_trl"] = r["summary"]["samples_per_s"] / trl["summary"]["samples_per_s"]
+        out.setdefault((r["workload"], r["name"]), []).append(r)
+    rows = []
+    for (work, name), rs in out.items():
+        row = {"workload": work, "name": name, "rounds": len(rs),
+               "summary": {k: statistics.median(r["summary"][k] for r in rs)
+                           for k in rs[0]["summary"] if all(k in r["summary"] for r in rs)}}
+        for k in ("x_eta0", "x_trl"):
+            if all(k in r for r in rs):
+                row[k] = statistics.median(r[k] for r in rs)
+        rows.append(row)
+    return rows
 
 
-def write(results: list[dict], args, load0, have_trl: bool) -> None:
+def targets(results: list[dict]) -> str:
+    """Issue 12's targets on the demo workload (and the long tail's ratios), per round and as
+    medians; the reward retention at η = 4 from the mean gains over all rounds (seeds)."""
+    lines = ["targets (demo; per round, then the median):"]
+
+    def per_round(work: str, name: str, key: str) -> list[float]:
+        return [r[key] if key in r else r["summary"][key] for r in results
+                if r["workload"] == work and r["name"] == name and (key in r or key in r["summary"])]
+
+    checks = [("demo", "eta=2 tis", "x_eta0", 1.4), ("demo", "eta=2 tis", "of_ideal", 0.95),
+              ("demo", "eta=0 tis", "x_trl", 0.9), ("demo", "eta=2 tis", "x_trl", 1.3),
+              ("longtail", "eta=0 tis", "x_trl", None), ("longtail", "eta=2 tis", "x_trl", None),
+              ("longtail", "eta=2 tis", "x_eta0", None)]
+    for work, name, key, goal in checks:
+        xs = per_round(work, name, key)
+        if not xs:
+            continue
+        med = statistics.median(xs)
+        verdict = "" if goal is None else (f"  >= {goal}: " + ("met" if med >= goal else "NOT met")
+                                           + f" ({sum(x >= goal for x in xs)}/{len(xs)} rounds)")
+        lines.append(f"  {work:<8} {name:<10} {key:<7} " + " ".join(f"{x:.3f}" for x in xs)
+                     + f"  median {med:.3f}{verdict}")
+    for work in sorted({r["workload"] for r in results}):
+        gains = {name: per_round(work, name, "reward_gain") for name in ("eta=0 tis", "eta=4 tis",
+                                                                         "eta=4 none")}
+        if gains["eta=0 tis"] and gains["eta=4 tis"]:
+            base = statistics.mean(gains["eta=0 tis"])
+            for name in ("eta=4 tis", "eta=4 none"):
+                if gains[name]:
+                    g = statistics.mean(gains[name])
+                    lines.append(f"  {work:<8} reward gain {name} / eta=0 tis: {g:+.3f} / {base:+.3f}"
+                                 f" = {g / base if base else float('nan'):.2f} (mean of "
+                                 f"{len(gains[name])} seeds; target >= 0.95 with tis)")
+    return "\n".join(lines)
+
+
+def write(results: list[dict], args, load0, have_trl: bool, seed0: int) -> None:
     """The JSON and the PNG so far (after every workload: a long run leaves its first half)."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "loadavg_start": load0,
             "loadavg_end": os.getloadavg(), "learner_threads": args.learner_threads,
             "rollout_threads": args.rollout_threads, "trl_threads": args.trl_threads,
-            "trl": have_trl, "seed": args.seed, "skip": args.skip, "time": time.time()}
-    out.write_text(json.dumps({"meta": meta, "table": fmt_table(results), "results": results}, indent=1))
+            "trl": have_trl, "seed": seed0, "repeats": args.repeats, "skip": args.skip,
+            "time": time.time()}
+    out.write_text(json.dumps({"meta": meta, "table": fmt_table(medians(results)),
+                               "targets": targets(results), "results": results}, indent=1))
     try:
-        plot(results, out.with_suffix(".png"))
+        plot([r for r in results if r.get("round", 0) == 0], out.with_suffix(".png"))
         print(f"[bench] wrote {out} and {out.with_suffix('.png')}", flush=True)
     except ImportError:
         print(f"[bench] wrote {out} (no matplotlib: no PNG)", flush=True)
