@@ -30,6 +30,7 @@ import zmq.asyncio
 
 import protocol
 from learner.metrics import LearnerMetrics
+from protocol.schema import MAX_LIST_ITEMS
 
 Handler = Callable[[bytes, protocol.Message], Awaitable[protocol.Message | None]]
 ErrorReply = Callable[[protocol.ProtocolError, list], protocol.Message | None]
@@ -38,6 +39,12 @@ Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
 LOG_EVERY_S = 1.0
 BURST = 64
 """Messages a socket loop handles back to back before it yields to the event loop."""
+MAX_ACK_IDS = MAX_LIST_ITEMS
+"""Samples one Ack may name (the protocol's limit on a list)."""
+MAX_ACK_CHARS = 1 << 16
+"""Characters of sample ids beyond which held Acks are not merged further: a merged Ack stays
+small, so the send HWM (in messages) bounds what a peer that stops reading can pile up about as
+it did with one Ack per result."""
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 
@@ -100,8 +107,13 @@ class RouterSocket:
         self.metrics.send_dropped.labels(socket=self.name, reason=reason).inc()
         return False
 
-    async def serve(self, handler: Handler, error_reply: ErrorReply = protocol_error_reply) -> None:
-        """Receive, decode, handle, reply — forever (cancel the task to stop)."""
+    async def serve(self, handler: Handler, error_reply: ErrorReply = protocol_error_reply,
+                    idle: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Receive, decode, handle, reply — forever (cancel the task to stop).
+
+        ``idle``, when given, is awaited whenever the loop stops reading: the queue is empty,
+        or BURST messages were handled back to back (the learner sends the Acks it held for the
+        burst there, :class:`PendingAcks`)."""
         recv = self.sync.recv_multipart
         burst = 0
         while True:
@@ -110,12 +122,16 @@ class RouterSocket:
             # messages so the train loop and the other sockets are never starved.
             if burst >= BURST:
                 burst = 0
+                if idle is not None:
+                    await idle()
                 await asyncio.sleep(0)        # awaiting a ready recv would not yield
             try:
                 identity, *frames = recv(_NOBLOCK)
                 burst += 1
             except zmq.Again:
                 burst = 0
+                if idle is not None:
+                    await idle()
                 self._receiving = True
                 try:
                     identity, *frames = await self.sock.recv_multipart(copy=True)
@@ -145,3 +161,50 @@ class RouterSocket:
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger_ms)
+
+
+class PendingAcks:
+    """The Acks of one burst of results, held and then sent as one Ack per server.
+
+    A server that pushes faster than the learner reads finds several of its results queued; each
+    gets its statuses at once (``Intake.receive``), but they leave together, in arrival order, as
+    one Ack when the rollout loop stops reading (``RouterSocket.serve``'s ``idle``). A server
+    matches acks by sample id (``rollout_server.outbox``), so one Ack naming the samples of several
+    results is the same answer as one Ack per result; it costs the learner one encode and one
+    send, and the server one receive and one decode, instead of one per result. A learner that
+    keeps up (its queue runs empty after every message) sends every Ack at once, as before.
+    Nothing is held across an await of the loop's: the learner sends what it holds before it
+    handles any other message (``LearnerService.on_rollout``) and before it yields.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        # identity -> segments [server, sample_ids, statuses, id characters]; a new segment
+        # when the server object changes, or the Ack would pass MAX_ACK_IDS or MAX_ACK_CHARS
+        self._held: dict[bytes, list[list]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def add(self, identity: bytes, server: Any, ack: protocol.Ack) -> None:
+        ids = ack.sample_ids
+        chars = sum(map(len, ids))
+        segments = self._held.get(identity)
+        if segments is None:
+            self._held[identity] = [[server, list(ids), list(ack.statuses), chars]]
+            return
+        last = segments[-1]
+        if (last[0] is server and len(last[1]) + len(ids) <= MAX_ACK_IDS
+                and last[3] + chars <= MAX_ACK_CHARS):
+            last[1].extend(ids)
+            last[2].extend(ack.statuses)
+            last[3] += chars
+        else:
+            segments.append([server, list(ids), list(ack.statuses), chars])
+
+    def take(self) -> list[tuple[bytes, Any, protocol.Ack]]:
+        """Everything held, as (identity, server, Ack), first identity first; empties the hold."""
+        held, self._held = self._held, {}
+        return [(identity, server, protocol.Ack(sample_ids=ids, statuses=statuses))
+                for identity, segments in held.items() for server, ids, statuses, _ in segments]

@@ -59,7 +59,7 @@ from learner.evaluation import Evaluation
 from learner.intake import Intake
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.rollout_log import LearnerRolloutLog, RolloutLogFailed
-from learner.router import RouterSocket
+from learner.router import PendingAcks, RouterSocket
 from learner.security import LearnerCurve
 from learner.sinks import open_sinks
 from learner.staleness import StalenessController
@@ -136,6 +136,7 @@ class LearnerService:
         self.ctx: zmq.asyncio.Context | None = None
         self.curve: LearnerCurve | None = None
         self.sockets: dict[str, RouterSocket] = {}
+        self.pending_acks = PendingAcks()     # a burst's Acks, sent when the loop stops reading
         self.admission = Admission(
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
@@ -171,7 +172,8 @@ class LearnerService:
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
             train = asyncio.create_task(self.train_loop(), name="train")
             tasks = [train,
-                     asyncio.create_task(rollout.serve(self.on_rollout), name="rollout"),
+                     asyncio.create_task(rollout.serve(self.on_rollout, idle=self.flush_acks),
+                                         name="rollout"),
                      asyncio.create_task(weights.serve(self.weights.handle), name="weights"),
                      asyncio.create_task(control.serve(self.control.handle, control_error_reply),
                                          name="control"),
@@ -535,8 +537,11 @@ class LearnerService:
 
     # ---- rollout socket --------------------------------------------------------------------
     async def on_rollout(self, identity: bytes, msg: protocol.Message) -> protocol.Message | None:
-        """Route one rollout-socket message to its component; the reply, if any."""
+        """Route one rollout-socket message to its component; the reply, if any. A result's Ack
+        is held (``pending_acks``) until the loop stops reading: :meth:`flush_acks`."""
         a = self.admission
+        if self.pending_acks and type(msg) is not protocol.RolloutResult:
+            await self.flush_acks()               # the held Acks go before anything else
         if isinstance(msg, protocol.Hello):
             await a.hello(identity, msg)
             return None
@@ -554,10 +559,7 @@ class LearnerService:
             except RolloutLogFailed:          # not on disk: no Ack (the server keeps the result)
                 self.update_gauges()
                 return None
-            if await self._send_rollout(identity, ack):
-                await a.dispatch()
-            else:
-                a.lose(srv, "unreachable")
+            self.pending_acks.add(identity, srv, ack)
             self.update_gauges()
         elif isinstance(msg, protocol.WorkRequest):
             await a.work_request(srv, msg)
@@ -579,6 +581,20 @@ class LearnerService:
         else:
             await a.weights_applied(srv, msg)
         return None
+
+    async def flush_acks(self) -> None:
+        """Send the held Acks, one per server (learner.router.PendingAcks); a server whose Ack
+        cannot be queued is lost; then dispatch once, as after each result before."""
+        if not self.pending_acks:
+            return
+        sent = False
+        for identity, srv, ack in self.pending_acks.take():
+            if await self._send_rollout(identity, ack):
+                sent = True
+            else:
+                self.admission.lose(srv, "unreachable")
+        if sent:
+            await self.admission.dispatch()
 
     async def receive_result(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Intake, then (``rollout_log``) the accepted samples on disk before the Ack may leave;

@@ -75,6 +75,8 @@ SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_ACK_STATUS_SET = frozenset(ACK_STATUSES)
+_STR_TYPE = frozenset((str,))
 
 
 class Message(Struct):
@@ -310,6 +312,29 @@ class Ack(Message):
         for i, st in enumerate(self.statuses):
             if st not in ACK_STATUSES:
                 raise ProtocolError(f"{where}.statuses[{i}]: {st!r} not in {ACK_STATUSES}")
+
+    def to_wire(self) -> list:
+        """Two lists of strings go out as they are (one Ack per result: the learner's hot path)."""
+        ids, statuses = self.sample_ids, self.statuses
+        if type(ids) is list and type(statuses) is list:
+            return [ids, statuses]
+        return self.to_wire_checked()
+
+    @classmethod
+    def from_wire(cls, body: Any, where: str | None = None) -> Ack:
+        """The checks of ``from_wire_checked`` in C-level passes (``set``, ``map``, ``max``) for
+        a well-formed Ack; anything else goes the checked way, which names what is wrong."""
+        if type(body) is list and len(body) >= 2:
+            ids, statuses = body[0], body[1]
+            if (type(ids) is list and type(statuses) is list
+                    and len(ids) == len(statuses) <= MAX_LIST_ITEMS):
+                try:
+                    if (set(statuses) <= _ACK_STATUS_SET and set(map(type, ids)) <= _STR_TYPE
+                            and max(map(len, ids), default=0) <= MAX_STR_CHARS):
+                        return cls(ids, statuses)
+                except TypeError:           # an unhashable status: the checked path names it
+                    pass
+        return cls.from_wire_checked(body, where)
 
 
 @record

@@ -29,10 +29,13 @@ pairs two measurements taken seconds apart on the same (shared, noisy) machine:
   rollout server in another process (``--client``): Hello, WorkRequests for all its credits,
   every Assignment received and answered with a valid result (``group()``), and the results'
   frames encoded *before* the timed phase; then it pushes them as fast as the socket takes them
-  (at most ``WINDOW`` unacknowledged, below the learner's send HWM, so an Ack is never dropped)
-  and reads the Acks. Every Ack status must be ``accepted`` (the bench fails otherwise). The
-  window runs, on the learner side, from the first RolloutResult received to the last one's Ack
-  sent.
+  (at most ``WINDOW`` results' samples unacknowledged, below the learner's send HWM, so an Ack
+  is never dropped) and reads and decodes every Ack. The learner merges the Acks of a burst per
+  server (``learner.router.PendingAcks``; a real server matches acks by sample id), so the
+  client counts acknowledged samples, as ``rollout_server.outbox`` does. Every Ack status must
+  be ``accepted`` (the bench fails otherwise). The window runs, on the learner side, from the
+  first RolloutResult received to the last one's Ack sent (the service's ``flush_acks``, the
+  rollout loop's ``idle``).
 
 How training is taken out without faking the ingress: the model is never loaded (``_load`` is not
 called; the Intake is built as ``_load`` builds it, with a 32k vocabulary) and the train loop is
@@ -51,8 +54,12 @@ receiving thread (``time.thread_time``; the learner's event-loop thread for ingr
 has the whole process's). On a shared machine the CPU cost is the steadier figure: under load
 the rates follow the CPU share the scheduler gives each process (the learner's queue never runs
 empty during a phase, yet its thread is busy only a fraction of the wall time), so the rate
-ratio swings from rep to rep while the CPU ratio does not. ``--profile`` adds a cProfile run
-(this thread's CPU time) of one ingress phase per shape.
+ratio swings from rep to rep while the CPU ratio does not. A second table says who limits the
+rate: the learner loop thread's busy fraction (CPU / wall), the client's CPU per message and
+busy fraction, the cores both processes used together (their libzmq threads included; when it
+is near the cores the scheduler gives them, the rate is the CPU cost of the whole path, the
+client's included), and the Acks per message. ``--profile`` adds a cProfile run (this
+thread's CPU time) of one ingress phase per shape.
 """
 
 from __future__ import annotations
@@ -149,11 +156,14 @@ def client(endpoint: str, name: str, groups: int, per_message: int, tokens: int,
                 raise SystemExit(f"{name}: unexpected {type(msg).__name__} while collecting work")
     messages = [m for a in assignments for m in messages_of(a, per_message, tokens)]
     statuses: dict[str, int] = {}
-    sent = acked = 0
+    sent = acked = acks = 0          # messages sent, samples acknowledged, Ack messages read
     total = len(messages)
-    t_first = time.monotonic()
-    while acked < total:
-        while sent < total and sent - acked < WINDOW:
+    samples = total * per_message
+    t_first, c_first, h_first = time.monotonic(), time.process_time(), time.thread_time()
+    while acked < samples:
+        # An Ack may name the samples of several results (the learner merges a burst's Acks per
+        # server, learner.router.PendingAcks): the window counts samples.
+        while sent < total and sent * per_message - acked < WINDOW * per_message:
             sock.send_multipart(messages[sent], copy=False)
             sent += 1
         if sock.poll(30_000):
@@ -165,15 +175,18 @@ def client(endpoint: str, name: str, groups: int, per_message: int, tokens: int,
                 ack = protocol.decode(frames)
                 if not isinstance(ack, protocol.Ack):
                     raise SystemExit(f"{name}: {type(ack).__name__} instead of an Ack: {ack}")
-                acked += 1
+                acks += 1
+                acked += len(ack.statuses)
                 for s in ack.statuses:
                     statuses[s] = statuses.get(s, 0) + 1
         else:
-            raise SystemExit(f"{name}: no Ack in 30 s ({acked}/{total})")
+            raise SystemExit(f"{name}: no Ack in 30 s ({acked}/{samples} samples)")
     elapsed = time.monotonic() - t_first
+    cpu, thread = time.process_time() - c_first, time.thread_time() - h_first
     sock.close(0)
     ctx.term()
     Path(out).write_text(json.dumps({"messages": total, "elapsed_s": elapsed, "statuses": statuses,
+                                     "acks": acks, "cpu_s": cpu, "thread_s": thread,
                                      "bytes": sum(len(f) for f in messages[0])}))
 
 
@@ -270,13 +283,18 @@ class Ingress:
                 self.profiler.enable()
         reply = await self.svc.on_rollout(identity, msg)
         self.seen += 1
-        if self.seen == self.expected:
+        return reply
+
+    async def flush_acks(self) -> None:
+        """The service's own ``idle`` (the held Acks sent, then dispatch); the window ends when
+        the last result's Ack has been sent."""
+        await self.svc.flush_acks()
+        if self.expected and self.seen == self.expected:
             if self.profiler is not None:
                 self.profiler.disable()
             self.window.update(t1=time.monotonic(), c1=time.process_time(), h1=time.thread_time())
             self.expected = 0
             self.done.set()
-        return reply
 
     async def drain(self) -> None:
         """Take every batch off the buffer (the train loop's next_batch, no step)."""
@@ -306,7 +324,16 @@ class Ingress:
         row = {"messages": n, "elapsed_s": elapsed, "msgs_per_s": (n - 1) / elapsed,
                "mb_per_s": (n - 1) * size / elapsed / 1e6, "cpu_us_per_msg": cpu / (n - 1) * 1e6,
                "thread_us_per_msg": thread / (n - 1) * 1e6,
-               "bytes": size, "client_msgs_per_s": n / client_side["elapsed_s"]}
+               "bytes": size, "client_msgs_per_s": n / client_side["elapsed_s"],
+               "acks": client_side["acks"],
+               # Who limits the rate: the learner's loop thread busy (of the wall time), the
+               # client's thread, and the CPU both processes used (threads of libzmq included)
+               # against the machine's cores.
+               "learner_thread_busy": thread / elapsed,
+               "client_thread_us_per_msg": client_side["thread_s"] / n * 1e6,
+               "client_cpu_us_per_msg": client_side["cpu_s"] / n * 1e6,
+               "client_thread_busy": client_side["thread_s"] / client_side["elapsed_s"],
+               "cores_used": (cpu + client_side["cpu_s"]) / max(elapsed, client_side["elapsed_s"])}
         if self.profiler is not None:
             s = io.StringIO()
             pstats.Stats(self.profiler, stream=s).sort_stats("tottime").print_stats(30)
@@ -317,7 +344,8 @@ class Ingress:
 async def run(args, tmp: Path) -> dict:
     ingress = Ingress(tmp / "run", args.tokens)
     svc = ingress.svc
-    tasks = [asyncio.create_task(svc.sockets["rollout"].serve(ingress.on_rollout)),
+    tasks = [asyncio.create_task(svc.sockets["rollout"].serve(ingress.on_rollout,
+                                                              idle=ingress.flush_acks)),
              asyncio.create_task(ingress.drain())]
     shapes = {1: template_frames(1, args.tokens), GROUP: template_frames(GROUP, args.tokens)}
     rows: dict[str, list[dict]] = {f"{k}_{p}": [] for p in shapes
@@ -374,6 +402,12 @@ def summarize(rows: dict[str, list[dict]]) -> dict:
             "ratio_vs_raw_decode": med(i["msgs_per_s"] / d["msgs_per_s"] for d, i in zip(dec, ing)),
             "cpu_ratio_vs_raw_decode": med(d["thread_us_per_msg"] / i["thread_us_per_msg"]
                                            for d, i in zip(dec, ing)),
+            "acks_per_msg": med(i["acks"] / i["messages"] for i in ing),
+            "learner_thread_busy": med(i["learner_thread_busy"] for i in ing),
+            "client_thread_us_per_msg": med(i["client_thread_us_per_msg"] for i in ing),
+            "client_cpu_us_per_msg": med(i["client_cpu_us_per_msg"] for i in ing),
+            "client_thread_busy": med(i["client_thread_busy"] for i in ing),
+            "cores_used": med(i["cores_used"] for i in ing),
         }
     return out
 
@@ -413,6 +447,13 @@ def main() -> None:
         print(f"{per:<12}{s['raw_thread_us_per_msg']:>8.1f}{s['raw_decode_thread_us_per_msg']:>12.1f}"
               f"{s['ingress_thread_us_per_msg']:>10.1f}{s['cpu_ratio']:>13.3f}"
               f"{s['cpu_ratio_vs_raw_decode']:>20.3f}")
+    print(f"\nWho limits ingress (medians): busy = thread CPU / wall; cores = CPU of learner and "
+          f"client processes (libzmq threads included) / wall\n{'samples/msg':<12}"
+          f"{'learner busy':>13}{'client us/msg':>14}{'client busy':>12}{'cores used':>11}"
+          f"{'Acks/msg':>10}")
+    for per, s in summary.items():
+        print(f"{per:<12}{s['learner_thread_busy']:>13.2f}{s['client_thread_us_per_msg']:>14.1f}"
+              f"{s['client_thread_busy']:>12.2f}{s['cores_used']:>11.2f}{s['acks_per_msg']:>10.2f}")
     for per, text in result["profiles"].items():
         print(f"\ncProfile, one ingress phase, {per} sample(s) per message:\n{text}")
     met = all(s["ratio"] >= 0.6 for s in summary.values())

@@ -53,7 +53,7 @@ async def client(ctx: zmq.asyncio.Context, endpoint: str, name: str, max_concurr
     await send(protocol.Hello(server_id=name, engine="load", model="none", version=0,
                               max_concurrency=max_concurrency))
     await send(protocol.WorkRequest(server_id=name, credits=max_concurrency))
-    unacked = 0
+    unacked = 0                 # samples sent and not acknowledged
     try:
         # Until the deadline: answer and ask for more. After it: no new work, and wait (bounded)
         # for the acks of what was sent, so the learner never sends to a closed peer and loses
@@ -69,10 +69,10 @@ async def client(ctx: zmq.asyncio.Context, endpoint: str, name: str, max_concurr
                 await send(protocol.RolloutResult(server_id=name, samples=group(msg, version)))
                 stats["results"] += 1
                 stats["samples"] += msg.group_size
-                unacked += 1
+                unacked += msg.group_size
             elif isinstance(msg, protocol.Ack):
                 stats["acks"] += 1
-                unacked -= 1
+                unacked -= len(msg.statuses)      # an Ack may name several results' samples
                 for s in msg.statuses:
                     stats["ack_statuses"][s] = stats["ack_statuses"].get(s, 0) + 1
                 if time.monotonic() < deadline:
