@@ -66,6 +66,8 @@ class Intake:
         self.log = log
         self.invalid = Counter()          # reason -> samples refused here
         self._children: dict[str, object] = {}
+        self.group_size = buffer.group_size
+        self._in_range_assignment: protocol.Assignment | None = None
 
     def check(self, s: protocol.Sample, version: int,
               assignment: protocol.Assignment | None | bool = False) -> tuple[str, str] | None:
@@ -74,8 +76,8 @@ class Intake:
         if s.sample_id != protocol.sample_id(s.assignment_id, s.group_index):
             return "sample_id", (f"sample_id {s.sample_id!r} is not "
                                  f"{protocol.sample_id(s.assignment_id, s.group_index)!r}")
-        if s.group_size != self.buffer.group_size:
-            return "group_size", f"group_size {s.group_size} != the run's {self.buffer.group_size}"
+        if s.group_size != self.group_size:
+            return "group_size", f"group_size {s.group_size} != the run's {self.group_size}"
         if assignment is False:
             assignment = self.assignment(s.assignment_id)
         limit = (assignment.sampling.max_new_tokens if assignment is not None
@@ -88,7 +90,12 @@ class Intake:
         prompt = s.prompt_token_ids
         if n and not _in_range(completion, vocab):
             return _outside("completion", completion, vocab)
-        if len(prompt) and not _in_range(prompt, vocab):
+        # The prompt of an open lease is the one the learner issued: when it is the same, its
+        # range check is that of the assignment's prompt, made once per assignment (the group's
+        # samples arrive together) instead of once per sample.
+        same_prompt = assignment is not None and _equal(prompt, assignment.prompt_token_ids)
+        if (len(prompt) and not (same_prompt and self._prompt_in_range(assignment))
+                and not _in_range(prompt, vocab)):
             return _outside("prompt", prompt, vocab)
         if n:
             tv = s.token_versions
@@ -98,9 +105,20 @@ class Intake:
         limit = self.max_abs_reward()
         if not abs(s.reward) <= limit:
             return "reward", f"reward {s.reward!r} is beyond ±{limit:g} (learner.max_abs_reward)"
-        if assignment is not None and not _equal(prompt, assignment.prompt_token_ids):
+        if assignment is not None and not same_prompt:
             return "prompt", f"prompt_token_ids differ from assignment {s.assignment_id!r}'s prompt"
         return None
+
+    def _prompt_in_range(self, assignment: protocol.Assignment) -> bool:
+        """Every id of ``assignment``'s prompt is in the vocabulary (the last assignment found
+        so is remembered; a re-issue is a new Assignment object, checked again)."""
+        if assignment is self._in_range_assignment:
+            return True
+        prompt = assignment.prompt_token_ids
+        if len(prompt) and not _in_range(prompt, self.vocab_size):
+            return False
+        self._in_range_assignment = assignment
+        return True
 
     def assignment(self, assignment_id: str) -> protocol.Assignment | None:
         """The Assignment of the open lease ``assignment_id`` (None when there is none)."""
@@ -134,7 +152,9 @@ class Intake:
             problem = self.check(sample, version, assignment)
             if problem is None:
                 self.stamp(sample, assignment)
-                status = (await put(sample, version)).value
+                status = await put(sample, version)
+                # the member's str, without Enum's Python-level ``value`` property
+                status = ACCEPTED if status is AckStatus.ACCEPTED else status.value
             else:
                 status = INVALID
                 reason, _ = problem
@@ -164,7 +184,7 @@ class Intake:
         return child
 
 
-INVALID = AckStatus.INVALID.value
+ACCEPTED, INVALID = AckStatus.ACCEPTED.value, AckStatus.INVALID.value
 _INT32, _UINT32 = np.dtype(np.int32), np.dtype(np.uint32)
 
 

@@ -99,3 +99,30 @@ async def test_prompt_is_not_checked_without_a_lease_but_nothing_is_buffered():
     s = corrupt(a, "prompt")
     ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[s]))
     assert ack.statuses == ["duplicate"] and buf.pending_samples == 0
+
+
+async def test_a_prompt_equal_to_the_assignments_is_range_checked_through_the_assignment():
+    """The range check of a prompt that is the lease's own is made once per Assignment object:
+    an issued prompt outside the vocabulary still refuses every sample that carries it, and a
+    sample whose prompt differs is checked itself (vocab before prompt)."""
+    buf = RolloutBuffer(batch_samples=2, group_size=2, max_staleness=3)
+    good = protocol.Assignment(assignment_id="a1", prompt_id="p", group_size=2, version=0,
+                               prompt_token_ids=np.array([1, 7, 9], np.int32))
+    bad = protocol.Assignment(assignment_id="a2", prompt_id="q", group_size=2, version=0,
+                              prompt_token_ids=np.array([1, VOCAB, 9], np.int32))
+    buf.issue("a1", "s", 2, payload=good)
+    buf.issue("a2", "s", 2, payload=bad)
+    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: 1,
+                    metrics=LearnerMetrics())
+    g0, g1 = samples_for(good, version=0)
+    assert intake.check(g0, 1) is None and intake._in_range_assignment is good
+    assert intake.check(g1, 1) is None
+    for s in samples_for(bad, version=0):                 # the issued prompt itself is out of range
+        assert intake.check(s, 1)[0] == "vocab"
+        assert intake._in_range_assignment is good
+    stray = samples_for(good, version=0, prompt_token_ids=np.array([1, -1, 9], np.int32))[0]
+    assert intake.check(stray, 1)[0] == "vocab"
+    other = samples_for(good, version=0, prompt_token_ids=np.array([1, 7, 8], np.int32))[0]
+    assert intake.check(other, 1)[0] == "prompt"
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[g0, g1]))
+    assert ack.statuses == ["accepted", "accepted"]
