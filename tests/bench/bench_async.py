@@ -78,6 +78,7 @@ def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path,
             "learner.threads": args.learner_threads, "rollout.threads": args.rollout_threads,
             "learner.seed": args.seed, "rollout.seed": args.seed, "learner.save_every": 0,
             "learner.run_dir": str(run_dir), "learner.metrics_port": 0, "rollout.metrics_port": 0,
+            "learner.rollout_port": 0, "learner.weights_port": 0, "learner.control_port": 0,
             **dict(kv.split("=", 1) for kv in args.set)}
     cmd = [sys.executable, "-m", "deploy.cli", "run"]
     for k, v in sets.items():
@@ -406,6 +407,9 @@ def write(results: list[dict], args, load0, have_trl: bool, seed0: int) -> None:
             "time": time.time()}
     out.write_text(json.dumps({"meta": meta, "table": fmt_table(medians(results)),
                                "targets": targets(results), "results": results}, indent=1))
+    if not results:
+        print(f"[bench] wrote {out} (no run finished: no PNG)", flush=True)
+        return
     try:
         plot([r for r in results if r.get("round", 0) == 0], out.with_suffix(".png"))
         print(f"[bench] wrote {out} and {out.with_suffix('.png')}", flush=True)
