@@ -272,16 +272,19 @@ def _raise_version_error(major: int, minor: int) -> NoReturn:
 
 def decode(frames: Sequence[Any]) -> Message:
     """Parse frames produced by :func:`encode`; every bad input raises :class:`ProtocolError`."""
-    # Fast path: [header, body] as bytes within the limits, a header of this exact minor version's
-    # shape, a message type without raw frames. Anything else (including every error) goes the
-    # general way, which checks in order and names what is wrong.
+    # Fast path: [header, body] as bytes (the body may be a memoryview) within the limits, a
+    # header of this exact minor version's shape, a message type without raw frames. Anything
+    # else (including every error) goes the general way, which checks in order and names what
+    # is wrong.
     if type(frames) is list and len(frames) == 2:
         head, data = frames
-        if (type(head) is bytes and type(data) is bytes and len(head) <= MAX_HEADER_BYTES
-                and len(data) <= MAX_BODY_BYTES):
+        # The body may be a memoryview (a receiver's view of the buffer libzmq received it
+        # into, learner.router): msgpack reads it in place.
+        size = len(data) if type(data) is bytes else data.nbytes if type(data) is memoryview else -1
+        if type(head) is bytes and len(head) <= MAX_HEADER_BYTES and 0 <= size <= MAX_BODY_BYTES:
             try:
                 header = _unpackb(head)
-                body = _unpackb(data) if len(data) <= _SMALL_BYTES else _unpackb_limited(data)
+                body = _unpackb(data) if size <= _SMALL_BYTES else _unpackb_limited(data)
             except Exception:
                 pass
             else:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 import protocol
 from learner.metrics import LearnerMetrics
-from learner.router import BURST, RouterSocket
+from learner.router import _VIEW_BYTES, BURST, RouterSocket
 
 TIMEOUT_S = 10.0
 
@@ -83,6 +84,58 @@ async def test_pushes_from_other_tasks_and_requests_interleave_without_a_lost_me
         await _until(lambda: router._receiving, "the loop waiting")
         await client.send_multipart(protocol.encode(protocol.ControlRequest(command="status", args={"i": 7})))
         assert (await _recv(client)).result == {"i": 7}
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        client.close(0)
+        router.close()
+        ctx.term()
+
+
+async def test_frames_of_every_size_and_count_arrive_whole_or_are_refused():
+    """The loop reads frames as ``zmq.Frame`` and hands large ones on as views: results whose
+    body is below, at and above that size decode to what was sent; messages of many frames,
+    empty frames and large garbage frames are refused with an Error, counted, and the loop goes
+    on (the next request is answered)."""
+    ctx = zmq.asyncio.Context()
+    server = ctx.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    metrics = LearnerMetrics()
+    router = RouterSocket(server, "rollout", metrics, lambda *a, **k: None)
+    got: list[protocol.Message] = []
+
+    async def handler(identity: bytes, msg: protocol.Message) -> protocol.Message:
+        got.append(msg)
+        return protocol.ControlReply(ok=True)
+
+    task = asyncio.create_task(router.serve(handler))
+    client = ctx.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sent = []
+        for tokens in (1, (_VIEW_BYTES - 700) // 12, _VIEW_BYTES // 12, 3 * _VIEW_BYTES):
+            msg = protocol.RolloutResult("srv", [protocol.Sample(
+                "a/0", "a", 0, 1, np.arange(3, dtype=np.int32), np.arange(tokens, dtype=np.int32),
+                np.full(tokens, -0.5, np.float32), np.zeros(tokens, np.int32), 0.25)])
+            sent.append(msg)
+            await client.send_multipart(protocol.encode(msg))
+        for _ in sent:
+            assert isinstance(await _recv(client), protocol.ControlReply)
+        assert [len(m.samples[0].completion_token_ids) for m in got] == \
+            [len(m.samples[0].completion_token_ids) for m in sent]
+        for a, b in zip(got, sent):
+            assert np.array_equal(a.samples[0].completion_token_ids, b.samples[0].completion_token_ids)
+            assert a.samples[0].reward == 0.25
+        frames = protocol.encode(sent[-1])
+        bad = [[b""] * 20, [b"", b""], [frames[0], b"\xc1" * (2 * _VIEW_BYTES)],
+               [frames[0], frames[1], b"x" * _VIEW_BYTES], [b"\x00" * (2 * _VIEW_BYTES), frames[1]]]
+        for frames_ in bad:
+            await client.send_multipart(frames_)
+            reply = await _recv(client)
+            assert isinstance(reply, protocol.Error) and reply.code == "protocol_error"
+        assert metrics.value("slipstream_protocol_errors_total", {"socket": "rollout"}) == len(bad)
+        await client.send_multipart(protocol.encode(protocol.ControlRequest(command="status")))
+        assert isinstance(await _recv(client), protocol.ControlReply)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
