@@ -1,7 +1,7 @@
 """Async vs synchronous (issue 12): the demo at η ∈ {0, 1, 2, 4} against TRL's GRPOTrainer.
 
     python tests/bench/bench_async.py [--samples 3840] [--etas 0,1,2,4] [--workloads demo,longtail]
-        [--trl-python /tmp/trl-venv/bin/python] [--out bench_results/bench_async.json]
+        [--repeats 1] [--trl-python /tmp/trl-venv/bin/python] [--out bench_results/bench_async.json]
 
 Every slipstream run is ``slipstream run`` (deploy/launcher.py) in a subprocess with ``--set``
 overrides: the same seeds, threads pinned per process (``learner.threads``,
@@ -34,11 +34,12 @@ Writes the JSON (every row and its per-step series) and a PNG next to it (sample
 with TRL as a line, and reward against trained samples), and prints the table. The machine's load
 average is recorded with the numbers: ratios within one run are what counts.
 
-Measured (2 shared cores, other jobs running; see README "Benchmark: async vs synchronous"): long
-tail, load 3-6: eta 1/2/4 at 1.53/1.31/1.47x eta 0 and 1.94/1.66/1.86x TRL (1 thread; 2 threads
-were 6x slower still), overlap 0.94-0.98 of ideal. Demo, load 2.3: eta 0 383/s = 1.09x TRL; eta 2
-336/s (0.88x eta 0): the overlap is 0.96 of ideal but the learner step doubles (0.094 -> 0.18 s)
-while generation runs beside it: the loaded machine had no spare core to overlap onto.
+Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
+synchronous"): demo, ``--repeats 3``, medians: eta 0 392/s = 0.85x TRL (439-463/s, its faster of 1
+and 2 threads), eta 1 598/s = 1.60x eta 0 and 1.36x TRL, eta 2 524/s = 1.31x and 1.16x, overlap
+0.94-0.95 of ideal; the long tail: eta 1/2/4 at 1.83/1.71/1.96x eta 0 and 1.67/1.56/1.78x TRL.
+Under load (other jobs on the cores) the overlapped runs lose the second core and the demo's
+ratios fall below 1.
 """
 
 from __future__ import annotations
