@@ -350,17 +350,29 @@ async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path
 
     cfg2 = learner_config(tmp_path, save_every=2, keep_last=2, batch_prompts=2)
     again = LearnerService(cfg2, tiny_model_dir, resume="latest")
+    restored = {}
+    apply = again.checkpoints.apply
+
+    def apply_and_look(ckpt):
+        # The buffer as the resume left it, before the train task (started with the service) can
+        # take a restored full batch or the first server re-send work.
+        apply(ckpt)
+        restored["buffer"] = again.buffer.state_dict(binary=False)
+        restored["counter"] = again.assignment_counter
+        restored["version"] = again.version
+    again.checkpoints.apply = apply_and_look
     task2 = await _start(again)
     try:
-        assert (again.run_id, again.version) == ("life", v)
-        assert again.prompts.state_dict()["position"] == position
-        assert again.assignment_counter == counter
-        after = again.buffer.state_dict(binary=False)
+        assert (again.run_id, restored["version"]) == ("life", v)
+        assert again.prompts.state_dict()["position"] == position  # (no server yet: none issued)
+        assert restored["counter"] == counter
+        after = restored["buffer"]
         for key in ("seen", "closed"):                            # the de-duplication windows
             # (a restored lease already over the staleness limit may be dropped at once: appended)
             assert after[key][:len(before[key])] == before[key], key
         # (a restored group already over the staleness limit at the resumed version is dropped at
-        # once, as it would have been had the run gone on: its samples leave accepted_total)
+        # once, in the resume's set_max_staleness, as a continuing run would have dropped it: its
+        # samples leave accepted_total)
         delta = {k: after["counters"][k] - before["counters"][k] for k in before["counters"]}
         dropped = delta["dropped_stale"] + delta["dropped_incomplete"]
         assert after["gate"]["accepted_total"] == before["gate"]["accepted_total"] - dropped
