@@ -82,6 +82,7 @@ class ChaosRun:
         self.lines: list[str] = []
         self.pids: dict[str, int] = {}
         self.kills: list[tuple[float, str, int]] = []      # (time, server, pid)
+        self.kills_left_serving: list[int] = []            # per kill: the other servers serving
         self.steps = 0
         self.skipped: list[dict] = []                        # the learner's step_skipped events
         self.trigger = Path(env.get("SLIPSTREAM_CHAOS_NAN_FILE", workdir / "nan.trigger"))
@@ -153,6 +154,7 @@ class ChaosRun:
         except ProcessLookupError:
             return None
         self.kills.append((time.time(), name, pid))
+        self.kills_left_serving.append(len(names) - 1)
         return name
 
     def finish(self, timeout_s: float) -> int:
@@ -237,12 +239,21 @@ def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
                            - c["failed_reported"] + c["cancelled"] + ev["inflight_samples"]), c
     times = [r["time"] for r in rows]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    after_kill = []
-    for t, _, _ in run.kills:
+    # The stall across a kill that left another server serving (no lease timeout: the dead
+    # server's leases are re-issued at once); after a kill of the last serving server the learner
+    # waits for a restart (a model load), so there it is measured from the first join after it.
+    after_kill, after_rejoin = [], []
+    for (t, _, _), left in zip(run.kills, run.kills_left_serving):
         later = [x for x in times if x > t]
         before = [x for x in times if x <= t]
-        if later and before:
+        if not (later and before):
+            continue
+        if left:
             after_kill.append(later[0] - before[-1])
+            continue
+        joined = [jt for jt, _ in run.joins if jt > t]
+        if joined:
+            after_rejoin.append(max(0.0, min(x for x in times if x > t) - joined[0]))
     rejoin = []
     for t, name, _ in run.kills:
         later = [jt for jt, js in run.joins if js == name and jt > t]
@@ -253,6 +264,8 @@ def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
                 line.startswith("[run] server_restarted ") for line in run.lines),
             "samples_trained": len(ids), "longest_stall_s": round(max(gaps, default=0.0), 3),
             "longest_stall_across_a_kill_s": round(max(after_kill, default=0.0), 3),
+            "kills_of_the_last_server": len(run.kills) - len(after_kill),
+            "longest_stall_after_a_rejoin_s": round(max(after_rejoin, default=0.0), 3),
             "median_step_gap_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
             "skipped_steps": skipped,
             "counters": c}

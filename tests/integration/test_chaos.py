@@ -47,6 +47,8 @@ def test_killed_servers_are_restarted_and_nothing_is_lost_or_trained_twice(
         run.stop()
     assert figures["kills"] == KILLS and figures["restarts"] >= KILLS and figures["skipped_steps"] >= 1
     # A kill (another server still serving) costs the learner no lease timeout (600 s here):
-    # the dead server's leases are re-issued at once.
+    # the dead server's leases are re-issued at once. After a kill of the last serving server the
+    # learner waits for a restart (a model load, tens of seconds under load), then goes on at once.
     assert figures["longest_stall_across_a_kill_s"] < 30, figures
+    assert figures["longest_stall_after_a_rejoin_s"] < 30, figures
     print("R1 chaos:", figures)
