@@ -75,13 +75,22 @@ class Watched:
         self.proc = proc
         self.lines: list[str] = []
         self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
             self._lines.put(line)
         self._lines.put(None)
+
+    def read_to_end(self, timeout_s: float = 30) -> list[str]:
+        """Every line, once the process has exited and its output is read to EOF."""
+        self.proc.wait(timeout=timeout_s)
+        self._pumping.join(timeout_s)
+        if self._pumping.is_alive():
+            raise AssertionError(f"the output did not end within {timeout_s}s:\n{self.output()}")
+        return self.lines
 
     def output(self, last: int = 40) -> str:
         return "".join(self.lines[-last:])
