@@ -185,8 +185,9 @@ async def test_concurrent_fetches_by_several_servers_share_one_snapshot():
         # Versions 2 and 3: 1 is dropped; its buffer is freed once pyzmq released its frames.
         ws.publish(2, tensors)
         ws.publish(3, tensors)
-        await wait_until(lambda: first() is None, 30, "version 1's snapshot freed")
-        assert ws.buffers.free == 1
+        # (the weakref is cleared before the finalizer, on pyzmq's gc thread, gives the buffer back)
+        await wait_until(lambda: first() is None and ws.buffers.free == 1, 30,
+                         "version 1's snapshot freed and its buffer given back")
         ws.publish(4, tensors)
         assert ws.buffers.allocated == 3                      # 4 reused version 1's buffer
     finally:
@@ -208,6 +209,12 @@ async def test_the_train_loop_steps_on_while_a_version_is_being_prepared(tmp_pat
             return real(snap)
 
         svc.weights.prepare = slow
+        announced, announce = [], svc.admission.announce
+
+        def record(m):
+            announced.append(m.version)
+            return announce(m)
+        svc.admission.announce = record
         try:
             async with HonestServer(svc.endpoints["rollout"]) as good:
                 # Step 2 ran and snapshotted version 2 while version 1 was still being prepared.
@@ -217,7 +224,9 @@ async def test_the_train_loop_steps_on_while_a_version_is_being_prepared(tmp_pat
                 assert svc.weights.versions == [0] and svc.publisher.waiting >= 2
                 gate.set()
                 await good.wait_version(2)
-                assert svc.weights.versions[-2:] == [1, 2]
+                # Version 1, then the newest snapshot (2, or 3 when step 3 replaced it meanwhile).
+                distinct = sorted(set(announced))
+                assert distinct[0] == 1 and distinct[1] >= 2 and announced == sorted(announced), announced
         finally:
             gate.set()
         assert metric(svc, "slipstream_publish_wait_seconds_count") >= 3
