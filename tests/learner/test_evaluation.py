@@ -125,12 +125,18 @@ async def test_eval_rounds_are_greedy_reported_and_never_trained(tmp_path, tiny_
     train = [a for a in server.assignments if a.group_size == 2]
     assert all(a.assignment_id.startswith("test-e") and a.sampling.temperature == 1e-6 for a in evals)
     assert all(a.assignment_id.startswith("test-a") for a in train)
-    assert len(evals) == 9                                   # rounds at versions 0, 2 and 4
+    # Rounds at versions 0, 2 and 4; one still open when the next is due is skipped (logged and
+    # counted): steps 3 and 4 can run before version 2's round is answered on a loaded machine.
+    complete = metric(svc, "slipstream_eval_rounds_total", outcome="complete")
+    skipped = metric(svc, "slipstream_eval_rounds_total", outcome="skipped")
+    assert complete + skipped == 3 and complete >= 2 and len(evals) == 3 * complete
     assert {a.prompt_text for a in evals} == {"1+0=", "2+0=", "3+0="}
     run = tmp_path / "run"
     rows = rows_of(run / "metrics.jsonl")
     eval_rows = [r for r in rows if r.get("kind") == "eval"]
-    assert [r["eval_version"] for r in eval_rows] == [0, 2, 4]
+    versions = [r["eval_version"] for r in eval_rows]
+    assert versions[0] == 0 and len(versions) == complete and set(versions) <= {0, 2, 4}
+    assert versions == sorted(versions)
     for r in eval_rows:
         assert r["eval_samples"] == 3 and r["eval_failed"] == 0 and r["eval_dropped"] == 0
         assert abs(r["eval_reward_mean"] - 2 / 3) < 1e-9 and abs(r["eval_accuracy"] - 2 / 3) < 1e-9
@@ -139,14 +145,13 @@ async def test_eval_rounds_are_greedy_reported_and_never_trained(tmp_path, tiny_
     trained = [sid for line in rows_of(run / "trained_ids.jsonl") for sid in line["sample_ids"]]
     assert len(trained) == 8 and not any("-e" in sid for sid in trained)   # never trained on
     eval_acks = {sid: st for sid, st in server.acks.items() if sid.startswith("test-e")}
-    assert len(eval_acks) == 9 and set(eval_acks.values()) == {"accepted"}
+    assert len(eval_acks) == 3 * complete and set(eval_acks.values()) == {"accepted"}
     # The gate saw training work only: every issued sample is a training one.
     assert svc.buffer.counters["issued"] == 2 * len(train)
     assert abs(metric(svc, "slipstream_eval_reward_mean") - 2 / 3) < 1e-9
     assert abs(metric(svc, "slipstream_eval_accuracy") - 2 / 3) < 1e-9
-    assert metric(svc, "slipstream_eval_policy_version") == 4
-    assert metric(svc, "slipstream_eval_rounds_total", outcome="complete") == 3
-    assert metric(svc, "slipstream_eval_samples_total", status="accepted") == 9
+    assert metric(svc, "slipstream_eval_policy_version") == versions[-1]
+    assert metric(svc, "slipstream_eval_samples_total", status="accepted") == 3 * complete
 
 
 async def test_an_eval_assignment_whose_server_dies_is_reissued(tmp_path, tiny_model_dir):
