@@ -93,6 +93,7 @@ async def refused(endpoint: str, frames_list: list[list[bytes]], curve: CurveCli
     sees (a bounded wait). Asserts that no reply ever came back."""
     ctx = zmq.asyncio.Context.instance()
     sock = make_socket(ctx, zmq.DEALER, max_message_bytes=1 << 20, curve=curve)
+    sock.setsockopt(zmq.RECONNECT_IVL, -1)    # one handshake: a reconnect would be denied again
     monitor = sock.get_monitor_socket(FAILED)
     try:
         sock.connect(endpoint)
