@@ -78,7 +78,7 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
     learner, weights = FakeLearner(), HostileWeights()
     cfg = RolloutConfig(learner=learner.endpoint, server_id="victim", metrics_port=0, threads=1,
                         max_concurrency=4, max_new_tokens_limit=64, max_prompt_tokens=32,
-                        chunk_timeout_s=0.5, heartbeat_interval_s=0.2)
+                        chunk_timeout_s=5.0, heartbeat_interval_s=0.2)  # (a loaded loop may stall 0.5 s)
     svc = RolloutService(cfg, tiny_model_dir)
     run = asyncio.create_task(svc.run())
     serve = asyncio.create_task(weights.serve())

@@ -150,7 +150,8 @@ async def test_healthz_goes_503_when_the_learner_dies(tiny_model_dir):
 async def test_healthz_goes_503_when_a_heartbeating_learner_goes_silent(tiny_model_dir):
     learner = FakeLearner()
     try:
-        async with Running(learner, tiny_model_dir, learner_timeout_s=0.5,
+        # (2 s: a shorter silence is one stall of a loaded machine's loop, and re-Hellos)
+        async with Running(learner, tiny_model_dir, learner_timeout_s=2.0,
                            heartbeat_interval_s=0.05) as svc:
             ident, _ = await hello_and_welcome(learner)
             for _ in range(3):                               # a learner that answers heartbeats
@@ -162,7 +163,7 @@ async def test_healthz_goes_503_when_a_heartbeating_learner_goes_silent(tiny_mod
             await wait_until(lambda: not svc.connected(), timeout_s=10, what="silence noticed")
             assert svc.link_up
             status, body = await asyncio.to_thread(get, f"{svc.metrics_url}/healthz")
-            assert status == 503 and json.loads(body)["last_learner_message_s"] >= 0.5
+            assert status == 503 and json.loads(body)["last_learner_message_s"] >= 2.0
     finally:
         learner.close()
 
