@@ -391,7 +391,7 @@ async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_pa
         tr.step = checking_step
         async with rollout_server(svc, tiny_model_dir) as server:
             await wait_until(lambda: svc.finished, timeout_s=180, what="the last step")
-            assert server.engine.version == steps
+            await wait_until(lambda: server.engine.version == steps, 60, "the last version applied")
     assert len(gaps) == steps and max(gaps) < 1e-4, gaps
     rows = jsonl(cfg)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

@@ -111,7 +111,8 @@ async def test_lora_end_to_end_vllm_serves_the_published_adapter(tmp_path, engin
         rec = Recorder(svc)
         async with rollout_server(svc, saved_bf16_policy, engine="vllm", vllm=VLLM_OPTIONS):
             await wait_until(lambda: svc.finished, timeout_s=240, what="the last step")
-            assert engine.version == steps and len(engine._loras) <= engine.max_loras
+            await wait_until(lambda: engine.version == steps, 60, "the last version applied")
+            assert len(engine._loras) <= engine.max_loras
     assert len(rec.steps) == steps
     gaps = assert_served_the_adapter(rec, min_base_gap=0.05, atol=2e-3)
     assert_checksums_reported(rec, "lora", steps)

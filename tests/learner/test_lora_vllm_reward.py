@@ -80,7 +80,7 @@ async def test_lora_reward_rises_with_a_vllm_rollout_server(tmp_path, demo_model
         start = time.monotonic()
         server = process_groups.watch(rollout_cmd(tmp_path, svc.endpoints["rollout"], demo_model),
                                       env=subprocess_env, cwd=tmp_path)
-        await wait_until(lambda: svc.finished or server.proc.poll() is not None, timeout_s=600,
+        await wait_until(lambda: svc.finished or server.proc.poll() is not None, timeout_s=1200,
                          what="the last step")
         assert svc.finished, server.output()
         trained = time.monotonic()
