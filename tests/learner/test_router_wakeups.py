@@ -7,6 +7,7 @@ learner whose servers are still sending."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import zmq
@@ -32,11 +33,28 @@ async def _recv(client: zmq.asyncio.Socket) -> protocol.Message:
     return protocol.decode(frames)
 
 
-async def test_pushes_from_other_tasks_and_requests_interleave_without_a_lost_message():
+@contextlib.asynccontextmanager
+async def _serving(socket_name: str, handler, metrics: LearnerMetrics | None = None):
+    """A RouterSocket loop on a fresh ROUTER serving ``handler``, and a DEALER connected to it;
+    everything stopped and closed afterwards."""
     ctx = zmq.asyncio.Context()
     server = ctx.socket(zmq.ROUTER)
     port = server.bind_to_random_port("tcp://127.0.0.1")
-    router = RouterSocket(server, "control", LearnerMetrics(), lambda *a, **k: None)
+    router = RouterSocket(server, socket_name, metrics or LearnerMetrics(), lambda *a, **k: None)
+    task = asyncio.create_task(router.serve(handler))
+    client = ctx.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield router, client
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        client.close(0)
+        router.close()
+        ctx.term()
+
+
+async def test_pushes_from_other_tasks_and_requests_interleave_without_a_lost_message():
     handled: list[int] = []
     identities: list[bytes] = []
 
@@ -46,10 +64,7 @@ async def test_pushes_from_other_tasks_and_requests_interleave_without_a_lost_me
         await asyncio.sleep(0)                 # handlers await (buffer.put, admission)
         return protocol.ControlReply(ok=True, result={"i": msg.args["i"]})
 
-    task = asyncio.create_task(router.serve(handler))
-    client = ctx.socket(zmq.DEALER)
-    client.connect(f"tcp://127.0.0.1:{port}")
-    try:
+    async with _serving("control", handler) as (router, client):
         await client.send_multipart(protocol.encode(protocol.ControlRequest(command="status", args={"i": -1})))
         assert (await _recv(client)).result == {"i": -1}
         identity = identities[0]
@@ -84,12 +99,6 @@ async def test_pushes_from_other_tasks_and_requests_interleave_without_a_lost_me
         await _until(lambda: router._receiving, "the loop waiting")
         await client.send_multipart(protocol.encode(protocol.ControlRequest(command="status", args={"i": 7})))
         assert (await _recv(client)).result == {"i": 7}
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        client.close(0)
-        router.close()
-        ctx.term()
 
 
 async def test_frames_of_every_size_and_count_arrive_whole_or_are_refused():
@@ -97,21 +106,14 @@ async def test_frames_of_every_size_and_count_arrive_whole_or_are_refused():
     body is below, at and above that size decode to what was sent; messages of many frames,
     empty frames and large garbage frames are refused with an Error, counted, and the loop goes
     on (the next request is answered)."""
-    ctx = zmq.asyncio.Context()
-    server = ctx.socket(zmq.ROUTER)
-    port = server.bind_to_random_port("tcp://127.0.0.1")
     metrics = LearnerMetrics()
-    router = RouterSocket(server, "rollout", metrics, lambda *a, **k: None)
     got: list[protocol.Message] = []
 
     async def handler(identity: bytes, msg: protocol.Message) -> protocol.Message:
         got.append(msg)
         return protocol.ControlReply(ok=True)
 
-    task = asyncio.create_task(router.serve(handler))
-    client = ctx.socket(zmq.DEALER)
-    client.connect(f"tcp://127.0.0.1:{port}")
-    try:
+    async with _serving("rollout", handler, metrics) as (_, client):
         sent = []
         for tokens in (1, (_VIEW_BYTES - 700) // 12, _VIEW_BYTES // 12, 3 * _VIEW_BYTES):
             msg = protocol.RolloutResult("srv", [protocol.Sample(
@@ -136,9 +138,3 @@ async def test_frames_of_every_size_and_count_arrive_whole_or_are_refused():
         assert metrics.value("slipstream_protocol_errors_total", {"socket": "rollout"}) == len(bad)
         await client.send_multipart(protocol.encode(protocol.ControlRequest(command="status")))
         assert isinstance(await _recv(client), protocol.ControlReply)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        client.close(0)
-        router.close()
-        ctx.term()
