@@ -715,7 +715,11 @@ class LearnerCheckpoints:
                 state = self.capture()
                 start = time.monotonic()
                 try:
-                    pending = await asyncio.to_thread(self.store.prepare, version, state, svc.trainer)
+                    # (the tensor copies on the train thread, where the steps run: see
+                    # LearnerService.train_thread; the writing beside the next step, _commit)
+                    pending = await asyncio.get_running_loop().run_in_executor(
+                        getattr(svc, "train_thread", None), self.store.prepare, version, state,
+                        svc.trainer)
                 except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
                     self.failed(e, version, reason)
                     return None
