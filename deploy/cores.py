@@ -13,6 +13,13 @@ learner 1 + server 1. The rule, for N cores and S servers, P = S + 1 processes:
 
 Nobody gets fewer than one thread, so more processes than cores oversubscribe by design (the
 alternative is not starting them).
+
+Synchronous runs (``learner.max_staleness: 0``) are the exception for the learner: it trains while
+every server waits for its weights, and the servers generate while it waits for their samples, so
+when ``learner.threads`` is not set it gets all N cores (the servers keep their share above).
+Measured on 2 cores with the demo at eta 0: the step 0.096 -> 0.083 s, 340-360 -> 386-397
+samples/s. The split is made at start: a run whose η is raised live (``slipstream ctl set
+max_staleness``) keeps it, and its learner then competes with the servers for the cores.
 """
 
 from __future__ import annotations
@@ -50,8 +57,9 @@ def available_cores(cpu_max_file: Path = CGROUP_CPU_MAX) -> int:
 
 
 def share_cores(cores: int, servers: int, learner_threads: int = 0,
-                rollout_threads: int = 0) -> tuple[int, int]:
-    """``(learner threads, threads of each server)`` by the rule above (0 = not set)."""
+                rollout_threads: int = 0, synchronous: bool = False) -> tuple[int, int]:
+    """``(learner threads, threads of each server)`` by the rule above (0 = not set);
+    ``synchronous``: the run's max_staleness is 0 (the learner and the servers take turns)."""
     if cores < 1 or servers < 1:
         raise ValueError(f"share_cores needs cores >= 1 and servers >= 1 (got {cores}, {servers})")
     if learner_threads and rollout_threads:
@@ -59,6 +67,6 @@ def share_cores(cores: int, servers: int, learner_threads: int = 0,
     if learner_threads:
         return learner_threads, max(1, (cores - learner_threads) // servers)
     if rollout_threads:
-        return max(1, cores - servers * rollout_threads), rollout_threads
+        return (cores if synchronous else max(1, cores - servers * rollout_threads)), rollout_threads
     each = max(1, cores // (servers + 1))
-    return each + max(0, cores - each * (servers + 1)), each
+    return (cores if synchronous else each + max(0, cores - each * (servers + 1))), each

@@ -158,7 +158,8 @@ def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int]:
     """Threads for the learner and each server (:func:`deploy.cores.share_cores`), printed."""
     cores = available_cores()
     n = cfg.launcher.num_rollout_servers
-    learner, rollout = share_cores(cores, n, cfg.learner.threads, cfg.rollout.threads)
+    learner, rollout = share_cores(cores, n, cfg.learner.threads, cfg.rollout.threads,
+                                   synchronous=cfg.learner.max_staleness == 0)
     servers = ", ".join(f"rollout-{i} {rollout}" for i in range(n))
     print(f"[run] threads: learner {learner}, {servers} ({cores} cores)", flush=True)
     return learner, rollout

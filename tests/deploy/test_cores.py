@@ -36,6 +36,20 @@ def test_a_setting_in_the_config_is_kept(cores, servers, learner_threads, rollou
     assert share_cores(cores, servers, learner_threads, rollout_threads) == expected
 
 
+@pytest.mark.parametrize("cores, servers, learner_threads, rollout_threads, expected", [
+    (2, 1, 0, 0, (2, 1)),      # eta 0: the learner trains while the server waits, and back
+    (8, 3, 0, 0, (8, 2)),      # the servers keep their share
+    (8, 2, 0, 3, (8, 3)),
+    (8, 2, 4, 0, (4, 2)),      # a learner setting is kept
+    (2, 1, 1, 1, (1, 1)),
+])
+def test_a_synchronous_run_gives_the_learner_every_core(cores, servers, learner_threads,
+                                                         rollout_threads, expected):
+    assert share_cores(cores, servers, learner_threads, rollout_threads, synchronous=True) == expected
+    if not (learner_threads or rollout_threads):
+        assert share_cores(cores, servers)[1] == expected[1]
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError):
         share_cores(0, 1)
