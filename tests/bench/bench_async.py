@@ -4,9 +4,11 @@
         [--repeats 1] [--trl-python /tmp/trl-venv/bin/python] [--out bench_results/bench_async.json]
 
 Every slipstream run is ``slipstream run`` (deploy/launcher.py) in a subprocess with ``--set``
-overrides: the same seeds, threads pinned per process (``learner.threads``,
-``rollout.threads``), the same number of trained samples. From its metrics.jsonl step rows
-(after ``--skip`` warm-up steps):
+overrides: the same seeds, the threads of each process as ``slipstream run`` splits the cores
+(deploy/cores.py: on 2 cores learner 1 + server 1, and at η = 0 the learner 2, since the two take
+turns; ``--learner-threads`` / ``--rollout-threads`` pin them; each row records its split), the
+same number of trained samples. From its metrics.jsonl step rows (after ``--skip`` warm-up
+steps):
 
 - trained samples/s (samples of the steps after the first counted one over the time between
   their ends), the mean step cycle and train step time, the publish wait of the train loop;
@@ -48,6 +50,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -96,7 +99,10 @@ def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path,
     if proc.returncode != 0 or len(rows) < steps:
         raise RuntimeError(f"slipstream run {work} eta={eta} {is_mode}: exit {proc.returncode}, "
                            f"{len(rows)}/{steps} steps; see {run_dir}.log")
-    return {"rows": rows, "wall_s": wall}
+    split = re.search(r"\[run\] threads: learner (\d+), rollout-0 (\d+)",
+                      (run_dir.parent / f"{run_dir.name}.log").read_text())
+    return {"rows": rows, "wall_s": wall,
+            "threads": {"learner": int(split[1]), "rollout": int(split[2])} if split else None}
 
 
 def summarize(rows: list[dict], skip: int) -> dict:
@@ -176,7 +182,7 @@ def summarize_trl(data: dict, skip: int) -> dict:
 
 
 def fmt_table(results: list[dict]) -> str:
-    head = (f"{'workload':<9} {'run':<14} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
+    head = (f"{'workload':<9} {'run':<14} {'thr':>4} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
             f"{'step s':>7} {'pub s':>6} {'L idle':>6} {'R idle':>6} {'gen s':>7} {'train s':>7} "
             f"{'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'reward q1→q4':>14}")
     lines = [head, "-" * len(head)]
@@ -184,8 +190,10 @@ def fmt_table(results: list[dict]) -> str:
         s = r["summary"]
         def opt(k: str, f: str, s: dict = s) -> str:
             return format(s[k], f) if k in s else "-"
+        t = r.get("threads")
+        thr = f"{t['learner']}+{t['rollout']}" if t else "-"
         lines.append(
-            f"{r['workload']:<9} {r['name']:<14} {s['samples_per_s']:>9.0f} "
+            f"{r['workload']:<9} {r['name']:<14} {thr:>4} {s['samples_per_s']:>9.0f} "
             f"{r.get('x_eta0', float('nan')):>6.2f} {r.get('x_trl', float('nan')):>6.2f} "
             f"{s['cycle_s']:>8.4f} {s['step_s']:>7.4f} {opt('publish_wait_s', '6.4f'):>6} "
             f"{opt('learner_idle', '6.2f'):>6} {opt('rollout_idle', '6.2f'):>6} {s['gen_s']:>7.4f} "
@@ -237,8 +245,10 @@ def main() -> None:
     p.add_argument("--longtail-samples", type=int, default=None,
                    help="trained samples per long-tail run (default: --samples / 2)")
     p.add_argument("--no-is-ablation", action="store_true", help="skip is_mode=none at the largest η")
-    p.add_argument("--learner-threads", type=int, default=1)
-    p.add_argument("--rollout-threads", type=int, default=1)
+    p.add_argument("--learner-threads", type=int, default=0,
+                   help="torch threads of the learner (0: slipstream run's own split, deploy/cores.py)")
+    p.add_argument("--rollout-threads", type=int, default=0,
+                   help="torch threads of the server (0: slipstream run's own split)")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     p.add_argument("--trl-threads", default="1,2",
                    help="torch threads of the TRL process, one TRL run each (the best is the baseline)")
@@ -320,12 +330,15 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
             return None
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         rows = [r for r in rows if "step_s" in r and r.get("kind", "step") == "step"]
+        threads = None
     else:
         print(f"[bench] {work}: {tag}eta={eta} {is_mode}, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
-        rows = slipstream_run(work, eta, is_mode, steps, run_dir, args)["rows"]
+        run = slipstream_run(work, eta, is_mode, steps, run_dir, args)
+        rows, threads = run["rows"], run["threads"]
     keys = ("time", "step_s", "publish_wait_s", "learner_idle_s", "rollout_idle_ratio", "reward_mean",
             "staleness_mean", "completion_tokens_mean")
-    return {"kind": kind, "eta": eta, "is_mode": is_mode, "summary": summarize(rows, args.skip),
+    return {"kind": kind, "eta": eta, "is_mode": is_mode, "threads": threads,
+            "summary": summarize(rows, args.skip),
             "rewards": [r["reward_mean"] for r in rows], "series": [{k: r.get(k) for k in keys} for r in rows]}
 
 
@@ -351,7 +364,7 @@ def medians(results: list[dict]) -> list[dict]:
         out.setdefault((r["workload"], r["name"]), []).append(r)
     rows = []
     for (work, name), rs in out.items():
-        row = {"workload": work, "name": name, "rounds": len(rs),
+        row = {"workload": work, "name": name, "rounds": len(rs), "threads": rs[0].get("threads"),
                "summary": {k: statistics.median(r["summary"][k] for r in rs)
                            for k in rs[0]["summary"] if all(k in r["summary"] for r in rs)}}
         for k in ("x_eta0", "x_trl"):
