@@ -37,11 +37,11 @@ with TRL as a line, and reward against trained samples), and prints the table. T
 average is recorded with the numbers: ratios within one run are what counts.
 
 Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
-synchronous"): demo, ``--repeats 3``, medians: eta 0 392/s = 0.85x TRL (439-463/s, its faster of 1
-and 2 threads), eta 1 598/s = 1.60x eta 0 and 1.36x TRL, eta 2 524/s = 1.31x and 1.16x, overlap
-0.94-0.95 of ideal; the long tail: eta 1/2/4 at 1.83/1.71/1.96x eta 0 and 1.67/1.56/1.78x TRL.
-Under load (other jobs on the cores) the overlapped runs lose the second core and the demo's
-ratios fall below 1.
+synchronous"): demo, ``--repeats 3``, medians: eta 0 370/s = 0.87x TRL (399/457/s with 1/2
+threads; the faster is the baseline), eta 1 609/s = 1.61x eta 0 and 1.33x TRL, eta 2 580/s =
+1.57x and 1.36x, eta 4 565/s, overlap 0.94-0.95 of ideal; the long tail (one round): eta 0
+60/s = 1.13x TRL, eta 1/2/4 at 1.77/1.70/1.92x eta 0 and 1.99/1.92/2.16x TRL. Under load (other jobs on the cores)
+the overlapped runs lose the second core and the demo's ratios fall below 1.
 """
 
 from __future__ import annotations
