@@ -48,7 +48,8 @@ async def test_trains_with_an_honest_server_and_serves_health_metrics_control(tm
 async def test_the_model_is_loaded_and_trained_on_one_thread(tmp_path, tiny_model_dir, monkeypatch):
     """torch's OpenMP pool belongs to the thread that calls into it: a model loaded on the event
     loop's thread and trained on another ran its steps 2x slower with 2 threads (0.181 against
-    0.083 s at eta 0 on 2 cores). Loading, building the trainer and every step share one thread."""
+    0.083 s at eta 0 on 2 cores). Loading, building the trainer and every step share one thread.
+    (Run at the test kit's one thread: torch's thread count is global to this pytest process.)"""
     import learner.service as service_module
     threads = []
     real = service_module.make_trainer
@@ -57,7 +58,7 @@ async def test_the_model_is_loaded_and_trained_on_one_thread(tmp_path, tiny_mode
         threads.append(("load", threading.get_ident()))
         return real(*args, **kwargs)
     monkeypatch.setattr(service_module, "make_trainer", recording)
-    async with running_learner(learner_config(tmp_path, threads=2), tiny_model_dir) as svc:
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
         step = svc.trainer.step
 
         def recording_step(batch):
