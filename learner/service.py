@@ -162,7 +162,7 @@ class LearnerService:
             self._open()                      # ports first: a taken port fails before the model loads
             # On the train thread, like every step: the process's torch work on one thread (see
             # train_thread).
-            await loop.run_in_executor(self.train_thread, self._load)
+            await self.on_train_thread(self._load)
             # Version 0 is published too: a server still holding another run's weights (this
             # learner started without --resume) must find something to fetch (learner.admission).
             await self.publish()
@@ -240,6 +240,10 @@ class LearnerService:
         base = f"http://{cfg.metrics_host}:{http_port}"
         self.endpoints.update(metrics=f"{base}/metrics", healthz=f"{base}/healthz")
 
+    async def on_train_thread(self, fn, *args):
+        """``fn(*args)`` on :attr:`train_thread`, where all of this process's torch work runs."""
+        return await asyncio.get_running_loop().run_in_executor(self.train_thread, fn, *args)
+
     def _load(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
@@ -308,8 +312,7 @@ class LearnerService:
         await self.checkpoints.at_end()
         self.admission.close()
         out = self.run_dir / "final"
-        await asyncio.get_running_loop().run_in_executor(       # the model, or the PEFT adapter
-            self.train_thread, self.trainer.save_policy, out)
+        await self.on_train_thread(self.trainer.save_policy, out)   # the model, or the PEFT adapter
         deadline = time.monotonic() + self.cfg.final_sync_s
         while not self.admission.all_at(self.version) and time.monotonic() < deadline:
             self.admission.versions_changed.clear()
@@ -342,8 +345,7 @@ class LearnerService:
             self.train_busy = True
             idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
             try:
-                stats = await asyncio.get_running_loop().run_in_executor(
-                    self.train_thread, self.trainer.step, batch)
+                stats = await self.on_train_thread(self.trainer.step, batch)
             except SkippedStep as skip:
                 self.skip_step(batch, skip)
                 await self.admission.dispatch()

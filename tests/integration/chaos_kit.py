@@ -253,7 +253,7 @@ def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
             continue
         joined = [jt for jt, _ in run.joins if jt > t]
         if joined:
-            after_rejoin.append(max(0.0, min(x for x in times if x > t) - joined[0]))
+            after_rejoin.append(max(0.0, later[0] - joined[0]))
     rejoin = []
     for t, name, _ in run.kills:
         later = [jt for jt, js in run.joins if js == name and jt > t]
@@ -264,7 +264,7 @@ def check_run(run: ChaosRun, total_steps: int, batch_samples: int) -> dict:
                 line.startswith("[run] server_restarted ") for line in run.lines),
             "samples_trained": len(ids), "longest_stall_s": round(max(gaps, default=0.0), 3),
             "longest_stall_across_a_kill_s": round(max(after_kill, default=0.0), 3),
-            "kills_of_the_last_server": len(run.kills) - len(after_kill),
+            "kills_of_the_last_server": run.kills_left_serving.count(0),
             "longest_stall_after_a_rejoin_s": round(max(after_rejoin, default=0.0), 3),
             "median_step_gap_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
             "skipped_steps": skipped,
