@@ -82,6 +82,8 @@ WHAT = "learner.dataset"
 FORMATS = ".jsonl, .json, .parquet or a datasets save_to_disk directory"
 MAX_BUILTIN_SKIPS = 10_000
 """Consecutive built-in draws over max_prompt_tokens before the stream gives up."""
+RENDER_CACHE = 4096
+"""Formatted built-in prompts remembered by their text (PromptSource._render)."""
 
 
 # ---- reading rows --------------------------------------------------------------------------------
@@ -318,6 +320,7 @@ class PromptSource:
         self.unused = 0                                # prompts of a partial last batch, never drawn
         self._epoch, self._epoch_order = -1, []
         self._format: Formatter | None = None
+        self._rendered: dict[str, tuple[str, np.ndarray]] = {}   # built-ins: prompt -> formatted
         self._ids: list[np.ndarray] | None = None      # token ids per row (None: no tokenizer)
         self._texts: list[str] | None = None
         self._kept: list[int] | None = None            # rows within max_prompt_tokens
@@ -453,12 +456,29 @@ class PromptSource:
         item = {"prompt_id": f"p{i}", "prompt": ex.prompt, "answer": ex.answer,
                 "metadata": dict(ex.metadata)}
         if self._format is not None:
-            item["prompt"], item["prompt_token_ids"] = self._format(ex.prompt, f"{self.spec} draw {i}")
+            item["prompt"], item["prompt_token_ids"] = self._render(ex.prompt, i)
             if self.max_prompt_tokens and len(item["prompt_token_ids"]) > self.max_prompt_tokens:
                 if count:
                     self._skip("too_long")
                 return None
         return item
+
+    def _render(self, prompt: str | list, i: int) -> tuple[str, np.ndarray]:
+        """``prompt`` formatted and tokenized, remembered by its text (RENDER_CACHE entries, oldest
+        out first): a built-in task draws the same prompts again and again (``builtin:arith`` has
+        100), and the tokenizer's encode was a third of the learner's cost of issuing an assignment
+        (about 40 us of ~120 us). The ids are shared by every assignment of that prompt, so they
+        are read-only."""
+        if type(prompt) is not str:
+            return self._format(prompt, f"{self.spec} draw {i}")
+        hit = self._rendered.get(prompt)
+        if hit is None:
+            text, ids = self._format(prompt, f"{self.spec} draw {i}")
+            ids.setflags(write=False)
+            if len(self._rendered) >= RENDER_CACHE:
+                del self._rendered[next(iter(self._rendered))]
+            hit = self._rendered[prompt] = (text, ids)
+        return hit
 
     def _order(self, epoch: int) -> list[int]:
         """The row order of ``epoch`` (kept for the current epoch: one shuffle per epoch)."""

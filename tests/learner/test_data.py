@@ -100,6 +100,38 @@ def test_plain_prompts_are_tokenized_once_like_the_trainer(tmp_path, tok):
     assert p["prompt_token_ids"].tolist() == [tok.bos_token_id, *tok.encode("q0", add_special_tokens=False)]
 
 
+def test_built_in_draws_tokenize_each_distinct_prompt_once(tok, monkeypatch):
+    """builtin:arith repeats its 100 prompts: each is encoded once, its ids shared read-only by
+    every draw of it and equal to a fresh encode; the memo is bounded (oldest out first)."""
+    import learner.data as data
+
+    calls = Counter()
+
+    def encode(text):
+        calls[text] += 1
+        return np.asarray([tok.bos_token_id, *tok.encode(text, add_special_tokens=False)], np.int32)
+
+    src = PromptSource("builtin:arith", seed=3, tokenizer=tok, encode=encode)
+    calls.clear()                                   # attach() drew one to check max_prompt_tokens
+    drawn = [next(src) for _ in range(400)]
+    texts = {p["prompt"] for p in drawn}
+    assert len(texts) < 100 < len(drawn)             # prompts repeat
+    assert set(calls) <= texts and max(calls.values()) == 1
+    first = {}
+    for p in drawn:
+        ids = p["prompt_token_ids"]
+        assert ids.tolist() == encode(p["prompt"]).tolist()
+        assert ids is first.setdefault(p["prompt"], ids)       # one shared array per prompt
+        assert not ids.flags.writeable
+        with pytest.raises(ValueError):
+            ids[0] = 0
+    monkeypatch.setattr(data, "RENDER_CACHE", 8)
+    bounded = PromptSource("builtin:arith", seed=4, tokenizer=tok, encode=encode)
+    for _ in range(200):
+        next(bounded)
+        assert len(bounded._rendered) <= 8
+
+
 def test_chat_messages_and_system_prompt_use_the_tokenizers_template(tmp_path, chat_tok):
     data = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"},
             {"prompt": "plain", "answer": "y"},
