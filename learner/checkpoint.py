@@ -230,6 +230,18 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def warm_save_imports() -> None:
+    """Import now what the first ``save_pretrained`` would import on the train thread: accelerate's
+    ``extract_model_from_parallel`` imports DeepSpeed when it is installed (0.3-0.8 s here). Run
+    at load, so the first periodic checkpoint does not pause training for it (it paused the demo
+    0.27 s against 0.02 s for the later ones). Nothing is lost when it cannot be imported: the
+    save then imports what it can, as before."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed or broken: the save decides, as before
+        pass
+
+
 def save_policy(trainer: Any, path: Path) -> None:
     """``Trainer.save_policy`` where the trainer has it; else save_pretrained of model and
     tokenizer (a PEFT model saves its adapter only)."""

@@ -44,13 +44,14 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 import protocol
 from buffer import Batch, RolloutBuffer
 from learner.admission import Admission
-from learner.checkpoint import EXIT_CHECKPOINT_FAILED, LearnerCheckpoints
+from learner.checkpoint import EXIT_CHECKPOINT_FAILED, LearnerCheckpoints, warm_save_imports
 from learner.config import LearnerConfig
 from learner.control import Control, control_error_reply
 from learner.data import PromptSource
@@ -123,6 +124,7 @@ class LearnerService:
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
+        self._stat_children: dict[str, object] = {}   # slipstream_train_stat{name} children
         self.sinks: list = []                 # metrics sinks besides metrics.jsonl (learner.sinks)
         self.staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
             min_staleness=cfg.min_staleness, ess_min=cfg.staleness_ess_min,
@@ -257,6 +259,7 @@ class LearnerService:
                              max_abs_reward=lambda: self.cfg.max_abs_reward,
                              version=lambda: self.version, metrics=self.metrics, log=self.log)
         self._load_prompts()
+        warm_save_imports()
         if resumed is not None:
             self.checkpoints.apply(resumed)
 
@@ -344,9 +347,11 @@ class LearnerService:
             self.control.before_step(self.trainer)   # ctl set of step settings lands here
             self.train_busy = True
             idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
+            step, taken = self.step_and_snapshot(batch)
             try:
-                stats = await self.on_train_thread(self.trainer.step, batch)
+                stats = await step
             except SkippedStep as skip:
+                (await taken).clear()                # the unchanged weights: dropped
                 self.skip_step(batch, skip)
                 await self.admission.dispatch()
                 continue
@@ -355,12 +360,37 @@ class LearnerService:
             if self.rollout_log is not None:
                 await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
-            stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
+            stats["publish_wait_s"] = await self.hand_over(taken)   # the loop's wait on the snapshot
             stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.record_step(stats)
             self.maybe_evaluate()
             await self.admission.dispatch()
         await self.publisher.drain()          # the last version is announced before finish waits
+
+    def step_and_snapshot(self, batch: Batch) -> tuple[asyncio.Future, asyncio.Future]:
+        """The step on the train thread and, queued right behind it on the same thread, the
+        snapshot of the version it makes (learner.weights_server.Publisher.take): the weights are
+        copied while the loop does the step's bookkeeping, instead of after it on the loop (one
+        thread hop fewer; the demo's loop waited 1.5-1.8 ms a step for its snapshot).
+
+        The snapshot comes in a one-item list, emptied by whoever takes it: a future keeps its
+        result as long as it lives, and the snapshot's buffer must go back to the pool when the
+        version is dropped, not when the loop's next step replaces the future."""
+        loop = asyncio.get_running_loop()
+        publisher, version, tensors = self.publisher, self.version + 1, self.trainer.named_tensors
+        step = loop.run_in_executor(self.train_thread, self.trainer.step, batch)
+        taken = loop.run_in_executor(self.train_thread, lambda: [publisher.take(version, tensors)])
+        taken.add_done_callback(_retrieved)          # a failed step never awaits it
+        return step, taken
+
+    async def hand_over(self, taken: asyncio.Future) -> float:
+        """The step's snapshot to the publisher (it prepares and announces it in the background);
+        the seconds the loop waited for the copy to finish."""
+        start = time.monotonic()
+        snap = (await taken).pop()
+        wait = time.monotonic() - start
+        self.publisher.hand_over(snap, wait)
+        return wait
 
     async def next_batch(self) -> Batch | None:
         """The next batch (checkpoints happen between steps); None once a finite dataset is used
@@ -417,10 +447,16 @@ class LearnerService:
                                 "sample_ids": [s.sample_id for s in batch.samples]})
 
     def batch_versions(self, batch: Batch) -> dict[str, float]:
+        """The version trained on and the oldest and newest token version in ``batch`` (a
+        sample without tokens counts as -1 for the oldest, 0 for the newest). One concatenation
+        and two reductions: two reductions per sample were 0.6 ms of each step's bookkeeping."""
+        versions = [s.token_versions for s in batch.samples]
+        every = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+        empty = any(len(v) == 0 for v in versions)
+        oldest = -1 if empty or not len(every) else int(every.min())
         return {"trained_on_version": float(self.version),
-                "token_version_min": float(min(s.min_version for s in batch.samples)),
-                "token_version_max": float(max(int(s.token_versions.max(initial=0))
-                                               for s in batch.samples))}
+                "token_version_min": float(oldest),
+                "token_version_max": float(every.max(initial=0))}
 
     async def publish(self) -> float:
         """Publish the current version; returns the seconds the caller waited: the snapshot copy
@@ -443,8 +479,12 @@ class LearnerService:
         m.step_seconds.observe(stats["step_s"])
         m.reward_mean.set(stats["reward_mean"])
         m.staleness_mean.set(stats["staleness_mean"])
+        children = self._stat_children        # labels() takes a lock and builds a key per call
         for k, v in stats.items():
-            m.step_stats.labels(name=k).set(v)
+            child = children.get(k)
+            if child is None:
+                child = children[k] = m.step_stats.labels(name=k)
+            child.set(v)
         self.record_sanity(stats)
         self.adapt_staleness(stats)
         self.update_gauges()
@@ -623,6 +663,12 @@ class LearnerService:
                 "invalid_samples": dict(self.intake.invalid) if self.intake else {},
                 "prompts": self.prompts.status() if self.prompts else None,
                 "evaluation": self.evaluation.status() if self.evaluation else None}
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a future's exception as seen (it is raised where it matters, or not at all)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int:

@@ -497,3 +497,27 @@ async def test_periodic_checkpoint_is_written_beside_training(tmp_path, tiny_mod
         release.set()
         svc.stopping.set()
         assert await asyncio.wait_for(task, 60) == 0
+
+
+def test_what_the_first_save_would_import_is_imported_at_load(tmp_path, tiny_model_dir):
+    """save_pretrained imports DeepSpeed on first use (accelerate's unwrap); the learner imports it
+    at load (warm_save_imports), so the first periodic checkpoint does not pause training for it.
+    In a fresh interpreter: not imported before, imported after, and a save then imports nothing."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from transformers import AutoModelForCausalLM
+from learner.checkpoint import warm_save_imports
+m = AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r})
+assert "deepspeed" not in sys.modules
+warm_save_imports()
+before = set(sys.modules)
+m.save_pretrained({str(tmp_path / "saved")!r})
+print("deepspeed" in before, sorted(n for n in set(sys.modules) - before if "deepspeed" in n))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True []"

@@ -331,3 +331,31 @@ async def test_port_in_use_is_a_startup_error_before_the_model_loads(tmp_path, t
         assert svc.trainer is None and svc.sockets == {}
     finally:
         taken.close(0)
+
+
+def test_batch_versions_are_the_oldest_and_newest_token_of_the_batch():
+    """LearnerService.batch_versions (one concatenation) against the per-sample definition: the
+    oldest token version (-1 when a sample has no tokens), the newest (0 at least)."""
+    from types import SimpleNamespace
+
+    from buffer import Batch
+
+    def sample(i, versions):
+        tv = np.asarray(versions, np.int32)
+        return protocol.Sample(
+            sample_id=f"a/{i}", assignment_id="a", group_index=i, group_size=4,
+            prompt_token_ids=np.zeros(2, np.int32), completion_token_ids=np.zeros(len(tv), np.int32),
+            behavior_logprobs=np.zeros(len(tv), np.float32), token_versions=tv, reward=0.0)
+
+    def reference(version, samples):
+        return {"trained_on_version": float(version),
+                "token_version_min": float(min(s.min_version for s in samples)),
+                "token_version_max": float(max(int(s.token_versions.max(initial=0)) for s in samples))}
+
+    rng = np.random.default_rng(0)
+    cases = [[[3, 4], [5], [2, 7, 7], [6]], [[3, 4], [], [5], [6]], [[], [], [], []], [[0], [0], [1], [0]]]
+    cases += [[list(rng.integers(0, 50, rng.integers(0, 9))) for _ in range(4)] for _ in range(50)]
+    for versions in cases:
+        samples = [sample(i, v) for i, v in enumerate(versions)]
+        got = LearnerService.batch_versions(SimpleNamespace(version=9), Batch(samples=samples, version=9))
+        assert got == reference(9, samples), versions
