@@ -69,6 +69,7 @@ Everything here is driven by calls — no socket, no task, no clock of its own: 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from collections import OrderedDict, deque
@@ -335,17 +336,28 @@ class Admission:
         if self.side_work is not None:
             await self.side_work.dispatch(self)
         g = self.buffer.group_size
+        planned: list[tuple[ServerState, protocol.Assignment]] = []
         while True:
             eligible = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
             if not eligible:
-                return
+                break
             srv = min(eligible, key=lambda s: s.served)
             assignment = self._next_work(srv)
             if assignment is None:
-                return
+                break
             srv.credits -= g
             self._dispatched += 1
             srv.served = self._dispatched
+            planned.append((srv, assignment))
+        # Each server hears how many more of this burst follow (Assignment.burst_left), so it
+        # starts generating on the last one instead of waiting out its batch window (5 ms a
+        # cycle at max_staleness 0, where every batch is dispatched at once).
+        left = collections.Counter(srv.identity for srv, _ in planned)
+        for srv, assignment in planned:
+            left[srv.identity] -= 1
+            if self.servers.get(srv.identity) is not srv:
+                continue                          # lost by an earlier send: its leases re-issue
+            assignment.burst_left = left[srv.identity]
             await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
 
     def _next_work(self, srv: ServerState) -> protocol.Assignment | None:

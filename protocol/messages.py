@@ -268,6 +268,10 @@ class Assignment(Message):
     metadata: dict[str, Any] = wire(_MAP, default_factory=dict)  # task data for the reward (answer)
     deadline_s: float = wire(Float(min_value=0.0), default=600.0)  # lease length in seconds from receipt
     attempt: int = wire(Int(1), default=1)
+    # Assignments that follow this one to the same server in the same dispatch (protocol 3.2):
+    # 0 = the last one, the server may start generating; -1 = unknown (an older learner, or
+    # work sent on its own): the server waits its batch window for more to join.
+    burst_left: int = wire(Int(-1), default=-1)
 
 
 @record

@@ -120,7 +120,9 @@ class RolloutConfig(BaseModel):
     drain_timeout_s: float = Field(20.0, ge=0)
     """On SIGTERM: seconds to finish queued work and wait for its acks before exiting."""
     batch_wait_s: float = Field(0.005, ge=0)
-    """Wait this long after work arrives for more to join the same generate call (batching)."""
+    """At most this long after work arrives for the rest of the learner's burst to join the same
+    generate call (each Assignment says how many more follow; work that does not say, from an
+    older learner, waits the whole window)."""
     ack_timeout_s: float = Field(30.0, gt=0)
     """Seconds to wait for an Ack before re-sending a result."""
     heartbeat_interval_s: float = Field(2.0, gt=0)

@@ -8,7 +8,8 @@ engine's ``max_model_len``), token ids outside the vocabulary. Checked here, bef
 sees it, so no learner message can make a decode raise for the whole batch.
 
 Batching (:meth:`Pipeline.run`): assignments queued together go to the engine in one
-``generate`` call; after work arrives the pipeline waits ``batch_wait_s`` for more to join. Each
+``generate`` call; after work arrives the pipeline waits for the rest of the learner's burst
+(``Assignment.burst_left``: how many more follow), at most ``batch_wait_s``. Each
 batch first lets announced weights land (``before_batch``, bounded), so fresh work does not start
 on a version the learner has already left.
 
@@ -87,6 +88,7 @@ class Pipeline:
         self._gen_start = 0.0
         self._meter = (clock(), 0.0)      # (time, busy_s) at the last idle_ratio() call
         self._queued = asyncio.Event()
+        self._arrived = asyncio.Event()   # set by every admit (the batch window watches it)
         self._epoch = 0                   # bumped by drop(): results of older batches are discarded
 
     # ---- admission --------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class Pipeline:
         self.queue.append(a)
         self.assigned += a.group_size
         self._queued.set()
+        self._arrived.set()
 
     def drop(self) -> int:
         """Forget every queued assignment, and the results of the batch generating now (a new
@@ -152,12 +155,31 @@ class Pipeline:
         """Batches until cancelled; keeps going while stopping (the drain finishes leases)."""
         while True:
             await self._queued.wait()
-            if self.batch_wait_s:
-                await asyncio.sleep(self.batch_wait_s)   # a window for assignments sent together
+            await self._window()
             batch, self.queue = self.queue, []
             self._queued.clear()
             if batch:
                 await self.run_batch(batch)
+
+    async def _window(self) -> None:
+        """Wait for the rest of the learner's burst to join the batch: until an assignment says
+        none follow (``burst_left == 0``), for at most ``batch_wait_s``; an assignment that does
+        not say (``-1``: an older learner, evaluation work) waits the whole window."""
+        if not self.batch_wait_s:
+            return
+        deadline = time.monotonic() + self.batch_wait_s
+        while self.queue and self.queue[-1].burst_left != 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.queue[-1].burst_left < 0:
+                await asyncio.sleep(left)
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
 
     async def run_batch(self, batch: list[protocol.Assignment]) -> None:
         epoch = self._epoch

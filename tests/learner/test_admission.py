@@ -27,6 +27,7 @@ class Harness:
         self.version = 0
         self.sent: list[tuple[bytes, protocol.Message]] = []
         self.unreachable: set[bytes] = set()
+        self.attempts: list[bytes] = []    # every send tried, queued or not
         self.log: list[tuple[str, dict]] = []
         self.n = 0
         self.adm = Admission(self.buffer, self.send, self.new_assignment, version=lambda: self.version,
@@ -36,6 +37,7 @@ class Harness:
                              clock=self.clock)
 
     async def send(self, identity: bytes, msg: protocol.Message) -> bool:
+        self.attempts.append(identity)
         if identity in self.unreachable:
             return False
         self.sent.append((identity, msg))
@@ -182,6 +184,35 @@ async def test_unreachable_server_is_lost_at_once_and_its_lease_reissued():
     await h.adm.work_request(b, protocol.WorkRequest(server_id="B", credits=2))
     (m,) = h.of_type(protocol.Assignment, b"B")
     assert (m.assignment_id, m.attempt) == ("a1", 2)
+
+
+async def test_each_server_hears_how_many_assignments_of_the_burst_follow():
+    """Assignment.burst_left: a dispatch that hands several assignments to one server counts
+    down to 0 on the last one for that server (interleaved servers each count their own), so the
+    server starts generating on it instead of waiting out its batch window."""
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    a = await h.join("A", max_concurrency=6)
+    b = await h.join("B", max_concurrency=4)
+    a.credits, b.credits = 6, 4                        # both ready when the next dispatch runs
+    await h.adm.dispatch()
+    by = {name: [m.burst_left for m in h.of_type(protocol.Assignment, name)] for name in (b"A", b"B")}
+    assert by == {b"A": [2, 1, 0], b"B": [1, 0]}
+    await h.adm.work_request(b, protocol.WorkRequest(server_id="B", credits=2))   # a burst of one
+    assert h.of_type(protocol.Assignment, b"B")[-1].burst_left == 0
+
+
+async def test_a_server_lost_mid_burst_gets_nothing_more_of_it():
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    a = await h.join("A", max_concurrency=6)
+    a.credits = 6
+    h.unreachable.add(b"A")
+    await h.adm.dispatch()                             # the first send fails: A is lost
+    assert b"A" not in h.adm.servers and h.of_type(protocol.Assignment) == []
+    assert h.attempts.count(b"A") == 2                 # the Welcome and one assignment, no more
+    await h.join("B", max_concurrency=6, credits=6)
+    got = h.of_type(protocol.Assignment, b"B")
+    assert sorted(m.assignment_id for m in got) == ["a1", "a2", "a3"]   # all three re-issued
+    assert [m.burst_left for m in got] == [2, 1, 0] and {m.attempt for m in got} == {2}
 
 
 async def test_announce_rejoin_and_reannounce():

@@ -246,7 +246,8 @@ async def test_eval_through_a_real_hf_server_is_the_greedy_completion(tmp_path, 
     first = [s for s in seen if s.assignment_id.startswith("test-e1.")]
     assert len(first) == 4 and all(int(s.token_versions.max()) == 0 for s in first)
     for s in first:
-        ids = torch.from_numpy(prompts[f"e{s.assignment_id.rsplit('.', 1)[1]}"]["prompt_token_ids"]).long()[None]
+        ids = torch.tensor(prompts[f"e{s.assignment_id.rsplit('.', 1)[1]}"]["prompt_token_ids"],
+                           dtype=torch.long)[None]                 # a copy: the ids are read-only
         with torch.no_grad():
             out = model.generate(ids, do_sample=False, max_new_tokens=3, pad_token_id=model.config.pad_token_id)
         assert s.completion_token_ids.tolist() == out[0, ids.shape[1]:].tolist()[:len(s.completion_token_ids)]

@@ -40,7 +40,8 @@ def test_wire_field_order_is_pinned():
         "heartbeat": ("sender_id", "version", "inflight", "idle_ratio"),            # 3.1: idle_ratio
         "work_request": ("server_id", "credits"),
         "assignment": ("assignment_id", "prompt_id", "prompt_token_ids", "group_size", "version",
-                       "prompt_text", "sampling", "metadata", "deadline_s", "attempt"),
+                       "prompt_text", "sampling", "metadata", "deadline_s", "attempt",
+                       "burst_left"),                                               # 3.2: burst_left
         "rollout_result": ("server_id", "samples"),
         "ack": ("sample_ids", "statuses"),
         "weights_available": ("version", "kind", "tensors", "total_bytes", "chunk_bytes",
@@ -160,6 +161,21 @@ def test_older_minor_version_without_defaulted_fields_decodes():
     del b[4:]                                         # max_concurrency, metadata: defaults
     out = decode([frames[0], msgpack.packb(b)])
     assert out == protocol.Hello("srv", "hf", "tiny", 3)
+
+
+def test_a_3_1_assignment_has_no_burst_hint_and_a_3_2_one_round_trips():
+    """Assignment.burst_left (3.2): a 3.1 learner's assignment (no such field) decodes as -1,
+    "unknown" (the server waits its batch window, as before); the values a learner sends round
+    trip; below -1 is refused."""
+    a = protocol.Assignment(assignment_id="a-1", prompt_id="p", prompt_token_ids=np.arange(3, dtype=np.int32),
+                            group_size=2, version=0, burst_left=3)
+    frames = encode(a)
+    body = msgpack.unpackb(frames[1])
+    assert body[-1] == 3 and decode(frames).burst_left == 3
+    older = [msgpack.packb([3, 1, *msgpack.unpackb(frames[0])[2:]]), msgpack.packb(body[:-1])]
+    assert decode(older).burst_left == -1
+    with pytest.raises(ProtocolError, match=r"Assignment\.burst_left: -2 is below the minimum -1"):
+        decode([frames[0], msgpack.packb([*body[:-1], -2])])
 
 
 def test_required_field_missing_is_refused():

@@ -79,12 +79,12 @@ class FakeLearner:
 
 
 def assignment(aid: str, tokens: list[int], group_size: int = 2, answer: str = "7",
-               max_new_tokens: int = 5, **sampling) -> protocol.Assignment:
+               max_new_tokens: int = 5, burst_left: int = -1, **sampling) -> protocol.Assignment:
     return protocol.Assignment(
         assignment_id=aid, prompt_id=aid, prompt_token_ids=np.array(tokens, dtype=np.int32),
         group_size=group_size, version=0, prompt_text="3+4=",
         sampling=protocol.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
-        metadata={"answer": answer}, deadline_s=60.0)
+        metadata={"answer": answer}, deadline_s=60.0, burst_left=burst_left)
 
 
 def publish(version: int, named: list[tuple[str, torch.Tensor]], chunk_bytes: int,

@@ -97,6 +97,48 @@ async def test_assignments_queued_together_share_one_generate_call():
     assert s.completion_text == "7 8 9" and s.failed is None
 
 
+def _with_window(h: Harness, seconds: float) -> Harness:
+    h.pipeline.batch_wait_s = seconds
+    return h
+
+
+async def test_a_burst_joins_one_generate_call_and_starts_on_its_last_assignment():
+    """Assignment.burst_left: the learner's burst of 3 arrives one by one (the loop runs between
+    them); all three share one generate call, which starts when the one saying "none follow"
+    arrives, not after the window (60 s here: waiting it out would time the test out)."""
+    h = _with_window(Harness(), 60.0)
+    task = asyncio.create_task(h.pipeline.run())
+    try:
+        for i, left in enumerate((2, 1)):
+            h.pipeline.admit(assignment(f"a{i}", [1, 7], group_size=2, max_new_tokens=3, burst_left=left))
+            for _ in range(5):
+                await asyncio.sleep(0)                # the pipeline runs, and must keep waiting
+            assert h.engine.calls == []
+        h.pipeline.admit(assignment("a2", [1, 7], group_size=2, max_new_tokens=3, burst_left=0))
+        await asyncio.wait_for(h.done.wait(), 30)
+    finally:
+        task.cancel()
+    assert len(h.engine.calls) == 1 and len(h.engine.calls[0]) == 3
+
+
+async def test_work_that_does_not_say_waits_the_window_and_a_lost_tail_cannot_hold_it_longer():
+    """burst_left -1 (a 3.1 learner, evaluation work) waits the whole window for more, as before;
+    a burst whose last assignment never comes (refused, or lost) waits no longer than the window."""
+    for first in (-1, 5):
+        h = _with_window(Harness(), 1.0)
+        h.pipeline.admit(assignment("a", [1, 7], group_size=2, max_new_tokens=3, burst_left=first))
+        task = asyncio.create_task(h.pipeline.run())
+        try:
+            started = time.monotonic()
+            await asyncio.sleep(0.01)
+            h.pipeline.admit(assignment("b", [1, 7], group_size=2, max_new_tokens=3, burst_left=first))
+            await asyncio.wait_for(h.done.wait(), 30)
+        finally:
+            task.cancel()
+        assert len(h.engine.calls) == 1 and len(h.engine.calls[0]) == 2, first
+        assert time.monotonic() - started >= 0.99, first
+
+
 async def test_sampling_reaches_the_engine_unchanged():
     h = Harness()
     a = assignment("a", [1, 2], max_new_tokens=7, temperature=0.7, top_p=0.9, top_k=5)
