@@ -118,7 +118,9 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
         no_endpoint = tampered(protocol.Welcome(learner_id="l", run_id="r", version=0,
                                                 weights_endpoint="tcp://x:1"), lambda b: b[:3])
         await refused(no_endpoint, "protocol_error")                  # Welcome without its endpoint
-        assert m.registry.get_sample_value("slipstream_protocol_errors_total") == 6
+        await refused(tampered(assignment("burst", [bos, 5]), lambda b: b[:10] + [-5]),
+                      "protocol_error")                               # burst_left below -1
+        assert m.registry.get_sample_value("slipstream_protocol_errors_total") == 7
 
         # -- well-formed but not for this server: refused with an Error, counted ---------------
         err = await refused(assignment("wide", [bos, 5], group_size=10**6), "assignment_refused")
@@ -166,8 +168,10 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
         assert err.code == "weights_failed" and "weights_version" in err.message
         await learner.send(ident, v2)                                 # a repeat: ignored
 
-        # -- still serving: a good assignment, generated on the new weights -------------------
-        await learner.send(ident, assignment("good", [bos, 7, 8], group_size=2, max_new_tokens=6))
+        # -- still serving: a good assignment, generated on the new weights; it promises a
+        # burst of 10**9 more that never come: the batch window (batch_wait_s) bounds the wait
+        await learner.send(ident, assignment("good", [bos, 7, 8], group_size=2, max_new_tokens=6,
+                                             burst_left=10**9))
         _, result = await learner.expect(protocol.RolloutResult)
         assert sorted(s.sample_id for s in result.samples) == ["good/0", "good/1"]
         for s in result.samples:
