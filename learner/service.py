@@ -347,11 +347,9 @@ class LearnerService:
             self.control.before_step(self.trainer)   # ctl set of step settings lands here
             self.train_busy = True
             idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
-            step, taken = self.step_and_snapshot(batch)
             try:
-                stats = await step
+                stats = await self.on_train_thread(self.trainer.step, batch)
             except SkippedStep as skip:
-                (await taken).clear()                # the unchanged weights: dropped
                 self.skip_step(batch, skip)
                 await self.admission.dispatch()
                 continue
@@ -360,37 +358,12 @@ class LearnerService:
             if self.rollout_log is not None:
                 await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
-            stats["publish_wait_s"] = await self.hand_over(taken)   # the loop's wait on the snapshot
+            stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
             stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.record_step(stats)
             self.maybe_evaluate()
             await self.admission.dispatch()
         await self.publisher.drain()          # the last version is announced before finish waits
-
-    def step_and_snapshot(self, batch: Batch) -> tuple[asyncio.Future, asyncio.Future]:
-        """The step on the train thread and, queued right behind it on the same thread, the
-        snapshot of the version it makes (learner.weights_server.Publisher.take): the weights are
-        copied while the loop does the step's bookkeeping, instead of after it on the loop (one
-        thread hop fewer; the demo's loop waited 1.5-1.8 ms a step for its snapshot).
-
-        The snapshot comes in a one-item list, emptied by whoever takes it: a future keeps its
-        result as long as it lives, and the snapshot's buffer must go back to the pool when the
-        version is dropped, not when the loop's next step replaces the future."""
-        loop = asyncio.get_running_loop()
-        publisher, version, tensors = self.publisher, self.version + 1, self.trainer.named_tensors
-        step = loop.run_in_executor(self.train_thread, self.trainer.step, batch)
-        taken = loop.run_in_executor(self.train_thread, lambda: [publisher.take(version, tensors)])
-        taken.add_done_callback(_retrieved)          # a failed step never awaits it
-        return step, taken
-
-    async def hand_over(self, taken: asyncio.Future) -> float:
-        """The step's snapshot to the publisher (it prepares and announces it in the background);
-        the seconds the loop waited for the copy to finish."""
-        start = time.monotonic()
-        snap = (await taken).pop()
-        wait = time.monotonic() - start
-        self.publisher.hand_over(snap, wait)
-        return wait
 
     async def next_batch(self) -> Batch | None:
         """The next batch (checkpoints happen between steps); None once a finite dataset is used
@@ -663,12 +636,6 @@ class LearnerService:
                 "invalid_samples": dict(self.intake.invalid) if self.intake else {},
                 "prompts": self.prompts.status() if self.prompts else None,
                 "evaluation": self.evaluation.status() if self.evaluation else None}
-
-
-def _retrieved(future: asyncio.Future) -> None:
-    """Mark a future's exception as seen (it is raised where it matters, or not at all)."""
-    if not future.cancelled():
-        future.exception()
 
 
 def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int:

@@ -284,31 +284,15 @@ class Publisher:
             snap = await asyncio.to_thread(self.weights.snapshot, version, named_tensors)
         snap.started = start
         wait = time.monotonic() - start
-        self.hand_over(snap, wait)
-        return wait
-
-    def take(self, version: int, named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]
-             ) -> Snapshot:
-        """The snapshot of ``version`` taken on the calling thread (the learner's train thread,
-        queued right behind the step that makes the version: it is copied while the event loop
-        does the step's bookkeeping); give it to :meth:`hand_over`, or drop it."""
-        start = time.monotonic()
-        snap = self.weights.snapshot(version, list(named_tensors()))
-        snap.started = start
-        return snap
-
-    def hand_over(self, snap: Snapshot, wait: float) -> None:
-        """Prepare, install and announce ``snap`` in the background task (``wait``: the seconds
-        the train loop waited for it). Raises the background task's failure, as publish does."""
-        self._raise_failure()
         self.observe_wait(wait)
         old, self._waiting = self._waiting, snap
         if old is not None:
             self.superseded += 1
-            self.on_superseded(old.version, snap.version)
+            self.on_superseded(old.version, version)
             del old                                 # its buffer goes back to the pool
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="publish")
+        return wait
 
     async def drain(self) -> None:
         """Wait until every snapshot taken has been announced (or superseded)."""

@@ -82,52 +82,6 @@ async def test_publish_returns_before_prepare_and_versions_are_announced_in_orde
     assert ws.buffers.allocated == 3 and announced == [1, 3, 4]
 
 
-async def test_the_train_loops_snapshots_are_handed_over_or_dropped_and_their_buffers_reused():
-    """The train loop's way (LearnerService.step_and_snapshot): the step and, behind it on the
-    train thread, ``Publisher.take``; then ``hand_over`` on the loop. A handed-over snapshot is
-    announced with its bytes and the loop's wait observed; a dropped one (a skipped step) is never
-    announced. Neither is held by the executor's future (which the loop keeps until its next
-    step): a version pushed out of ``keep``, or dropped, gives its buffer back at once."""
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
-
-    from learner.service import LearnerService
-
-    ws = GatedWeights(chunk_bytes=1024, keep=1)
-    ws.gate.set()
-    announced, waits = [], []
-
-    async def announce(m):
-        announced.append(m.version)
-
-    pub = Publisher(ws, announce, observe_wait=waits.append)
-    weights = {"v": 0.0}
-    svc = SimpleNamespace(train_thread=ThreadPoolExecutor(1), publisher=pub, version=0, trainer=SimpleNamespace(
-        step=lambda batch: weights.update(v=weights["v"] + 1) or {"loss": 0.0},
-        named_tensors=lambda: named(weights["v"])))
-    try:
-        futures = []
-        for version in (1, 2):
-            step, taken = LearnerService.step_and_snapshot(svc, None)
-            futures.append(taken)                  # held, as the loop holds its last one
-            assert await step == {"loss": 0.0}
-            svc.version = version
-            assert await LearnerService.hand_over(svc, taken) >= 0
-            await asyncio.wait_for(pub.drain(), 30)
-        assert announced == [1, 2] and ws.versions == [2] and len(waits) == 2
-        assert torch.equal(torch.frombuffer(bytearray(ws.chunk(2, 0).data), dtype=torch.float32),
-                           torch.full((256,), 2.0))
-        assert ws.buffers.allocated == 2 and ws.buffers.free == 1     # version 1's, given back
-        step, taken = LearnerService.step_and_snapshot(svc, None)     # a step that is skipped
-        futures.append(taken)
-        await step
-        (await taken).clear()
-        assert ws.buffers.allocated == 2 and ws.buffers.free == 1     # reused, then given back
-        assert announced == [1, 2]
-    finally:
-        svc.train_thread.shutdown()
-
-
 async def test_a_failed_prepare_is_raised_by_the_next_publish():
     ws = GatedWeights(chunk_bytes=1024, fail_version=1)
     ws.gate.set()
