@@ -73,6 +73,18 @@ engine needs to build the same adapter (the HF engine passes them to ``LoraConfi
 them into ``adapter_config.json``)."""
 
 
+def adamw(params, **kw) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where it has one for these parameters (CPU and CUDA
+    floating point): one kernel over every tensor instead of a dozen small ops per tensor, the
+    same update (the demo's policy on one thread: an optimizer step 2.56 -> 0.67 ms, 3 % of the
+    step). Parameters it cannot take get the default implementation."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, **kw)
+
+
 class Trainer:
     """Owns the policy model, its tokenizer and optimizer; the reference and the critic when the
     config uses them.
@@ -124,7 +136,7 @@ class Trainer:
         self.model = model
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.forward = LogprobForward(self.model)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -149,8 +161,8 @@ class Trainer:
                 self.critic.backbone.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
             self.critic.train()
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr,
-                                                      weight_decay=cfg.weight_decay)
+            self.critic_optimizer = adamw(self.critic.parameters(), lr=cfg.critic_lr,
+                                          weight_decay=cfg.weight_decay)
         if cfg.kl_controller == "adaptive":
             self.kl_controller = ops.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         else:

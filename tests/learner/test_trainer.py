@@ -234,3 +234,25 @@ def test_vocab_size_and_bad_batches(tiny_model_dir):
     with pytest.raises(ValueError, match="needs_correction"):
         tr.step(make_batch([True]))
     assert_close_dicts(params(tr), before, atol=0, rtol=0)
+
+
+def test_the_policy_optimizer_is_fused_and_updates_as_the_default_adamw():
+    """learner.trainer.adamw: torch's fused AdamW on CPU parameters, whose steps match the
+    default (for-loop) AdamW's."""
+    import torch
+
+    from learner.trainer import adamw
+
+    torch.manual_seed(0)
+    a = [torch.randn(7, 5, requires_grad=True), torch.randn(5, requires_grad=True)]
+    b = [p.detach().clone().requires_grad_(True) for p in a]
+    fused, plain = adamw(a, lr=1e-2, weight_decay=0.1), torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"] is True and not plain.defaults.get("fused")
+    for _ in range(5):
+        g = [torch.randn_like(p) for p in a]
+        for p, q, x in zip(a, b, g):
+            p.grad, q.grad = x.clone(), x.clone()
+        fused.step()
+        plain.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
