@@ -37,10 +37,10 @@ with TRL as a line, and reward against trained samples), and prints the table. T
 average is recorded with the numbers: ratios within one run are what counts.
 
 Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
-synchronous"): demo, ``--repeats 3``, medians: eta 0 370/s = 0.87x TRL (399/457/s with 1/2
-threads; the faster is the baseline), eta 1 609/s = 1.61x eta 0 and 1.33x TRL, eta 2 580/s =
-1.57x and 1.36x, eta 4 565/s, overlap 0.94-0.95 of ideal; the long tail (one round): eta 0
-60/s = 1.13x TRL, eta 1/2/4 at 1.77/1.70/1.92x eta 0 and 1.99/1.92/2.16x TRL. Under load (other jobs on the cores)
+synchronous"): demo, ``--repeats 3``, medians: eta 0 665/s = 0.91x TRL (627/728/s with 1/2
+threads; the faster is the baseline), eta 1 908/s = 1.37x eta 0 and 1.25x TRL, eta 2 913/s =
+1.37x and 1.26x, eta 4 904/s, overlap 0.96 of ideal; the long tail (one round): eta 0 103/s =
+0.97x TRL, eta 1/2/4 at 1.63/1.65/1.75x eta 0 and 1.58/1.61/1.70x TRL. Under load (other jobs on the cores)
 the overlapped runs lose the second core and the demo's ratios fall below 1.
 """
 
