@@ -19,7 +19,15 @@ from learner.ds_config import DeepSpeedSettings
 from learner.rollout_log import RolloutLogSettings
 from learner.security import LearnerSecurity
 from learner.sinks import METRICS_SINKS
-from ops import ADVANTAGE_METHODS, GROUP_ADVANTAGE_METHODS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, PF_PPO_METHODS
+from ops import (
+    ADVANTAGE_METHODS,
+    CLIP_ANCHORS,
+    GROUP_ADVANTAGE_METHODS,
+    IS_MODES,
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    PF_PPO_METHODS,
+)
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -147,6 +155,17 @@ class LearnerConfig(BaseModel):
     verl's 2 (set for engine mismatch): data 4 versions stale has weights of 3-12, and capping them
     at 2 kept 0.59 of eta 0's learning per sample on the demo, 5 kept 0.81 (5 seeds each;
     uncapped 0.66). At eta <= 2 the weights stay below 2 and the cap rarely binds."""
+    clip_anchor: Literal[CLIP_ANCHORS] = "proximal"
+    """Where the PPO clip (the trust region) is centred. proximal: on pi_prox, the policy at the
+    step's start (decoupled PPO, AReaL): a step of one update then has no trust region at all,
+    since pi_theta = pi_prox where its gradient is taken. behavior: on the policy that sampled
+    each token, with the is_mode weights kept (ops.behavior_anchored_weights): a token whose
+    probability already moved past 1 +- clip of the sampler's in its advantage's direction gets
+    no gradient, so stale data cannot push the policy on past where the data's own policy was.
+    On the demo at eta 4 (tis, one update a step, 200 steps, 4 seeds) proximal kept 0.29 of eta
+    0's gain in the policy's reward and behavior 1.48 (1.27-1.70 per seed; tests/bench/
+    bench_staleness_reward.py). At eta 0 the two are the same update. pg_* ratio stats are taken
+    against the anchor; refused beside target_kl."""
     is_veto: float = Field(1e-4, gt=0, lt=1)
     """geo_mis per-token veto: a sequence with one token of weight below this is masked whole."""
     m2po_threshold: float | None = Field(None, ge=0)
@@ -367,6 +386,10 @@ class LearnerConfig(BaseModel):
         if self.kl_controller == "adaptive" and self.kl_coef == 0:
             raise ValueError("kl_controller=adaptive needs kl_coef > 0 (its start value; "
                              "the controller scales it)")
+        if self.clip_anchor == "behavior" and self.target_kl is not None:
+            raise ValueError("target_kl stops a step by its distance from pi_prox, but with "
+                             "clip_anchor: behavior the ratio is taken against the behavior policy; "
+                             "set target_kl: null or clip_anchor: proximal")
         if self.eval_every and self.eval_data is None:
             raise ValueError("eval_every > 0 needs eval_data (held-out prompts); set eval_data, or "
                              "eval_every: 0")

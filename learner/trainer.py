@@ -29,7 +29,10 @@ on the first mini-batch before any update; ``sanity_failed`` when over tolerance
 shortcut makes the ratio 1 by construction, the check is not applicable (``sanity_applicable`` 0,
 no ``sanity_*`` values) rather than a 1.0 that cannot fail. ``recompute_logprobs: false`` uses the
 behavior log-probs as π_prox (w = 1), except for samples flagged ``needs_correction``, which are
-always weighed against the current weights (see :meth:`Trainer.step`).
+always weighed against the current weights (see :meth:`Trainer.step`). ``clip_anchor: behavior``
+keeps π_prox and its weights but takes the clipped ratio against the behavior log-probs
+(``ops.behavior_anchored_weights``): the trust region of the sampler, which a one-update step
+otherwise lacks.
 
 A step that applies nothing. A non-finite loss or gradient norm (policy or critic) raises
 :class:`SkippedStep` before its optimizer step; when earlier mini-batches of the same step were
@@ -648,8 +651,11 @@ class Trainer:
             prox, w = take(s.proximal, rows, L), take(s.weights, rows, L)
         if first and s.sanity_on:
             log.sanity.add(current, prox, mask)
+        anchor = prox
+        if cfg.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
+            w, anchor = ops.behavior_anchored_weights(w, prox, behavior, mask), behavior
         pg_loss, pg_stats = ops.ppo_policy_loss(
-            logprobs, prox, take(s.adv, rows, L), mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            logprobs, anchor, take(s.adv, rows, L), mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             dual_clip=cfg.dual_clip, is_weights=w, agg=cfg.loss_agg, normalizer=normalizer)
         total = pg_loss
         mb.add("pg_loss", pg_loss)

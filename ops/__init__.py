@@ -17,6 +17,7 @@ from typing import Any
 
 from .names import (
     ADVANTAGE_METHODS,
+    CLIP_ANCHORS,
     GROUP_ADVANTAGE_METHODS,
     IS_MODES,
     KL_KINDS,
@@ -31,6 +32,7 @@ _WHERE = {
     "STAT_REDUCTIONS": "stats",
     "aggregate_loss": "masked",
     "batch_normalize": "rewards",
+    "behavior_anchored_weights": "importance",
     "clip_rewards": "rewards",
     "discounted_reverse_cumsum": "advantages",
     "dpo_loss": "losses",
@@ -80,6 +82,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ADVANTAGE_METHODS",
+    "CLIP_ANCHORS",
     "GROUP_ADVANTAGE_METHODS",
     "IS_MODES",
     "KL_KINDS",
@@ -91,6 +94,7 @@ __all__ = [
     "RunningMoments",
     "aggregate_loss",
     "batch_normalize",
+    "behavior_anchored_weights",
     "clip_rewards",
     "discounted_reverse_cumsum",
     "dpo_loss",

@@ -32,7 +32,7 @@ from .kl import LOG_RATIO_CLAMP, kl_estimate
 from .masked import compute_dtype, masked_mean, masked_sum
 from .names import IS_MODES
 
-__all__ = ["IS_MODES", "importance_weights"]
+__all__ = ["IS_MODES", "behavior_anchored_weights", "importance_weights"]
 
 
 
@@ -114,3 +114,32 @@ def importance_weights(
     }
     out_mask = new_keep if mask.dtype == torch.bool else torch.where(new_keep, mask, torch.zeros_like(mask))
     return weights, out_mask, stats
+
+
+@torch.no_grad()
+def behavior_anchored_weights(
+    weights: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Importance weights for a PPO surrogate whose ratio is taken against the behavior policy μ
+    (``clip_anchor: behavior``) instead of π_prox -> weights [B, T], detached.
+
+    The decoupled surrogate is w_t · max(−A_t r_t, −A_t clip(r_t)) with r_t = π_θ/π_prox (its
+    trust region is centred on π_prox). With the ratio ρ_t = π_θ/μ instead, the weight becomes
+
+        w'_t = w_t · μ(y_t)/π_prox(y_t) = w_t · exp(clamp(log μ − log π_prox, −20, 20))
+
+    so that at π_θ = π_prox, for a token inside μ's clip range, the gradient is the decoupled
+    one, −w_t A_t ∇log π_θ (w'_t ρ_t = w_t), whatever ``is_mode`` made w; a token whose
+    probability has already moved past 1 ± ε of μ in the direction of its advantage gets none
+    (the clip is active) — the trust region PPO draws around the policy that sampled the data,
+    kept with the mode's correction. ``weights``: [B, T] from :func:`importance_weights` (0 where
+    masked); the result is 0 wherever ``weights`` or ``mask`` is.
+    """
+    keep = mask != 0
+    cdt = compute_dtype(proximal_logprobs.dtype)
+    log_back = torch.clamp(behavior_logprobs.to(cdt) - proximal_logprobs.to(cdt), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    out = weights.to(cdt) * torch.exp(torch.where(keep, log_back, torch.zeros_like(log_back)))
+    return torch.where(keep, out, torch.zeros_like(out))

@@ -10,6 +10,9 @@ ADVANTAGE_METHODS = (*GROUP_ADVANTAGE_METHODS, "gae", "reinforce_pp")
 ``reinforce_pp`` (``reinforce_pp_advantages``, no critic, no groups)."""
 IS_MODES = ("none", "tis", "mis", "seq_tis", "seq_mis", "geo_mis")
 """Behavior importance weighting modes (``importance_weights``)."""
+CLIP_ANCHORS = ("proximal", "behavior")
+"""Where the PPO clip's ratio is anchored: π_prox (decoupled PPO) or the behavior policy μ
+(``behavior_anchored_weights``)."""
 KL_KINDS = ("k1", "k2", "k3")
 """KL estimators (``kl_estimate``)."""
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")

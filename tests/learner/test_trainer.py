@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
 from ops_twins import (  # noqa: E402
     aggregate_loop,
+    behavior_anchored_loop,
     group_advantages_loop,
     importance_loop,
     ppo_token_losses_loop,
@@ -113,7 +114,16 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         w = torch.where(flagged[:, None], w_f, w)
         keep = torch.where(flagged[:, None], keep_f, keep)
     # Single optimizer step: the proximal policy is the current one (ratio 1).
-    token_loss = ppo_token_losses_loop(logp, logp, adv, keep, cfg.clip_low, cfg.clip_high, None, w)
+    inside = torch.ones(B, T, dtype=torch.bool)
+    if cfg.clip_anchor == "behavior":
+        # The ratio against mu: a token already past 1 +- eps of mu in its advantage's direction
+        # is clipped (no gradient); the others keep the decoupled gradient -w A.
+        token_loss = ppo_token_losses_loop(logp, behav, adv, keep, cfg.clip_low, cfg.clip_high, None,
+                                           behavior_anchored_loop(w, logp, behav, keep))
+        r = torch.exp(logp - behav)
+        inside = ~(((adv > 0) & (r > 1 + cfg.clip_high)) | ((adv < 0) & (r < 1 - cfg.clip_low)))
+    else:
+        token_loss = ppo_token_losses_loop(logp, logp, adv, keep, cfg.clip_low, cfg.clip_high, None, w)
     # Masked tokens (mis) keep their place in the denominator with weight 0: aggregate over `mask`.
     loss = aggregate_loop(token_loss, mask, cfg.loss_agg)
     # Gradient at ratio 1: d l_t / d log π_t = −w_t A_t (inside the clip range), so the surrogate
@@ -124,7 +134,7 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         c = {"token_mean": 1.0 / sum(rows), "seq_mean_token_sum": 1.0 / B,
              "seq_mean_token_mean": 1.0 / (B * n)}[cfg.loss_agg]
         coef[i, :n] = c
-    wk = torch.where(keep, w, torch.zeros_like(w))
+    wk = torch.where(keep & inside, w, torch.zeros_like(w))
     surrogate = (coef * (-wk * adv)).float() * torch.exp(logp_grad - logp_grad.detach())
     model.zero_grad()
     surrogate[mask].sum().backward()
@@ -157,6 +167,27 @@ def test_step_matches_reference_from_twins(tiny_model_dir, is_mode, loss_agg, fl
     assert stats["pg_ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert stats["corrected_samples"] == float(sum(flags or []))
     assert_close_dicts(grads(tr), ref_grads, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("is_mode", ["tis", "mis"])
+def test_clip_anchor_behavior_matches_reference_from_twins(tiny_model_dir, is_mode):
+    """clip_anchor: behavior: the PPO ratio against the behavior log-probs, the importance weights
+    kept; tokens past the sampler's trust region get no gradient, the rest the decoupled one."""
+    tr = make_trainer(tiny_model_dir, is_mode=is_mode, is_cap=5.0, clip_anchor="behavior",
+                      micro_batch_samples=3)
+    batch = make_batch(spread=1.0)
+    ref_loss, _, keep, ref_grads = reference(tiny_model_dir, batch, tr.cfg)
+    stats = tr.step(batch)
+    assert stats["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert 0 < stats["pg_clip_fraction"] < 1             # some tokens are past mu's trust region
+    assert_close_dicts(grads(tr), ref_grads, atol=1e-5, rtol=1e-4)
+    plain = make_trainer(tiny_model_dir, is_mode=is_mode, is_cap=5.0, micro_batch_samples=3)
+    assert plain.step(batch)["pg_clip_fraction"] == 0     # the one-update decoupled step: none
+
+
+def test_clip_anchor_behavior_refuses_target_kl():
+    with pytest.raises(ValueError, match="target_kl"):
+        LearnerConfig(clip_anchor="behavior", target_kl=0.1)
 
 
 @pytest.mark.parametrize("overrides,flags", [

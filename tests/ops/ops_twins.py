@@ -222,6 +222,17 @@ def importance_loop(prox, behav, mask, mode, cap, veto=None):
     return w, keep
 
 
+def behavior_anchored_loop(weights, prox, behav, mask):
+    """w'_t = w_t * mu/pi_prox token by token (0 where not counted), float64."""
+    B, T = prox.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                out[b, t] = float(weights[b, t]) * math.exp(min(max(float(behav[b, t]) - float(prox[b, t]), -20.0), 20.0))
+    return out
+
+
 def m2po_loop(prox, behav, mask, threshold):
     """M2PO as its paper says it: remove the counted token of largest (log w)², one at a time, until
     the mean of (log w)² over the rest is <= threshold (among equal values the later row-major

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_twins import importance_loop
+from ops_twins import behavior_anchored_loop, importance_loop
 
-from ops import IS_MODES, importance_weights
+from ops import IS_MODES, behavior_anchored_weights, importance_weights, ppo_policy_loss
 
 
 def _batch(B=4, T=6, seed=0, spread=0.8, p=0.75):
@@ -112,3 +112,40 @@ def test_all_masked_and_bad_arguments():
         importance_weights(prox, behav, torch.ones(4, 6), "bogus", 2.0)
     with pytest.raises(ValueError):
         importance_weights(prox, behav, torch.ones(4, 6), "tis", None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), mode=st.sampled_from(IS_MODES))
+def test_behavior_anchored_weights_match_loop_twin(seed, mode):
+    prox, behav, mask = _batch(seed=seed)
+    w, _, _ = importance_weights(prox, behav, mask, mode, 5.0)
+    out = behavior_anchored_weights(w, prox, behav, mask)
+    torch.testing.assert_close(out.double(), behavior_anchored_loop(w, prox, behav, mask), atol=1e-6, rtol=1e-5)
+    assert not out.requires_grad and (out[~mask] == 0).all()
+
+
+def test_behavior_anchor_keeps_the_correction_inside_the_sampler_trust_region():
+    """At pi_theta = pi_prox, the PPO gradient with the ratio against mu and the anchored weights is
+    the decoupled gradient -w A grad(log pi) on every token still within 1 +- eps of mu, and zero on
+    a token that already moved past it in its advantage's direction."""
+    prox = torch.log(torch.tensor([[0.5, 0.3, 0.9, 0.1]]))
+    #             ratio to mu:     1.1   3.0  0.5  0.85 (token 1: already far above mu)
+    behav = prox - torch.log(torch.tensor([[1.1, 3.0, 0.5, 0.85]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])      # token 2: A < 0 and already below 1 - eps
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    w, _, _ = importance_weights(prox, behav, mask, "tis", 5.0)
+
+    def grad(anchor, weights):
+        lp = prox.clone().requires_grad_(True)
+        loss, _ = ppo_policy_loss(lp, anchor, adv, mask, clip_low=0.2, clip_high=0.2, is_weights=weights,
+                                  agg="token_mean")
+        loss.backward()
+        return lp.grad[0]
+
+    decoupled = grad(prox, w)
+    anchored = grad(behav, behavior_anchored_weights(w, prox, behav, mask))
+    torch.testing.assert_close(anchored[[0, 3]], decoupled[[0, 3]])   # inside: the same correction
+    assert anchored[1] == 0 and anchored[2] == 0                    # outside, in A's direction: none
+    assert decoupled[1] != 0 and decoupled[2] != 0                  # the decoupled step pushes on
+    # on-policy data (mu = pi_prox): the anchor changes nothing
+    torch.testing.assert_close(grad(prox, behavior_anchored_weights(w * 0 + 1, prox, prox, mask)), grad(prox, w * 0 + 1))
