@@ -18,7 +18,7 @@ message, as in a config file. Where a setting takes effect:
   the temperature they were drawn at: intake stamps each with its assignment's, and the trainer
   recomputes every row at its own (learner.batching.SAMPLING_TEMPERATURE), so a batch that mixes
   the two temperatures is still corrected exactly;
-- at the next policy step: ``is_mode``, ``is_cap``, ``kl_coef``, ``target_kl``, ``lr``. A step runs
+- at the next policy step: ``is_mode``, ``is_cap``, ``clip_anchor``, ``kl_coef``, ``target_kl``, ``lr``. A step runs
   in a worker thread and reads its config throughout, so the trainer has its own copy, and the
   changes reach it between steps (:meth:`Control.before_step`): no step sees half a change.
 
@@ -44,7 +44,7 @@ from learner.config import LearnerConfig
 from learner.metrics import LearnerMetrics
 
 COMMANDS = ("status", "get", "set", "pause", "resume", "checkpoint", "stop")
-STEP_SETTINGS = ("is_mode", "is_cap", "kl_coef", "target_kl", "lr")
+STEP_SETTINGS = ("is_mode", "is_cap", "clip_anchor", "kl_coef", "target_kl", "lr")
 """Settings the trainer reads during a step: applied to its copy of the config between steps."""
 _BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -208,6 +208,9 @@ class Control:
         try:
             setattr(self.cfg, key, value)
         except ValidationError as e:
+            # pydantic has already stored the value when a check across fields (the model
+            # validator) refuses it: put the old one back, unvalidated (it was valid before)
+            self.cfg.__dict__[key] = old
             why = e.errors()[0].get("msg", str(e))
             return self._error(f"bad value {value!r} for {key}: {why} ({key} takes {describe(key)})")
         new = getattr(self.cfg, key)

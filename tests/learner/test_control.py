@@ -26,7 +26,7 @@ def ctl():
     return c
 
 
-SETTABLE = ["is_cap", "is_mode", "kl_coef", "lr", "max_inflight_per_server", "max_staleness",
+SETTABLE = ["clip_anchor", "is_cap", "is_mode", "kl_coef", "lr", "max_inflight_per_server", "max_staleness",
             "stale_policy", "target_kl", "temperature"]
 
 
@@ -138,6 +138,18 @@ async def test_step_settings_reach_the_trainer_only_between_steps(ctl):
     m = ctl.metrics
     assert m.value("slipstream_setting", {"key": "lr"}) == 1e-3 and m.value("slipstream_setting", {"key": "is_cap"}) == 3
     assert m.value("slipstream_control_changes_total", {"key": "target_kl"}) == 2
+
+
+async def test_clip_anchor_is_a_step_setting_and_refused_beside_target_kl(ctl):
+    trainer = FakeTrainer(ctl.cfg)
+    assert (await run(ctl, "set", key="target_kl", value=0.05)).ok
+    reply = await run(ctl, "set", key="clip_anchor", value="behavior")
+    assert not reply.ok and "target_kl" in reply.error and ctl.cfg.clip_anchor == "proximal"
+    assert (await run(ctl, "set", key="target_kl", value=None)).ok
+    assert (await run(ctl, "set", key="clip_anchor", value="behavior")).ok
+    assert trainer.cfg.clip_anchor == "proximal"          # not before the next step
+    ctl.before_step(trainer)
+    assert trainer.cfg.clip_anchor == "behavior"
 
 
 async def test_kl_coef_needs_a_reference_loaded_at_start():
