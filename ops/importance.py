@@ -138,8 +138,7 @@ def behavior_anchored_weights(
     kept with the mode's correction. ``weights``: [B, T] from :func:`importance_weights` (0 where
     masked); the result is 0 wherever ``weights`` or ``mask`` is.
     """
-    keep = mask != 0
     cdt = compute_dtype(proximal_logprobs.dtype)
     log_back = torch.clamp(behavior_logprobs.to(cdt) - proximal_logprobs.to(cdt), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    out = weights.to(cdt) * torch.exp(torch.where(keep, log_back, torch.zeros_like(log_back)))
-    return torch.where(keep, out, torch.zeros_like(out))
+    out = weights.to(cdt) * torch.exp(log_back)
+    return torch.where(mask != 0, out, torch.zeros_like(out))     # padding (NaN there too) -> 0
