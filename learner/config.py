@@ -36,6 +36,7 @@ BATCH_FILTERS = ("none", "pf_ppo")
 KL_CONTROLLERS = ("fixed", "adaptive")
 CRITIC_TARGETS = ("gae", "vtrace")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUTOCAST_DTYPES = ("none", "bfloat16")
 CHECKPOINT_FAILURES = ("continue", "stop")
 STALENESS_CONTROLLERS = ("fixed", "adaptive")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
@@ -321,6 +322,11 @@ class LearnerConfig(BaseModel):
     dtype: Literal[DTYPES] = "auto"
     """Training dtype of the weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16,
     float16. Full-weight publishes send tensors in this dtype."""
+    autocast: Literal[AUTOCAST_DTYPES] = "none"
+    """Mixed precision: bfloat16 runs the policy's and the reference's forward (and so their
+    backward) under torch.autocast, matrix multiplications in bfloat16, while the weights, the
+    optimizer and the log-probs stay float32 (dtype auto then means float32 on every device).
+    CPUs with AVX512-BF16/AMX and every recent GPU run it faster; none = plain float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, about a third more compute)."""
     lora: LoraSettings | None = None
@@ -386,6 +392,13 @@ class LearnerConfig(BaseModel):
         if self.kl_controller == "adaptive" and self.kl_coef == 0:
             raise ValueError("kl_controller=adaptive needs kl_coef > 0 (its start value; "
                              "the controller scales it)")
+        if self.autocast != "none" and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"autocast={self.autocast} computes in {self.autocast} over float32 "
+                             f"weights, but dtype={self.dtype}: set dtype: float32 (or auto), or "
+                             "autocast: none")
+        if self.autocast != "none" and self.deepspeed is not None:
+            raise ValueError(f"autocast={self.autocast} with deepspeed: DeepSpeed owns the "
+                             "precision; set deepspeed.precision: bf16 and autocast: none")
         if self.clip_anchor == "behavior" and self.target_kl is not None:
             raise ValueError("target_kl stops a step by its distance from pi_prox, but with "
                              "clip_anchor: behavior the ratio is taken against the behavior policy; "

@@ -30,26 +30,29 @@ __all__ = ["ReferencePolicy"]
 
 
 class ReferencePolicy:
-    def __init__(self, model: torch.nn.Module, owns_weights: bool):
+    def __init__(self, model: torch.nn.Module, owns_weights: bool, autocast: torch.dtype | None = None):
         self.model = model
         self.owns_weights = owns_weights
-        self.forward = LogprobForward(model)
+        self.forward = LogprobForward(model, autocast=autocast)
         self.device = next(model.parameters()).device
 
     @classmethod
-    def copy_of(cls, policy: torch.nn.Module, device: torch.device | str | None = None) -> ReferencePolicy:
-        """A frozen deep copy of ``policy`` (on ``device`` when given)."""
+    def copy_of(cls, policy: torch.nn.Module, device: torch.device | str | None = None,
+                autocast: torch.dtype | None = None) -> ReferencePolicy:
+        """A frozen deep copy of ``policy`` (on ``device`` when given); ``autocast``: the
+        policy's mixed precision (learner.models.logprobs)."""
         model = copy.deepcopy(policy)
         if device is not None:
             model.to(device)
         model.eval()
         model.requires_grad_(False)
-        return cls(model, owns_weights=True)
+        return cls(model, owns_weights=True, autocast=autocast)
 
     @classmethod
-    def adapter_disabled(cls, peft_model: torch.nn.Module) -> ReferencePolicy:
+    def adapter_disabled(cls, peft_model: torch.nn.Module,
+                         autocast: torch.dtype | None = None) -> ReferencePolicy:
         """The base of a PEFT-wrapped policy (shares its weights; the adapter off in each pass)."""
-        return cls(peft_model, owns_weights=False)
+        return cls(peft_model, owns_weights=False, autocast=autocast)
 
     @contextlib.contextmanager
     def _as_reference(self):

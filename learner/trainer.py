@@ -109,7 +109,9 @@ class Trainer:
 
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        # Mixed precision keeps float32 weights (dtype auto included) and computes under autocast.
+        self.autocast = None if cfg.autocast == "none" else getattr(torch, cfg.autocast)
+        self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -140,7 +142,7 @@ class Trainer:
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.forward = LogprobForward(self.model)
+        self.forward = LogprobForward(self.model, autocast=self.autocast)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
@@ -150,9 +152,10 @@ class Trainer:
         self.reference: ReferencePolicy | None = None
         if cfg.uses_reference:
             if cfg.lora is not None:
-                self.reference = ReferencePolicy.adapter_disabled(self.model)
+                self.reference = ReferencePolicy.adapter_disabled(self.model, autocast=self.autocast)
             else:
-                self.reference = ReferencePolicy.copy_of(self.model, "cpu" if cfg.reference_on_cpu else None)
+                self.reference = ReferencePolicy.copy_of(self.model, "cpu" if cfg.reference_on_cpu else None,
+                                                         autocast=self.autocast)
         self.critic: Critic | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if cfg.uses_critic:

@@ -17,6 +17,14 @@ a model that rescales or soft-caps its logits after the head (Gemma 2, Cohere, G
 probe and keeps the logits path. Every pass of a trainer goes through the same function with the
 same chunking, so a no-grad pass and a gradient forward at the same weights and rows compute the
 same numbers bit for bit (the trainer's sanity check relies on it).
+
+Mixed precision (``autocast``, ``learner.autocast``): the model's forward runs under
+``torch.autocast`` in that dtype (its matrix multiplications in bfloat16; the weights, their
+gradients and the optimizer stay in the training dtype), and the head's projection, the
+log-softmax and the entropy run outside it, in float32, on the decoder's last hidden state (the
+residual stream, which autocast leaves in float32). Logits in bfloat16 would carry an error of
+about 2⁻⁸ of their size into every log-prob; the head in float32 keeps it to what the decoder's
+bfloat16 matmuls cause.
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _call(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-          hidden_only: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """One forward -> (last hidden state (b, L, H) or None, logits (b, L or 0, V))."""
+          hidden_only: bool, autocast: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One forward -> (last hidden state (b, L, H) or None, logits (b, L or 0, V)); under
+    ``torch.autocast(autocast)`` when given (both then come back as float32)."""
     captured: list[torch.Tensor] = []
     hook = None
     kwargs = {}
@@ -54,11 +63,18 @@ def _call(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch
         hook = decoder.register_forward_hook(grab)
         kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=input_ids.device)
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        if autocast is None:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+        else:
+            with torch.autocast(input_ids.device.type, dtype=autocast):
+                out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     finally:
         if hook is not None:
             hook.remove()
-    return (captured[-1] if captured else None), out.logits
+    hidden = captured[-1] if captured else None
+    if autocast is None:
+        return hidden, out.logits
+    return (None if hidden is None else hidden.float()), out.logits.float()
 
 
 @torch.no_grad()
@@ -100,9 +116,11 @@ class LogprobForward:
     """``(log π (b, L-1), entropy (b, L-1) or None)`` of right-padded rows of one model, through
     the hidden-state path when :func:`exact_head_weight` allows it, else through its logits."""
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = CHUNK_TOKENS,
+                 autocast: torch.dtype | None = None):
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.autocast = autocast
         self.uses_hidden = exact_head_weight(model) is not None
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
@@ -115,12 +133,16 @@ class LogprobForward:
         call does."""
         groups = row_temperature_groups(temperature, int(input_ids.shape[0]))
         if self.uses_hidden:
-            hidden, _ = _call(self.model, input_ids, attention_mask, hidden_only=True)
+            hidden, _ = _call(self.model, input_ids, attention_mask, hidden_only=True,
+                              autocast=self.autocast)
             h = hidden[:, :-1]                                                     # (b, L-1, H)
             w = _base(self.model).get_output_embeddings().weight                   # (V, H)
+            if self.autocast is not None:
+                w = w.float()
             return _by_temperature(groups, h, targets, entropy, lambda x, y, tau, ent: self._hidden_part(
                 x, w, y, tau, ent))
-        _, logits = _call(self.model, input_ids, attention_mask, hidden_only=False)
+        _, logits = _call(self.model, input_ids, attention_mask, hidden_only=False,
+                          autocast=self.autocast)
         return _by_temperature(groups, logits[:, :-1], targets, entropy, _logits_part)
 
     def _hidden_part(self, h, w, targets, tau, entropy):
