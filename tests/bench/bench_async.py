@@ -30,7 +30,9 @@ The baseline in the same run: tests/bench/trl_baseline.py run by ``--trl-python`
 interpreter of a separate environment with ``trl==1.16.0``; never a slipstream dependency) on the
 same model directory, prompts (same task, same seed), reward, batch, max_completion_length,
 temperature, learning rate, beta = 0, once per ``--trl-threads`` entry (default 1 and 2 torch
-threads; the faster is the baseline of the ``x TRL`` column). Without that interpreter the TRL rows
+threads) and once per ``--trl-bf16-threads`` entry with TRL's own mixed precision (``bf16=True``,
+default one run at 1 thread: the demo trains under ``learner.autocast: bfloat16``, so TRL gets its
+bf16 too); the fastest TRL row is the baseline of the ``x TRL`` column. Without that interpreter the TRL rows
 are skipped with a note. ``--collect DIR`` re-reads the runs a killed invocation left in DIR.
 
 Workloads: ``demo`` (deploy/configs/default.yaml: builtin:tiny-arith on builtin:arith,
@@ -140,7 +142,7 @@ def summarize(rows: list[dict], skip: int) -> dict:
     }
 
 
-def trl_run(work: str, steps: int, threads: int, out_dir: Path, args) -> dict:
+def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool = False) -> dict:
     """TRL's GRPOTrainer in its own interpreter; its per-step records."""
     from learner.models.builtin import ensure_builtin_model
     from learner.tasks import get_task
@@ -153,9 +155,9 @@ def trl_run(work: str, steps: int, threads: int, out_dir: Path, args) -> dict:
             "prompts": [{"prompt": e.prompt, "answer": e.answer} for e in prompts],
             "reward": w["reward"], "batch_prompts": BATCH_PROMPTS, "group_size": GROUP,
             "max_new_tokens": w["max_new_tokens"], "temperature": TEMPERATURE, "lr": LR,
-            "steps": steps, "seed": args.seed, "threads": threads,
+            "steps": steps, "seed": args.seed, "threads": threads, "bf16": bf16,
             "output_dir": str(out_dir / f"trl-{work}-out")}
-    tag = f"trl-{work}-t{threads}"
+    tag = f"trl-{work}-t{threads}" + ("-bf16" if bf16 else "")
     spec_file, result = out_dir / f"{tag}.spec.json", out_dir / f"{tag}.json"
     spec_file.write_text(json.dumps(spec))
     t0 = time.monotonic()
@@ -257,6 +259,8 @@ def main() -> None:
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     p.add_argument("--trl-threads", default="1,2",
                    help="torch threads of the TRL process, one TRL run each (the best is the baseline)")
+    p.add_argument("--trl-bf16-threads", default="1",
+                   help="the same with TRL's own mixed precision (GRPOConfig bf16=True); '' for none")
     p.add_argument("--seed", type=int, default=1, help="round k runs with seed + k")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the whole plan, interleaved; the table shows medians over rounds")
@@ -288,10 +292,12 @@ def main() -> None:
             if not args.no_is_ablation:
                 plan.append(("slipstream", max(etas), "none"))
             if have_trl:                             # after η=0: the same load, roughly
-                for i, t in enumerate(x for x in args.trl_threads.split(",") if x):
-                    plan.insert(1 + i, ("trl", int(t), None))
+                trl = [("trl", int(t), None) for t in args.trl_threads.split(",") if t]
+                trl += [("trl", int(t), "bf16") for t in args.trl_bf16_threads.split(",") if t]
+                plan[1:1] = trl
             for kind, eta, is_mode in plan:
-                name = f"TRL {eta} thr" if kind == "trl" else f"eta={eta} {is_mode}"
+                name = (f"TRL {eta} thr" + (" bf16" if is_mode else "") if kind == "trl"
+                        else f"eta={eta} {is_mode}")
                 tag = f"round {rnd + 1}/{args.repeats}, " if args.repeats > 1 else ""
                 try:
                     row = one_run(work, kind, eta, is_mode, steps, tmp / f"r{rnd}" if rnd else tmp,
@@ -319,15 +325,18 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
     """Run (or, with ``collect``, read back) one configuration; None if collecting and absent."""
     tmp.mkdir(parents=True, exist_ok=True)
     if kind == "trl":
-        result = tmp / f"trl-{work}-t{eta}.json"
+        bf16 = is_mode == "bf16"                    # the TRL rows' is_mode slot says bf16 or not
+        result = tmp / (f"trl-{work}-t{eta}" + ("-bf16" if bf16 else "") + ".json")
         if collect:
             if not result.exists():
                 return None
             data = json.loads(result.read_text())
         else:
-            print(f"[bench] {work}: {tag}TRL {eta} thr, {steps} steps (load {os.getloadavg()[0]:.1f})", flush=True)
-            data = trl_run(work, steps, eta, tmp, args)
-        return {"kind": kind, "eta": eta, "is_mode": None, "summary": summarize_trl(data, args.skip),
+            print(f"[bench] {work}: {tag}TRL {eta} thr{' bf16' if bf16 else ''}, {steps} steps "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            data = trl_run(work, steps, eta, tmp, args, bf16=bf16)
+        return {"kind": kind, "eta": eta, "is_mode": None, "bf16": bf16,
+                "summary": summarize_trl(data, args.skip),
                 "rewards": [s.get("reward_mean", 0.0) for s in data["steps"]], "series": data["steps"]}
     run_dir = tmp / f"{work}-eta{eta}-{is_mode}"
     if collect:

@@ -8,8 +8,9 @@ slipstream dependency)::
 SPEC (written by bench_async.py): the model directory, the prompts with their answers (drawn from
 the same built-in task and seed as slipstream's run), the reward kind (``exact_numeric``: the first
 number of the completion equals the answer; ``exact_match``: the stripped completion equals it),
-the batch (prompts × group), ``max_completion_length``, temperature, learning rate, steps, seed
-and torch threads. This file imports nothing of slipstream, so it runs in TRL's environment alone.
+the batch (prompts × group), ``max_completion_length``, temperature, learning rate, steps, seed,
+torch threads and ``bf16`` (TRL's own mixed precision, ``GRPOConfig(bf16=...)``; off unless asked:
+on this CPU it is slower, see bench_async.py). This file imports nothing of slipstream, so it runs in TRL's environment alone.
 
 OUT: per optimizer step its end time, the seconds spent generating and scoring (TRL's
 ``_generate_and_score_completions``, timed by wrapping it) and the mean reward.
@@ -60,7 +61,8 @@ def main() -> None:
     rows = [{"prompt": tok.bos_token + r["prompt"], "answer": r["answer"]} for r in spec["prompts"]]
     batch = spec["batch_prompts"] * spec["group_size"]
     args = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=True, bf16=False, gradient_checkpointing=False,
+        output_dir=spec["output_dir"], use_cpu=True, bf16=bool(spec.get("bf16", False)),
+        gradient_checkpointing=False,
         per_device_train_batch_size=batch, num_generations=spec["group_size"],
         max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -100,6 +102,7 @@ def main() -> None:
     t0 = time.time()
     trainer.train()
     json.dump({"steps": steps, "wall_s": time.time() - t0, "threads": spec["threads"],
+               "bf16": bool(spec.get("bf16", False)),
                "batch": batch}, open(out_path, "w"))
 
 
