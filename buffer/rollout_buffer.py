@@ -403,12 +403,28 @@ class RolloutBuffer:
                 self._cond.notify_all()
         return status
 
+    def put_nowait(self, sample: Sample, version: int,
+                   min_version: int | None = None) -> tuple[AckStatus, bool]:
+        """:meth:`put` without waking the batch waiters: ``(status, completed)``, ``completed``
+        when the sample completed its group. A caller that puts several samples in a row (one
+        result's) awaits :meth:`wake` once after them if any completed a group; until it does, a
+        waiting ``next_batch`` does not see the new group. ``min_version``: the sample's oldest
+        token version, when the caller has computed it (exactly ``token_versions.min()``; one
+        pass over a result's samples instead of one a sample, learner.intake)."""
+        return self._put(sample, version, min_version)
+
+    async def wake(self) -> None:
+        """Wake the ``next_batch`` waiters (after :meth:`put_nowait` completed a group)."""
+        if self._waiting:
+            async with self._cond:
+                self._cond.notify_all()
+
     def _invalid(self, reason: str) -> AckStatus:
         self.last_invalid_reason = reason
         self._n["invalid"] += 1
         return _INVALID
 
-    def _put(self, s: Sample, version: int) -> tuple[AckStatus, bool]:
+    def _put(self, s: Sample, version: int, mv: int | None = None) -> tuple[AckStatus, bool]:
         if version != self._version or not self._started:
             self._observe(version)
         n = self._n
@@ -433,10 +449,11 @@ class RolloutBuffer:
             return _DUPLICATE, False
         tv = s.token_versions
         if len(tv):
-            # argmin + item costs a third of min() on 1k tokens (bench_ingress.py profile)
-            mv = int(tv.item(tv.argmin())) if type(tv) is np.ndarray else int(_min(tv))
+            if mv is None:
+                # argmin + item costs a third of min() on 1k tokens (bench_ingress.py profile)
+                mv = int(tv.item(tv.argmin())) if type(tv) is np.ndarray else int(_min(tv))
             # Versions never decrease along a completion, so the last token is the newest.
-            newest = int(tv[-1])
+            newest = int(tv.item(-1)) if type(tv) is np.ndarray else int(tv[-1])
             if newest > version or mv > version:
                 return self._invalid(f"sample {s.sample_id!r}: token version {max(newest, mv)} is "
                                      f"newer than the learner's {version}"), False
