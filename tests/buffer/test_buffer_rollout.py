@@ -443,3 +443,30 @@ async def test_samples_without_tokens_have_staleness_zero():
         assert await buf.put(make_sample("a", i, 4, versions=()), 3) is A
     batch = buf.poll_batch(3)
     assert batch.staleness == [0] * 4
+
+
+async def test_put_nowait_then_wake_is_put():
+    """A result's samples put in a row without the wake-up (``put_nowait``, given or not the
+    oldest version), then one ``wake``: the same statuses and group as ``put``, and a waiting
+    ``next_batch`` is woken only by ``wake``."""
+    import asyncio
+
+    versions = [(1, 1, 2), (0, 2, 2), (2,), (1, 2)]
+    bufs = [make_buffer(batch_samples=4, max_staleness=3) for _ in range(3)]
+    for buf in bufs:
+        buf.issue("a", "s0", 4)
+    samples = [make_sample("a", i, 4, v) for i, v in enumerate(versions)]
+    assert [await bufs[0].put(s, 2) for s in samples] == [A] * 4
+    waiter = asyncio.create_task(bufs[1].next_batch(2))
+    await asyncio.sleep(0)
+    assert bufs[1].waiting == 1
+    assert [bufs[1].put_nowait(s, 2) for s in samples] == [(A, False)] * 3 + [(A, True)]
+    await asyncio.sleep(0)
+    assert not waiter.done()                    # no wake-up yet
+    await bufs[1].wake()
+    batch = await asyncio.wait_for(waiter, 1)
+    assert [bufs[2].put_nowait(s, 2, min(v))[0] for s, v in zip(samples, versions)] == [A] * 4
+    assert bufs[0]._groups["a"].mins == bufs[2]._groups["a"].mins == [1, 0, 2, 1]
+    assert bufs[0].poll_batch(2).staleness == bufs[2].poll_batch(2).staleness == batch.staleness
+    bufs[2].issue("b", "s0", 4)
+    assert bufs[2].put_nowait(make_sample("b", 0, 4, (1, 3)), 2, 1) == (INV, False)  # newest 3 > 2
