@@ -139,20 +139,50 @@ class Intake:
             s.metadata = {k: v for k, v in s.metadata.items() if k != SAMPLING_TEMPERATURE}
 
     async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack:
-        """Check and put every sample of ``msg``; the Ack to send back (one status per sample)."""
+        """Check and put every sample of ``msg``; the Ack to send back (one status per sample).
+
+        The array checks are made once per message (:func:`_arrays_pass`: one vocabulary and one
+        version maximum over all the samples' tokens); a sample of a message that passes them,
+        of an open lease, and whose scalars pass too, is accepted for the buffer without
+        :meth:`check`. Everything else (any failure, no lease) goes through :meth:`check`, which
+        finds the first failing check of that sample, so the reasons are the same either way.
+        """
         version = self.version()
+        samples = msg.samples
         statuses: list[str] = []
         refused: list[tuple[str, str, str]] = []
         m = self.metrics
-        put = self.buffer.put
+        put = self.buffer.put_nowait
+        completed = False
         assignment_of = self.assignment
-        for sample in msg.samples:
+        check = self.check
+        group_size = self.group_size
+        mins = _arrays_pass(samples, self.vocab_size, version)
+        arrays_pass = mins is not None
+        reward_limit = self.max_abs_reward() if arrays_pass else 0.0
+        prompt_in_range = self._prompt_in_range
+        same = None                 # (assignment, prompt) last found equal, for the group's next
+        for i, sample in enumerate(samples):
             # Per sample (a put that completes a group ends its lease), once for check and stamp.
             assignment = assignment_of(sample.assignment_id)
-            problem = self.check(sample, version, assignment)
+            if (arrays_pass and assignment is not None
+                    and sample.sample_id == _sample_id(sample.assignment_id, sample.group_index)
+                    and sample.group_size == group_size
+                    and len(sample.completion_token_ids) <= assignment.sampling.max_new_tokens
+                    and abs(sample.reward) <= reward_limit):
+                prompt = sample.prompt_token_ids
+                if same is not None and same[0] is assignment and same[1] is prompt:
+                    problem = None
+                elif _equal(prompt, assignment.prompt_token_ids) and prompt_in_range(assignment):
+                    problem, same = None, (assignment, prompt)
+                else:
+                    problem = check(sample, version, assignment)
+            else:
+                problem = check(sample, version, assignment)
             if problem is None:
                 self.stamp(sample, assignment)
-                status = await put(sample, version)
+                status, done = put(sample, version, mins[i] if arrays_pass else None)
+                completed |= done
                 # the member's str, without Enum's Python-level ``value`` property
                 status = ACCEPTED if status is AckStatus.ACCEPTED else status.value
             else:
@@ -162,18 +192,20 @@ class Intake:
                 m.samples_invalid.labels(reason=reason).inc()
                 refused.append((sample.sample_id, *problem))
             statuses.append(status)
+        if completed:           # one wake-up for the groups this result completed
+            await self.buffer.wake()
         counted = self._status_counters
         if len(statuses) == 1 or all(x == statuses[0] for x in statuses):
             counted(statuses[0]).inc(len(statuses))
         else:
             for status, k in Counter(statuses).items():
                 counted(status).inc(k)
-        m.rollouts_received.inc(len(msg.samples))
+        m.rollouts_received.inc(len(samples))
         if refused:
             sid, reason, why = refused[0]
             self.log("samples_invalid", server=msg.server_id, count=len(refused), reason=reason,
                      first=sid[:200], error=why)
-        return protocol.Ack(sample_ids=[s.sample_id for s in msg.samples], statuses=statuses)
+        return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
 
     def _status_counters(self, status: str):
         """``slipstream_samples_total{status}``'s child, looked up once per status (labels() costs
@@ -186,6 +218,52 @@ class Intake:
 
 ACCEPTED, INVALID = AckStatus.ACCEPTED.value, AckStatus.INVALID.value
 _INT32, _UINT32 = np.dtype(np.int32), np.dtype(np.uint32)
+_concatenate, _ndarray, _minimum_at = np.concatenate, np.ndarray, np.minimum.reduceat
+
+
+_sample_id = protocol.sample_id
+
+
+def _arrays_pass(samples: list[protocol.Sample], vocab: int, version: int) -> list[int] | None:
+    """Each sample's oldest token version (-1 without tokens) if every completion id of every
+    sample is in ``[0, vocab)`` and every token version is ``<= version`` (:meth:`Intake.check`'s
+    two array checks); else None, and also None when the arrays are not all 1-D int32 (then each
+    sample is checked on its own, which names the failing one). For several samples the arrays of
+    each kind are concatenated: one vocabulary ``argmax``, one version ``argmax`` and one
+    ``minimum.reduceat`` for all of them, instead of three passes a sample (the buffer's
+    minimum is the third)."""
+    if len(samples) == 1:
+        ids, versions = samples[0].completion_token_ids, samples[0].token_versions
+        if (type(ids) is not _ndarray or type(versions) is not _ndarray
+                or ids.dtype != _INT32 or versions.dtype != _INT32
+                or ids.ndim != 1 or versions.ndim != 1):
+            return None
+        if not len(versions):
+            return [-1]
+        if not (_in_range(ids, vocab) and versions.item(versions.argmax()) <= version):
+            return None
+        return [versions.item(versions.argmin())]
+    if not samples:
+        return []
+    try:
+        ids = _concatenate([s.completion_token_ids for s in samples])
+        versions = _concatenate([s.token_versions for s in samples])
+    except (ValueError, TypeError):
+        return None
+    if ids.dtype != _INT32 or versions.dtype != _INT32 or ids.ndim != 1 or versions.ndim != 1:
+        return None
+    if not len(versions):
+        return [-1] * len(samples)
+    if not (_in_range(ids, vocab) and versions.item(versions.argmax()) <= version):
+        return None
+    starts, start = [], 0
+    for s in samples:
+        n = len(s.token_versions)
+        if not n:                   # reduceat takes an empty segment's next element
+            return None
+        starts.append(start)
+        start += n
+    return _minimum_at(versions, starts).tolist()
 
 
 def _in_range(ids: np.ndarray, vocab: int) -> bool:
