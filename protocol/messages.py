@@ -463,68 +463,6 @@ def _sample_fast(w: Any) -> Sample | None:
     call per field, array lengths checked on the byte strings with Python ints before any array
     exists, then four ``frombuffer`` views and two reductions.
     """
-    w = _plain_fields(w)
-    if w is None:
-        return None
-    (sample_id, assignment_id, group_index, group_size, prompt, completion, logprobs, versions,
-     reward, reward_parts, finish_reason, timing, text, failed, metadata, _) = w
-    logprobs = _frombuffer(logprobs, _FLOAT32)
-    versions = _frombuffer(versions, _INT32)
-    # x·x is NaN/inf iff some x is (or it overflows; then the checked path decides exactly).
-    # argmin + item is about 3x cheaper than min() for a 1k-element array.
-    if len(versions) and not (_isfinite(logprobs.dot(logprobs))
-                              and versions.item(versions.argmin()) >= 0):
-        return None
-    return Sample(sample_id, assignment_id, group_index, group_size, _frombuffer(prompt, _INT32),
-                  _frombuffer(completion, _INT32), logprobs, versions, reward, reward_parts,
-                  finish_reason, timing, text, failed, metadata)
-
-
-def _samples_fast(ws: list) -> list[Sample] | None:
-    """``_sample_fast`` for every wire sample of a result, with the array checks made once per
-    message: each kind of array of all samples joined into one buffer (one copy, which the
-    samples' arrays are then slices of, instead of one ``frombuffer`` per array), one finiteness
-    check over all log-probs and one minimum over all versions. None if any sample fails
-    anything: the caller decodes the result sample by sample, and the checked path names the
-    sample and field. Samples that repeat the previous sample's prompt bytes (a group's) share
-    one prompt array.
-    """
-    fields = []
-    completions, logprobs, versions = [], [], []
-    for w in ws:
-        w = _plain_fields(w)
-        if w is None:
-            return None
-        fields.append(w)
-        completions.append(w[5])
-        logprobs.append(w[6])
-        versions.append(w[7])
-    all_logprobs = _frombuffer(_join(logprobs), _FLOAT32)
-    all_versions = _frombuffer(_join(versions), _INT32)
-    if len(all_versions) and not (_isfinite(all_logprobs.dot(all_logprobs))
-                                  and all_versions.item(all_versions.argmin()) >= 0):
-        return None
-    all_completions = _frombuffer(_join(completions), _INT32)
-    out = []
-    start = 0
-    last_prompt, prompt_ids = None, None
-    for (sample_id, assignment_id, group_index, group_size, prompt, completion, _, _, reward,
-         reward_parts, finish_reason, timing, text, failed, metadata, _) in fields:
-        if prompt != last_prompt:
-            last_prompt, prompt_ids = prompt, _frombuffer(prompt, _INT32)
-        end = start + (len(completion) >> 2)
-        out.append(Sample(sample_id, assignment_id, group_index, group_size, prompt_ids,
-                          all_completions[start:end], all_logprobs[start:end],
-                          all_versions[start:end], reward, reward_parts, finish_reason, timing,
-                          text, failed, metadata))
-        start = end
-    return out
-
-
-def _plain_fields(w: Any) -> list | None:
-    """The wire sample ``w``'s 16 values if all but the arrays' contents pass the checks of
-    ``Sample.from_wire_checked`` (types, ranges, sizes, the three per-token byte lengths equal and
-    every length a whole number of 4-byte items); else None."""
     if type(w) is not list:
         return None
     try:
@@ -533,7 +471,7 @@ def _plain_fields(w: Any) -> list | None:
     except ValueError:
         # More values: a newer minor version appended fields, ignored. Fewer: an older sender
         # left out defaulted fields, which the checked path fills in.
-        return _plain_fields(w[:_N_SAMPLE_FIELDS]) if len(w) > _N_SAMPLE_FIELDS else None
+        return _sample_fast(w[:_N_SAMPLE_FIELDS]) if len(w) > _N_SAMPLE_FIELDS else None
     if not (type(sample_id) is str and type(assignment_id) is str and type(text) is str
             and type(finish_reason) is str and type(group_index) is int
             and type(group_size) is int and type(reward) is float
@@ -569,7 +507,97 @@ def _plain_fields(w: Any) -> list | None:
                 return None
         elif t not in _PLAIN_TYPES and not is_plain(x, 1):
             return None
-    return w
+    logprobs = _frombuffer(logprobs, _FLOAT32)
+    versions = _frombuffer(versions, _INT32)
+    # x·x is NaN/inf iff some x is (or it overflows; then the checked path decides exactly).
+    # argmin + item is about 3x cheaper than min() for a 1k-element array.
+    if n and not (_isfinite(logprobs.dot(logprobs)) and versions.item(versions.argmin()) >= 0):
+        return None
+    return Sample(sample_id, assignment_id, group_index, group_size, _frombuffer(prompt, _INT32),
+                  _frombuffer(completion, _INT32), logprobs, versions, reward, reward_parts,
+                  finish_reason, timing, text, failed, metadata)
+
+
+def _samples_fast(ws: list) -> list[Sample] | None:
+    """``_sample_fast`` for the several wire samples of one result, with the array checks made
+    once per result: each kind of per-token array of all samples joined into one buffer (one
+    copy, of which the samples' arrays are then slices, instead of one ``frombuffer`` an array),
+    one finiteness check over all log-probs and one minimum over all versions. None if any
+    sample fails anything: the caller hands the whole result to the checked path, which names
+    the sample and field. Samples that repeat the previous sample's prompt bytes (a group's)
+    share one prompt array.
+
+    The per-sample checks are ``_sample_fast``'s, written out again in this loop (a call per
+    sample costs what they do); tests/protocol checks both against the checked path.
+    """
+    fields = []
+    completions, logprobs, versions = [], [], []
+    for w in ws:
+        if type(w) is not list:
+            return None
+        if len(w) > _N_SAMPLE_FIELDS:
+            w = w[:_N_SAMPLE_FIELDS]        # a newer minor version appended fields: ignored
+        try:
+            (sample_id, assignment_id, group_index, group_size, prompt, completion, logprob,
+             version, reward, reward_parts, finish_reason, timing, text, failed, metadata,
+             dtypes) = w
+        except ValueError:                  # an older sender: the checked path fills defaults
+            return None
+        if not (type(sample_id) is str and type(assignment_id) is str and type(text) is str
+                and type(finish_reason) is str and type(group_index) is int
+                and type(group_size) is int and type(reward) is float
+                and type(reward_parts) is dict and type(timing) is dict and type(metadata) is dict
+                and type(prompt) is bytes and type(completion) is bytes and type(logprob) is bytes
+                and type(version) is bytes
+                and 0 <= group_index < group_size
+                and reward - reward == 0.0
+                and finish_reason in FINISH_REASONS
+                and dtypes == SAMPLE_ARRAY_DTYPES
+                and (failed is None or (type(failed) is str and len(failed) <= MAX_STR_CHARS))
+                and len(sample_id) + len(assignment_id) + len(text) <= MAX_STR_CHARS
+                and len(reward_parts) + len(timing) + len(metadata) <= MAX_MAP_ITEMS
+                and (n := len(completion)) == len(logprob) == len(version)
+                and not (len(prompt) | n) & 3 and len(prompt) + n <= _MAX_ARRAY_BYTES):
+            return None
+        for k, x in reward_parts.items():
+            if type(k) is not str or type(x) is not float or x - x:
+                return None
+        for k, x in timing.items():
+            if type(k) is not str or type(x) is not float or x - x:
+                return None
+        for k, x in metadata.items():
+            if type(k) is not str:
+                return None
+            t = type(x)
+            if t is str:
+                if len(x) > MAX_STR_CHARS:
+                    return None
+            elif t not in _PLAIN_TYPES and not is_plain(x, 1):
+                return None
+        fields.append(w)
+        completions.append(completion)
+        logprobs.append(logprob)
+        versions.append(version)
+    all_logprobs = _frombuffer(_join(logprobs), _FLOAT32)
+    all_versions = _frombuffer(_join(versions), _INT32)
+    if len(all_versions) and not (_isfinite(all_logprobs.dot(all_logprobs))
+                                  and all_versions.item(all_versions.argmin()) >= 0):
+        return None
+    all_completions = _frombuffer(_join(completions), _INT32)
+    out = []
+    start = 0
+    last_prompt, prompt_ids = None, None
+    for (sample_id, assignment_id, group_index, group_size, prompt, completion, _, _, reward,
+         reward_parts, finish_reason, timing, text, failed, metadata, _) in fields:
+        if prompt != last_prompt:
+            last_prompt, prompt_ids = prompt, _frombuffer(prompt, _INT32)
+        end = start + (len(completion) >> 2)
+        out.append(Sample(sample_id, assignment_id, group_index, group_size, prompt_ids,
+                          all_completions[start:end], all_logprobs[start:end],
+                          all_versions[start:end], reward, reward_parts, finish_reason, timing,
+                          text, failed, metadata))
+        start = end
+    return out
 
 
 _join = b"".join
