@@ -141,10 +141,10 @@ class Intake:
     async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Check and put every sample of ``msg``; the Ack to send back (one status per sample).
 
-        The array checks are made once per message (:func:`_arrays_pass`: one vocabulary and one
-        version maximum over all the samples' tokens); a sample of a message that passes them,
-        of an open lease, and whose scalars pass too, is accepted for the buffer without
-        :meth:`check`. Everything else (any failure, no lease) goes through :meth:`check`, which
+        The array checks of a result of several samples are made once (:func:`_arrays_pass`:
+        one vocabulary and one version maximum over all the samples' tokens); a sample of a
+        result that passes them, of an open lease, and whose scalars pass too, is accepted for
+        the buffer without :meth:`check`. Everything else (any failure, no lease) goes through :meth:`check`, which
         finds the first failing check of that sample, so the reasons are the same either way.
         """
         version = self.version()
@@ -157,7 +157,8 @@ class Intake:
         assignment_of = self.assignment
         check = self.check
         group_size = self.group_size
-        mins = _arrays_pass(samples, self.vocab_size, version)
+        # One sample: check() as it is (the result-wide pass would only add to it).
+        mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
         arrays_pass = mins is not None
         reward_limit = self.max_abs_reward() if arrays_pass else 0.0
         prompt_in_range = self._prompt_in_range
@@ -195,7 +196,9 @@ class Intake:
         if completed:           # one wake-up for the groups this result completed
             await self.buffer.wake()
         counted = self._status_counters
-        if len(statuses) == 1 or all(x == statuses[0] for x in statuses):
+        if not statuses:            # an empty result: nothing to count, an empty Ack
+            pass
+        elif len(statuses) == 1 or all(x == statuses[0] for x in statuses):
             counted(statuses[0]).inc(len(statuses))
         else:
             for status, k in Counter(statuses).items():
@@ -228,21 +231,9 @@ def _arrays_pass(samples: list[protocol.Sample], vocab: int, version: int) -> li
     """Each sample's oldest token version (-1 without tokens) if every completion id of every
     sample is in ``[0, vocab)`` and every token version is ``<= version`` (:meth:`Intake.check`'s
     two array checks); else None, and also None when the arrays are not all 1-D int32 (then each
-    sample is checked on its own, which names the failing one). For several samples the arrays of
-    each kind are concatenated: one vocabulary ``argmax``, one version ``argmax`` and one
-    ``minimum.reduceat`` for all of them, instead of three passes a sample (the buffer's
-    minimum is the third)."""
-    if len(samples) == 1:
-        ids, versions = samples[0].completion_token_ids, samples[0].token_versions
-        if (type(ids) is not _ndarray or type(versions) is not _ndarray
-                or ids.dtype != _INT32 or versions.dtype != _INT32
-                or ids.ndim != 1 or versions.ndim != 1):
-            return None
-        if not len(versions):
-            return [-1]
-        if not (_in_range(ids, vocab) and versions.item(versions.argmax()) <= version):
-            return None
-        return [versions.item(versions.argmin())]
+    sample is checked on its own, which names the failing one). The arrays of each kind are
+    concatenated: one vocabulary ``argmax``, one version ``argmax`` and one ``minimum.reduceat``
+    for all the samples, instead of three passes a sample (the buffer's minimum is the third)."""
     if not samples:
         return []
     try:

@@ -171,3 +171,13 @@ def test_arrays_pass_gives_each_samples_oldest_version():
     assert intake_module._arrays_pass(samples, VOCAB, 1) is None          # a token of version 2
     assert intake_module._arrays_pass(samples, 10, 2) is None             # ids up to 4 + 7 + 8
     assert intake_module._arrays_pass([], VOCAB, 2) == []
+
+
+async def test_an_empty_result_gets_an_empty_ack():
+    """The protocol accepts a result without samples; the intake answers it with an empty Ack
+    (it raised IndexError, which would have ended the learner's rollout loop)."""
+    buf, _, intake = setup()
+    msg = protocol.decode(protocol.encode(protocol.RolloutResult(server_id="s", samples=[])))
+    ack = await intake.receive(msg)
+    assert ack.sample_ids == [] and ack.statuses == []
+    assert buf.counters["accepted"] == 0 and intake.invalid == {}
