@@ -398,9 +398,8 @@ class RolloutBuffer:
         learner must advance its version before it publishes the new weights.
         """
         status, completed = self._put(sample, version)
-        if completed and self._waiting:
-            async with self._cond:
-                self._cond.notify_all()
+        if completed:
+            await self.wake()
         return status
 
     def put_nowait(self, sample: Sample, version: int,
@@ -414,8 +413,11 @@ class RolloutBuffer:
         return self._put(sample, version, min_version)
 
     async def wake(self) -> None:
-        """Wake the ``next_batch`` waiters (after :meth:`put_nowait` completed a group)."""
-        if self._waiting:
+        """Wake the ``next_batch`` waiters (after :meth:`put_nowait` completed a group) if a
+        batch is ready: a waiter woken before would only find none and wait again (its own
+        ``poll_batch`` can only drop groups, never make one ready), at the cost of a task switch
+        per completed group instead of one per batch."""
+        if self._waiting and self._batch_ready():
             async with self._cond:
                 self._cond.notify_all()
 

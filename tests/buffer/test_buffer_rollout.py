@@ -470,3 +470,33 @@ async def test_put_nowait_then_wake_is_put():
     assert bufs[0].poll_batch(2).staleness == bufs[2].poll_batch(2).staleness == batch.staleness
     bufs[2].issue("b", "s0", 4)
     assert bufs[2].put_nowait(make_sample("b", 0, 4, (1, 3)), 2, 1) == (INV, False)  # newest 3 > 2
+
+
+async def test_a_waiter_is_woken_once_a_batch_is_ready_not_per_group():
+    """Completed groups that do not make a batch yet wake no one (the waiter would find none);
+    the group that completes the batch wakes it, through put and through put_nowait + wake."""
+    import asyncio
+
+    for via_put in (True, False):
+        buf = make_buffer(batch_samples=8, group_size=4)
+        polls = []
+        poll = buf.poll_batch
+        buf.poll_batch = lambda version: polls.append(version) or poll(version)
+        waiter = asyncio.create_task(buf.next_batch(0))
+        await asyncio.sleep(0)
+        assert polls == [0, 0] and buf.waiting == 1        # next_batch's poll, then the wait's
+        for aid in ("a", "b"):
+            buf.issue(aid, "s0", 4)
+            for i in range(4):
+                s = make_sample(aid, i, 4)
+                if via_put:
+                    assert await buf.put(s, 0) is A
+                else:
+                    assert buf.put_nowait(s, 0)[0] is A
+                    await buf.wake()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if aid == "a":
+                assert polls == [0, 0] and not waiter.done()   # one group: no wake-up
+        batch = await asyncio.wait_for(waiter, 1)
+        assert len(batch) == 8 and polls == [0, 0, 0]
