@@ -144,8 +144,9 @@ class Intake:
         The array checks of a result of several samples are made once (:func:`_arrays_pass`:
         one vocabulary and one version maximum over all the samples' tokens); a sample of a
         result that passes them, of an open lease, and whose scalars pass too, is accepted for
-        the buffer without :meth:`check`. Everything else (any failure, no lease) goes through :meth:`check`, which
-        finds the first failing check of that sample, so the reasons are the same either way.
+        the buffer without :meth:`check`. Everything else (any failure, no lease) goes through
+        :meth:`check`, which finds the first failing check of that sample, so the reasons are the
+        same either way.
         """
         version = self.version()
         samples = msg.samples
@@ -161,9 +162,11 @@ class Intake:
         mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
         arrays_pass = mins is not None
         reward_limit = self.max_abs_reward() if arrays_pass else 0.0
+        if not arrays_pass:
+            mins = [None] * len(samples)    # the buffer finds each oldest version itself
         prompt_in_range = self._prompt_in_range
         same = None                 # (assignment, prompt) last found equal, for the group's next
-        for i, sample in enumerate(samples):
+        for sample, oldest in zip(samples, mins):
             # Per sample (a put that completes a group ends its lease), once for check and stamp.
             assignment = assignment_of(sample.assignment_id)
             if (arrays_pass and assignment is not None
@@ -182,10 +185,10 @@ class Intake:
                 problem = check(sample, version, assignment)
             if problem is None:
                 self.stamp(sample, assignment)
-                status, done = put(sample, version, mins[i] if arrays_pass else None)
+                status, done = put(sample, version, oldest)
                 completed |= done
                 # the member's str, without Enum's Python-level ``value`` property
-                status = ACCEPTED if status is AckStatus.ACCEPTED else status.value
+                status = ACCEPTED if status is _ACCEPTED else status.value
             else:
                 status = INVALID
                 reason, _ = problem
@@ -220,6 +223,7 @@ class Intake:
 
 
 ACCEPTED, INVALID = AckStatus.ACCEPTED.value, AckStatus.INVALID.value
+_ACCEPTED = AckStatus.ACCEPTED
 _INT32, _UINT32 = np.dtype(np.int32), np.dtype(np.uint32)
 _concatenate, _ndarray, _minimum_at = np.concatenate, np.ndarray, np.minimum.reduceat
 
