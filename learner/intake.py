@@ -142,68 +142,26 @@ class Intake:
         """Check and put every sample of ``msg``; the Ack to send back (one status per sample).
 
         The array checks of a result of several samples are made once (:func:`_arrays_pass`:
-        one vocabulary and one version maximum over all the samples' tokens); a sample of a
-        result that passes them, of an open lease, and whose scalars pass too, is accepted for
-        the buffer without :meth:`check`. Everything else (any failure, no lease) goes through
-        :meth:`check`, which finds the first failing check of that sample, so the reasons are the
-        same either way.
+        one vocabulary and one version maximum over all the samples' tokens; :meth:`_put_passed`).
+        A result that fails them, and a result of one sample, go sample by sample through
+        :meth:`check` (:meth:`_put_checked`), which finds the first failing check of a sample, so
+        the reasons are the same either way.
         """
         version = self.version()
         samples = msg.samples
-        statuses: list[str] = []
-        refused: list[tuple[str, str, str]] = []
-        m = self.metrics
-        put = self.buffer.put_nowait
-        completed = False
-        assignment_of = self.assignment
-        check = self.check
-        group_size = self.group_size
         # One sample: check() as it is (the result-wide pass would only add to it).
         mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
-        arrays_pass = mins is not None
-        reward_limit = self.max_abs_reward() if arrays_pass else 0.0
-        if not arrays_pass:
-            mins = [None] * len(samples)    # the buffer finds each oldest version itself
-        prompt_in_range = self._prompt_in_range
-        same = None                 # (assignment, prompt) last found equal, for the group's next
-        for sample, oldest in zip(samples, mins):
-            # Per sample (a put that completes a group ends its lease), once for check and stamp.
-            assignment = assignment_of(sample.assignment_id)
-            if (arrays_pass and assignment is not None
-                    and sample.sample_id == _sample_id(sample.assignment_id, sample.group_index)
-                    and sample.group_size == group_size
-                    and len(sample.completion_token_ids) <= assignment.sampling.max_new_tokens
-                    and abs(sample.reward) <= reward_limit):
-                prompt = sample.prompt_token_ids
-                if same is not None and same[0] is assignment and same[1] is prompt:
-                    problem = None
-                elif _equal(prompt, assignment.prompt_token_ids) and prompt_in_range(assignment):
-                    problem, same = None, (assignment, prompt)
-                else:
-                    problem = check(sample, version, assignment)
-            else:
-                problem = check(sample, version, assignment)
-            if problem is None:
-                self.stamp(sample, assignment)
-                status, done = put(sample, version, oldest)
-                completed |= done
-                # the member's str, without Enum's Python-level ``value`` property
-                status = ACCEPTED if status is _ACCEPTED else status.value
-            else:
-                status = INVALID
-                reason, _ = problem
-                self.invalid[reason] += 1
-                m.samples_invalid.labels(reason=reason).inc()
-                refused.append((sample.sample_id, *problem))
-            statuses.append(status)
+        if mins is None:
+            statuses, refused, completed = self._put_checked(samples, version)
+        else:
+            statuses, refused, completed = self._put_passed(samples, version, mins)
         if completed:           # one wake-up for the groups this result completed
             await self.buffer.wake()
+        m = self.metrics
         counted = self._status_counters
-        if not statuses:            # an empty result: nothing to count, an empty Ack
-            pass
-        elif len(statuses) == 1 or all(x == statuses[0] for x in statuses):
+        if statuses and (len(statuses) == 1 or all(x == statuses[0] for x in statuses)):
             counted(statuses[0]).inc(len(statuses))
-        else:
+        else:                       # several statuses, or none (an empty result)
             for status, k in Counter(statuses).items():
                 counted(status).inc(k)
         m.rollouts_received.inc(len(samples))
@@ -212,6 +170,77 @@ class Intake:
             self.log("samples_invalid", server=msg.server_id, count=len(refused), reason=reason,
                      first=sid[:200], error=why)
         return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
+
+    def _put_checked(self, samples: list[protocol.Sample],
+                     version: int) -> tuple[list[str], list[tuple[str, str, str]], bool]:
+        """Each sample through :meth:`check`, then into the buffer if it passes: the statuses,
+        the refusals ``(sample_id, reason, message)``, and whether a group was completed."""
+        statuses: list[str] = []
+        refused: list[tuple[str, str, str]] = []
+        completed = False
+        put = self.buffer.put_nowait
+        for sample in samples:
+            # Per sample (a put that completes a group ends its lease), once for check and stamp.
+            assignment = self.assignment(sample.assignment_id)
+            problem = self.check(sample, version, assignment)
+            if problem is None:
+                self.stamp(sample, assignment)
+                status, done = put(sample, version)
+                completed |= done
+                # the member's str, without Enum's Python-level ``value`` property
+                statuses.append(ACCEPTED if status is _ACCEPTED else status.value)
+            else:
+                statuses.append(self._refuse(sample, problem, refused))
+        return statuses, refused, completed
+
+    def _put_passed(self, samples: list[protocol.Sample], version: int,
+                    mins: list[int]) -> tuple[list[str], list[tuple[str, str, str]], bool]:
+        """:meth:`_put_checked` for samples whose arrays passed (``mins``: each one's oldest
+        version, :func:`_arrays_pass`): a sample of an open lease is checked here for what
+        :meth:`check` checks besides the arrays; any other, or one that fails, goes through
+        :meth:`check` itself."""
+        statuses: list[str] = []
+        refused: list[tuple[str, str, str]] = []
+        completed = False
+        put = self.buffer.put_nowait
+        assignment_of = self.assignment
+        group_size = self.group_size
+        reward_limit = self.max_abs_reward()
+        same = None                 # (assignment, prompt) last found equal, for the group's next
+        for sample, oldest in zip(samples, mins):
+            assignment = assignment_of(sample.assignment_id)
+            problem = None
+            if (assignment is not None
+                    and sample.sample_id == _sample_id(sample.assignment_id, sample.group_index)
+                    and sample.group_size == group_size
+                    and len(sample.completion_token_ids) <= assignment.sampling.max_new_tokens
+                    and abs(sample.reward) <= reward_limit):
+                prompt = sample.prompt_token_ids
+                if same is None or same[0] is not assignment or same[1] is not prompt:
+                    if (_equal(prompt, assignment.prompt_token_ids)
+                            and self._prompt_in_range(assignment)):
+                        same = (assignment, prompt)
+                    else:
+                        problem = self.check(sample, version, assignment)
+            else:
+                problem = self.check(sample, version, assignment)
+            if problem is None:
+                self.stamp(sample, assignment)
+                status, done = put(sample, version, oldest)
+                completed |= done
+                statuses.append(ACCEPTED if status is _ACCEPTED else status.value)
+            else:
+                statuses.append(self._refuse(sample, problem, refused))
+        return statuses, refused, completed
+
+    def _refuse(self, sample: protocol.Sample, problem: tuple[str, str],
+                refused: list[tuple[str, str, str]]) -> str:
+        """Count a sample refused here (``problem``: reason, message); its status."""
+        reason = problem[0]
+        self.invalid[reason] += 1
+        self.metrics.samples_invalid.labels(reason=reason).inc()
+        refused.append((sample.sample_id, *problem))
+        return INVALID
 
     def _status_counters(self, status: str):
         """``slipstream_samples_total{status}``'s child, looked up once per status (labels() costs
