@@ -412,6 +412,53 @@ class RolloutBuffer:
         pass over a result's samples instead of one a sample, learner.intake)."""
         return self._put(sample, version, min_version)
 
+    def put_group_nowait(self, samples: list[Sample], version: int,
+                         min_versions: list[int]) -> bool:
+        """All the samples of one group at once, when that is what they are: every slot of an
+        open group, still empty, filled by ``samples`` (one each, in any order), none seen, none
+        failed, no token newer than ``version`` and the group within the staleness limit;
+        ``min_versions``: each sample's oldest token version (exactly, -1 without tokens). True
+        when they were put (each one ``accepted``, the group complete: :meth:`wake` next); False,
+        with nothing changed, otherwise, and :meth:`put_nowait` of each in turn decides. Ends in
+        the state of those ``put_nowait`` calls, without the per-sample bookkeeping of a group
+        still open (lease extensions, gate and counter updates) that the last one makes moot."""
+        if version != self._version or not self._started:
+            self._observe(version)
+        aid = samples[0].assignment_id
+        g = self._groups.get(aid)
+        if g is None or g.filled or len(samples) != g.size:
+            return False
+        seen = self._seen
+        size = g.size
+        taken = 0                                   # bit i: group_index i is in samples
+        gmin = g.min_version
+        for s, mv in zip(samples, min_versions):
+            gi = s.group_index
+            tv = s.token_versions
+            if (s.assignment_id != aid or s.group_size != size or type(gi) is not int
+                    or not 0 <= gi < size or taken >> gi & 1 or s.sample_id in seen
+                    or s.failed is not None or type(tv) is not np.ndarray
+                    or (len(tv) and (tv.item(-1) > version or mv > version))):
+                return False
+            taken |= 1 << gi
+            if 0 <= mv < gmin:
+                gmin = mv
+        if (self._policy == "drop" and gmin != _NO_TOKENS
+                and version - gmin > self.gate.max_staleness):
+            return False                            # one of them would close it stale
+        if len({s.sample_id for s in samples}) != size:
+            return False                            # a repeated id: the second is a duplicate
+        for s, mv in zip(samples, min_versions):
+            g.fill(s.group_index, s, mv)
+            seen.add(s.sample_id)
+        g.resolved += size
+        self._pending += size
+        self.gate.on_accepted(size)
+        self._n["accepted"] += size
+        self.leases.complete(aid)
+        self._set_ready(g)
+        return True
+
     async def wake(self) -> None:
         """Wake the ``next_batch`` waiters (after :meth:`put_nowait` completed a group) if a
         batch is ready: a waiter woken before would only find none and wait again (its own

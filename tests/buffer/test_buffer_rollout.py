@@ -500,3 +500,56 @@ async def test_a_waiter_is_woken_once_a_batch_is_ready_not_per_group():
                 assert polls == [0, 0] and not waiter.done()   # one group: no wake-up
         batch = await asyncio.wait_for(waiter, 1)
         assert len(batch) == 8 and polls == [0, 0, 0]
+
+
+def _state(buf: RolloutBuffer) -> tuple:
+    groups = {aid: ([s.sample_id if s is not None else None for s in g.slots], g.mins, g.filled,
+                    g.resolved, g.min_version, g.tokens, g.max_len, g.ready)
+              for aid, g in buf._groups.items()}
+    gate = (buf.gate.in_flight, buf.gate.accepted_total, buf.gate.consumed_total)
+    return (buf.counters, groups, [g.assignment_id for g in buf._ready], buf.pending_samples,
+            sorted(lease.assignment_id for lease in buf.leases), gate, buf._seen.items())
+
+
+GROUP_CASES = {
+    "in order": lambda ss: ss,
+    "shuffled": lambda ss: [ss[2], ss[0], ss[3], ss[1]],
+    "index repeated": lambda ss: [ss[0], ss[1], ss[1], ss[3]],
+    "index repeated, other id": lambda ss: ss[:3] + [make_sample("a", 1, 4, (2,), sample_id="a/9")],
+    "id repeated": lambda ss: ss[:3] + [make_sample("a", 3, 4, (1, 2), sample_id="a/0")],
+    "one failed": lambda ss: ss[:3] + [make_sample("a", 3, 4, (2,), failed="engine")],
+    "token too new": lambda ss: ss[:3] + [make_sample("a", 3, 4, (1, 5))],
+    "stale": lambda ss: [make_sample("a", 0, 4, (0, 2))] + ss[1:],
+    "no tokens": lambda ss: ss[:3] + [make_sample("a", 3, 4, ())],
+    "other assignment": lambda ss: ss[:3] + [make_sample("b", 3, 4, (2,))],
+    "wrong size": lambda ss: ss[:3],
+    "index out of range": lambda ss: ss[:3] + [make_sample("a", 4, 4, (2,))],
+}
+
+
+@pytest.mark.parametrize("prefilled", [False, True])
+@pytest.mark.parametrize("case", list(GROUP_CASES))
+async def test_put_group_nowait_ends_as_put_nowait_one_by_one(case, prefilled):
+    """``put_group_nowait`` takes a whole group at once or changes nothing; either way (then
+    ``put_nowait`` of each in turn) the buffer ends as with ``put_nowait`` one by one."""
+    ends = []
+    for whole in (True, False):
+        buf = make_buffer(batch_samples=4, max_staleness=1)
+        buf.issue("a", "s0", 4)
+        buf.issue("b", "s0", 4)
+        if prefilled:
+            assert buf.put_nowait(make_sample("a", 1, 4, (2,)), 2) == (A, False)
+        samples = GROUP_CASES[case]([make_sample("a", i, 4, (1 + i % 2, 2)) for i in range(4)])
+        mins = [int(s.token_versions.min()) if len(s.token_versions) else -1 for s in samples]
+        before = _state(buf)
+        if whole and buf.put_group_nowait(samples, 2, mins):
+            statuses = [A] * len(samples)
+            taken = True
+        else:
+            assert _state(buf) == before              # refused: nothing changed
+            statuses = [buf.put_nowait(s, 2, mv)[0] for s, mv in zip(samples, mins)]
+            taken = False
+        ends.append((statuses, _state(buf)))
+        if whole:
+            assert taken == (case in ("in order", "shuffled", "no tokens") and not prefilled), case
+    assert ends[0] == ends[1]
