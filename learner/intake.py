@@ -199,6 +199,10 @@ class Intake:
         version, :func:`_arrays_pass`): a sample of an open lease is checked here for what
         :meth:`check` checks besides the arrays; any other, or one that fails, goes through
         :meth:`check` itself."""
+        if len(samples) == self.group_size:
+            whole = self._put_group(samples, version, mins)
+            if whole is not None:
+                return whole
         statuses: list[str] = []
         refused: list[tuple[str, str, str]] = []
         completed = False
@@ -232,6 +236,40 @@ class Intake:
             else:
                 statuses.append(self._refuse(sample, problem, refused))
         return statuses, refused, completed
+
+    def _put_group(self, samples: list[protocol.Sample], version: int,
+                   mins: list[int]) -> tuple[list[str], list, bool] | None:
+        """A whole group of one open lease in one result (what a rollout server sends): every
+        sample passes :meth:`check` (their arrays passed, ``mins``) and the buffer takes them at
+        once (``RolloutBuffer.put_group_nowait``). None, with nothing changed, when any of that
+        does not hold: :meth:`_put_passed` then goes sample by sample. The same outcome as
+        sample by sample: the lease stays open until the last of them completes the group, so
+        each is checked against the same assignment."""
+        aid = samples[0].assignment_id
+        assignment = self.assignment(aid)
+        if assignment is None:
+            return None
+        limit = assignment.sampling.max_new_tokens
+        reward_limit = self.max_abs_reward()
+        group_size = self.group_size
+        issued = assignment.prompt_token_ids
+        same = None                             # the prompt array last found equal to issued
+        for s in samples:
+            if not (s.assignment_id == aid and s.sample_id == _sample_id(aid, s.group_index)
+                    and s.group_size == group_size and len(s.completion_token_ids) <= limit
+                    and abs(s.reward) <= reward_limit):
+                return None
+            prompt = s.prompt_token_ids
+            if prompt is not same:
+                if not _equal(prompt, issued):
+                    return None
+                same = prompt
+        if not (self._prompt_in_range(assignment)
+                and self.buffer.put_group_nowait(samples, version, mins)):
+            return None
+        for s in samples:
+            self.stamp(s, assignment)
+        return [ACCEPTED] * len(samples), [], True
 
     def _refuse(self, sample: protocol.Sample, problem: tuple[str, str],
                 refused: list[tuple[str, str, str]]) -> str:

@@ -86,12 +86,12 @@ HOW = ["vocab", "vocab_negative", "vocab_prompt", "length", "version_last_token"
        "int64_ids_out_of_range", "prompt", "group_size", "sample_id", "reward"]
 
 
-async def receive_both(make, monkeypatch) -> list[tuple]:
+async def receive_both(make, monkeypatch, make_setup=setup) -> list[tuple]:
     """The outcome of receiving the results ``make(a)`` builds, with the batch checks and with
     the per-sample reference only (``_arrays_pass`` answering None)."""
     out = []
     for reference in (False, True):
-        buf, a, intake = setup()
+        buf, a, intake = make_setup()
         if reference:
             monkeypatch.setattr(intake_module, "_arrays_pass", lambda *args: None)
         statuses = []
@@ -181,3 +181,62 @@ async def test_an_empty_result_gets_an_empty_ack():
     ack = await intake.receive(msg)
     assert ack.sample_ids == [] and ack.statuses == []
     assert buf.counters["accepted"] == 0 and intake.invalid == {}
+
+
+@pytest.mark.parametrize("case", ["slot already filled", "stale", "repeated index", "shuffled",
+                                  "two results of one group", "other assignment's sample"])
+async def test_whole_group_results_get_the_reference_outcome(case, monkeypatch):
+    """A result that is one whole group goes to the buffer at once (``put_group_nowait``) when
+    it can; when it cannot (a slot already filled, a sample that would be stale, ...) sample by
+    sample. Both end as the per-sample reference."""
+    def make(a):
+        samples = group(a)
+        if case == "slot already filled":
+            return [protocol.RolloutResult(server_id="s", samples=[group(a)[3]]),
+                    protocol.RolloutResult(server_id="s", samples=samples)]
+        if case == "stale":
+            for s in samples[5:]:
+                s.token_versions = np.full(len(s.token_versions), 0, np.int32)
+            return [protocol.RolloutResult(server_id="s", samples=samples)]
+        if case == "repeated index":
+            samples[6] = group(a)[2]
+        elif case == "shuffled":
+            samples = samples[::-1]
+        elif case == "two results of one group":
+            return [protocol.RolloutResult(server_id="s", samples=samples[:4]),
+                    protocol.RolloutResult(server_id="s", samples=samples[4:])]
+        elif case == "other assignment's sample":
+            samples[7].assignment_id = "a9"
+        return [protocol.RolloutResult(server_id="s", samples=samples)]
+
+    def stale_setup():
+        buf, a, intake = setup()
+        buf.set_max_staleness(1)                # version 2 - 0 > 1: stale
+        return buf, a, intake
+
+    batch, reference = await receive_both(make, monkeypatch,
+                                          stale_setup if case == "stale" else setup)
+    assert batch == reference
+    if case == "stale":
+        assert "stale" in batch[0][0]
+    if case == "shuffled":
+        assert batch[0] == [["accepted"] * G] and batch[2]["accepted"] == G
+
+
+async def test_whole_group_of_an_issued_prompt_outside_the_vocabulary(monkeypatch):
+    """The issued prompt itself out of range (a prompt source bug): every sample of the group
+    is refused ``vocab``, whole-group path or not."""
+    def bad_prompt_setup():
+        buf = RolloutBuffer(batch_samples=2 * G, group_size=G, max_staleness=3)
+        a = protocol.Assignment(assignment_id="a1", prompt_id="p", group_size=G, version=0,
+                                prompt_token_ids=np.array([1, VOCAB + 1, 9], np.int32),
+                                sampling=protocol.SamplingParams(max_new_tokens=12))
+        buf.issue("a1", "s", G, payload=a)
+        return buf, a, Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16,
+                              version=lambda: 2, metrics=LearnerMetrics())
+
+    batch, reference = await receive_both(
+        lambda a: [protocol.RolloutResult(server_id="s", samples=group(a))], monkeypatch,
+        bad_prompt_setup)
+    assert batch == reference
+    assert batch[0] == [["invalid"] * G] and batch[1] == {"vocab": G}
