@@ -481,7 +481,7 @@ async def test_a_waiter_is_woken_once_a_batch_is_ready_not_per_group():
         buf = make_buffer(batch_samples=8, group_size=4)
         polls = []
         poll = buf.poll_batch
-        buf.poll_batch = lambda version: polls.append(version) or poll(version)
+        buf.poll_batch = lambda version, polls=polls, poll=poll: polls.append(version) or poll(version)
         waiter = asyncio.create_task(buf.next_batch(0))
         await asyncio.sleep(0)
         assert polls == [0, 0] and buf.waiting == 1        # next_batch's poll, then the wait's
