@@ -253,18 +253,34 @@ class HFEngine(TokenizerEngine):
                          logits_to_keep=1, **{_CACHE_ARG: past})
         return out.logits[:, -1].float(), getattr(out, _CACHE_ARG)                   # (N, V)
 
-    def _generate_rows(self, prompts: list[np.ndarray], temperature: float, top_p: float, top_k: int,
-                       max_new: int) -> list[Completion]:
-        self.generate_calls += 1
+    def _left_padded(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask), both (N, P), the prompts left-padded, on the device."""
         n, width = len(prompts), max(len(p) for p in prompts)
-        seq = torch.full((n, width), self.pad_id, dtype=torch.long)                  # (N, P) left-padded
+        seq = torch.full((n, width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((n, width), dtype=torch.long)
         for r, p in enumerate(prompts):
             seq[r, width - len(p):] = torch.from_numpy(p.astype(np.int64))
             attn[r, width - len(p):] = 1
-        seq, attn = seq.to(self.device), attn.to(self.device)
+        return seq.to(self.device), attn.to(self.device)
+
+    def _generate_rows(self, prompts: list[np.ndarray], temperature: float, top_p: float, top_k: int,
+                       max_new: int) -> list[Completion]:
+        self.generate_calls += 1
+        n = len(prompts)
+        # Rows with the same prompt (a group: n completions of one prompt) share its prefill: each
+        # distinct prompt is run once and its KV cache and logits are copied to its rows (vLLM's
+        # prefix caching does the same for n > 1). The demo's 64 rows are 8 prompts: the prefill
+        # was most of a batch's forward work (bench_rollout.py).
+        first: dict[bytes, int] = {}
+        row_of = [first.setdefault(p.tobytes(), len(first)) for p in prompts]
+        distinct = [prompts[row_of.index(i)] for i in range(len(first))]
+        seq, attn = self._left_padded(distinct)
         procs = self._warpers(temperature, top_p, top_k)
         logits, past = self._forward(seq, attn)
+        if len(distinct) < n:
+            index = torch.tensor(row_of, dtype=torch.long, device=self.device)
+            seq, attn, logits = seq[index], attn[index], logits[index]
+            past.reorder_cache(index)                     # each layer's keys and values, by row
         logits_version = self.version
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         toks, lps, vers = [], [], []

@@ -76,3 +76,23 @@ def test_load_weights_changes_outputs_and_version(tiny_model_dir):
     with pytest.raises(ValueError, match="missing"):
         eng.load_weights(8, {k: v for k, v in list(new.items())[1:]})
     assert eng.version == 7
+
+
+def test_rows_of_one_prompt_share_its_prefill(engine):
+    """A prompt's n rows (and another request with the same prompt) are prefilled once: the
+    first forward of a decode runs one row per distinct prompt, the decode steps every row; the
+    log-probs are still the learner's recompute of each row."""
+    a, b = _prompt(engine, "12+7="), _prompt(engine, "3+25=")
+    batch_rows: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: batch_rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    try:
+        out = engine.generate_sync([GenRequest(a, 3, max_new_tokens=4), GenRequest(b, 2, max_new_tokens=4),
+                                    GenRequest(a.copy(), 2, max_new_tokens=4)])
+    finally:
+        hook.remove()
+    assert [len(c) for c in out] == [3, 2, 2]
+    assert batch_rows[0] == 2 and set(batch_rows[1:]) <= {7}, batch_rows      # prefill: 2 prompts
+    for prompt, comps in zip((a, b, a), out):
+        lp, bt = _recompute(engine, prompt, comps, 1.0)
+        assert torch.allclose(lp[bt.mask.bool()], bt.behavior_logprobs[bt.mask.bool()], atol=2e-4)
