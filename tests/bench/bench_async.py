@@ -44,11 +44,13 @@ with TRL as a line, and reward against trained samples), and prints the table. T
 average is recorded with the numbers: ratios within one run are what counts.
 
 Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
-synchronous"): demo, ``--repeats 3``, medians: eta 0 665/s = 0.91x TRL (627/728/s with 1/2
-threads; the faster is the baseline), eta 1 908/s = 1.37x eta 0 and 1.25x TRL, eta 2 913/s =
-1.37x and 1.26x, eta 4 904/s, overlap 0.96 of ideal; the long tail (one round): eta 0 103/s =
-0.97x TRL, eta 1/2/4 at 1.63/1.65/1.75x eta 0 and 1.58/1.61/1.70x TRL. Under load (other jobs on the cores)
-the overlapped runs lose the second core and the demo's ratios fall below 1.
+synchronous"): demo, ``--repeats 3``, medians: eta 0 697/s = 1.12x TRL (515/586/633/s with
+1 thread, 2 threads, 1 thread bf16; the fastest is the baseline), eta 1/2/4 748/808/845/s =
+1.28/1.10/1.29x eta 0 and 1.25/1.23/1.33x TRL, 0.93-0.94 of ideal; the long tail (one round):
+eta 0 129/s = 1.34x TRL, eta 1/2/4 1.72/1.39/1.50x TRL. Two busy processes get ~1.34 cores' worth
+of compute from these two cores (two single-thread matmul loops: 141 + 141/s against 211/s
+alone), which bounds what overlapping the phases can gain here. Under load (other jobs on the
+cores) the overlapped runs lose the second core and the demo's ratios fall below 1.
 """
 
 from __future__ import annotations
