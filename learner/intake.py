@@ -142,19 +142,16 @@ class Intake:
         """Check and put every sample of ``msg``; the Ack to send back (one status per sample).
 
         The array checks of a result of several samples are made once (:func:`_arrays_pass`:
-        one vocabulary and one version maximum over all the samples' tokens; :meth:`_put_passed`).
+        one vocabulary and one version maximum over all the samples' tokens; :meth:`_put_each`).
         A result that fails them, and a result of one sample, go sample by sample through
-        :meth:`check` (:meth:`_put_checked`), which finds the first failing check of a sample, so
-        the reasons are the same either way.
+        :meth:`check` (:meth:`_put_each` without ``mins``), which finds the first failing check
+        of a sample, so the reasons are the same either way.
         """
         version = self.version()
         samples = msg.samples
         # One sample: check() as it is (the result-wide pass would only add to it).
         mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
-        if mins is None:
-            statuses, refused, completed = self._put_checked(samples, version)
-        else:
-            statuses, refused, completed = self._put_passed(samples, version, mins)
+        statuses, refused, completed = self._put_each(samples, version, mins)
         if completed:           # one wake-up for the groups this result completed
             await self.buffer.wake()
         m = self.metrics
@@ -171,35 +168,15 @@ class Intake:
                      first=sid[:200], error=why)
         return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
 
-    def _put_checked(self, samples: list[protocol.Sample],
-                     version: int) -> tuple[list[str], list[tuple[str, str, str]], bool]:
-        """Each sample through :meth:`check`, then into the buffer if it passes: the statuses,
-        the refusals ``(sample_id, reason, message)``, and whether a group was completed."""
-        statuses: list[str] = []
-        refused: list[tuple[str, str, str]] = []
-        completed = False
-        put = self.buffer.put_nowait
-        for sample in samples:
-            # Per sample (a put that completes a group ends its lease), once for check and stamp.
-            assignment = self.assignment(sample.assignment_id)
-            problem = self.check(sample, version, assignment)
-            if problem is None:
-                self.stamp(sample, assignment)
-                status, done = put(sample, version)
-                completed |= done
-                # the member's str, without Enum's Python-level ``value`` property
-                statuses.append(ACCEPTED if status is _ACCEPTED else status.value)
-            else:
-                statuses.append(self._refuse(sample, problem, refused))
-        return statuses, refused, completed
-
-    def _put_passed(self, samples: list[protocol.Sample], version: int,
-                    mins: list[int]) -> tuple[list[str], list[tuple[str, str, str]], bool]:
-        """:meth:`_put_checked` for samples whose arrays passed (``mins``: each one's oldest
-        version, :func:`_arrays_pass`): a sample of an open lease is checked here for what
-        :meth:`check` checks besides the arrays; any other, or one that fails, goes through
-        :meth:`check` itself."""
-        if len(samples) == self.group_size:
+    def _put_each(self, samples: list[protocol.Sample], version: int, mins: list[int] | None = None
+                  ) -> tuple[list[str], list[tuple[str, str, str]], bool]:
+        """Sample by sample into the buffer: the statuses, the refusals ``(sample_id, reason,
+        message)``, and whether a group was completed. ``mins`` None (a one-sample result, or
+        arrays that failed :func:`_arrays_pass`): each sample through :meth:`check`, the
+        reference. ``mins`` given (the arrays passed; each sample's oldest version): a sample of
+        an open lease is checked here for what :meth:`check` checks besides the arrays; any
+        other, or one that fails, still goes through :meth:`check`."""
+        if mins is not None and len(samples) == self.group_size:
             whole = self._put_group(samples, version, mins)
             if whole is not None:
                 return whole
@@ -211,10 +188,12 @@ class Intake:
         group_size = self.group_size
         reward_limit = self.max_abs_reward()
         same = None                 # (assignment, prompt) last found equal, for the group's next
-        for sample, oldest in zip(samples, mins):
+        for i, sample in enumerate(samples):
+            # Per sample (a put that completes a group ends its lease), once for check and stamp.
             assignment = assignment_of(sample.assignment_id)
+            oldest = None if mins is None else mins[i]
             problem = None
-            if (assignment is not None
+            if (oldest is not None and assignment is not None
                     and sample.sample_id == _sample_id(sample.assignment_id, sample.group_index)
                     and sample.group_size == group_size
                     and len(sample.completion_token_ids) <= assignment.sampling.max_new_tokens
@@ -232,6 +211,7 @@ class Intake:
                 self.stamp(sample, assignment)
                 status, done = put(sample, version, oldest)
                 completed |= done
+                # the member's str, without Enum's Python-level ``value`` property
                 statuses.append(ACCEPTED if status is _ACCEPTED else status.value)
             else:
                 statuses.append(self._refuse(sample, problem, refused))
@@ -242,7 +222,7 @@ class Intake:
         """A whole group of one open lease in one result (what a rollout server sends): every
         sample passes :meth:`check` (their arrays passed, ``mins``) and the buffer takes them at
         once (``RolloutBuffer.put_group_nowait``). None, with nothing changed, when any of that
-        does not hold: :meth:`_put_passed` then goes sample by sample. The same outcome as
+        does not hold: :meth:`_put_each` then goes sample by sample. The same outcome as
         sample by sample: the lease stays open until the last of them completes the group, so
         each is checked against the same assignment."""
         aid = samples[0].assignment_id

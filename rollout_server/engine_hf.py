@@ -271,9 +271,14 @@ class HFEngine(TokenizerEngine):
         # distinct prompt is run once and its KV cache and logits are copied to its rows (vLLM's
         # prefix caching does the same for n > 1). The demo's 64 rows are 8 prompts: the prefill
         # was most of a batch's forward work (bench_rollout.py).
-        first: dict[bytes, int] = {}
-        row_of = [first.setdefault(p.tobytes(), len(first)) for p in prompts]
-        distinct = [prompts[row_of.index(i)] for i in range(len(first))]
+        first: dict[bytes, int] = {}              # prompt bytes -> its row among the distinct
+        distinct: list[np.ndarray] = []
+        row_of: list[int] = []
+        for p in prompts:
+            row = first.setdefault(p.tobytes(), len(distinct))
+            if row == len(distinct):
+                distinct.append(p)
+            row_of.append(row)
         seq, attn = self._left_padded(distinct)
         procs = self._warpers(temperature, top_p, top_k)
         logits, past = self._forward(seq, attn)

@@ -29,6 +29,7 @@ bfloat16 matmuls cause.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -62,12 +63,11 @@ def _call(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch
 
         hook = decoder.register_forward_hook(grab)
         kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    mixed = (torch.autocast(input_ids.device.type, dtype=autocast) if autocast is not None
+             else contextlib.nullcontext())
     try:
-        if autocast is None:
+        with mixed:
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
-        else:
-            with torch.autocast(input_ids.device.type, dtype=autocast):
-                out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     finally:
         if hook is not None:
             hook.remove()
