@@ -149,9 +149,23 @@ class Intake:
         """
         version = self.version()
         samples = msg.samples
-        # One sample: check() as it is (the result-wide pass would only add to it).
-        mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
-        statuses, refused, completed = self._put_each(samples, version, mins)
+        if len(samples) <= self.group_size:
+            # One sample: check() as it is (the result-wide pass would only add to it).
+            mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
+            statuses, refused, completed = self._put_each(samples, version, mins)
+        else:
+            # Several groups (a burst's results merged: LearnerService.receive_held): each run
+            # of one assignment's samples, up to a group, is checked and put as a result of
+            # those samples would be (a whole group at once where it is one).
+            statuses, refused, completed = [], [], False
+            vocab, put_each = self.vocab_size, self._put_each
+            for start, end in _runs(samples, self.group_size):
+                run = samples[start:end]
+                mins = _arrays_pass(run, vocab, version) if end - start > 1 else None
+                st, rf, done = put_each(run, version, mins)
+                statuses += st
+                refused += rf
+                completed |= done
         if completed:           # one wake-up for the groups this result completed
             await self.buffer.wake()
         m = self.metrics
@@ -306,6 +320,20 @@ def _arrays_pass(samples: list[protocol.Sample], vocab: int, version: int) -> li
         starts.append(start)
         start += n
     return _minimum_at(versions, starts).tolist()
+
+
+def _runs(samples: list[protocol.Sample], limit: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive samples with one assignment id, cut after
+    ``limit`` samples (a group's size: a whole group in one run is put at once)."""
+    runs = []
+    start, aid = 0, samples[0].assignment_id if samples else None
+    for i, s in enumerate(samples):
+        if s.assignment_id != aid or i - start == limit:
+            runs.append((start, i))
+            start, aid = i, s.assignment_id
+    if samples:
+        runs.append((start, len(samples)))
+    return runs
 
 
 def _in_range(ids: np.ndarray, vocab: int) -> bool:

@@ -84,6 +84,9 @@ SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
 """Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
 
 
+# The most samples of one server's consecutive results received as one (LearnerService.receive_held)
+MERGE_SAMPLES = 256
+
 class LearnerService:
     """One learner process. ``await run()`` serves until the last step (or ``stop``); returns the
     exit code. ``ready`` is set once every socket is bound and the model is loaded."""
@@ -141,6 +144,8 @@ class LearnerService:
         self.curve: LearnerCurve | None = None
         self.sockets: dict[str, RouterSocket] = {}
         self.pending_acks = PendingAcks()     # a burst's Acks, sent when the loop stops reading
+        # A burst's results, received together when the loop stops reading (flush_acks)
+        self.held_results: list[tuple[bytes, object, protocol.RolloutResult]] = []
         self.admission = Admission(
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
@@ -557,11 +562,12 @@ class LearnerService:
 
     # ---- rollout socket --------------------------------------------------------------------
     async def on_rollout(self, identity: bytes, msg: protocol.Message) -> protocol.Message | None:
-        """Route one rollout-socket message to its component; the reply, if any. A result's Ack
-        is held (``pending_acks``) until the loop stops reading: :meth:`flush_acks`."""
+        """Route one rollout-socket message to its component; the reply, if any. A result is
+        held (``held_results``) and its Ack too (``pending_acks``) until the loop stops reading:
+        :meth:`flush_acks`."""
         a = self.admission
-        if self.pending_acks and type(msg) is not protocol.RolloutResult:
-            await self.flush_acks()               # the held Acks go before anything else
+        if (self.pending_acks or self.held_results) and type(msg) is not protocol.RolloutResult:
+            await self.flush_acks()               # the held results and Acks go first
         if isinstance(msg, protocol.Hello):
             await a.hello(identity, msg)
             return None
@@ -573,13 +579,12 @@ class LearnerService:
         else:
             raise protocol.ProtocolError(f"rollout socket: {type(msg).TYPE} is not sent to a learner")
         if isinstance(msg, protocol.RolloutResult):
-            try:
-                ack = await (self.evaluation.receive(msg, self.receive_result) if self.evaluation
-                             else self.receive_result(msg))
-            except RolloutLogFailed:          # not on disk: no Ack (the server keeps the result)
-                self.update_gauges()
+            if self.rollout_log is None and len(msg.samples) < self.cfg.group_size:
+                self.held_results.append((identity, srv, msg))      # part of a group: merged
                 return None
-            self.pending_acks.add(identity, srv, ack)
+            if self.held_results:
+                await self.receive_held()         # in arrival order
+            await self._receive(identity, srv, msg)
             self.update_gauges()
         elif isinstance(msg, protocol.WorkRequest):
             await a.work_request(srv, msg)
@@ -602,9 +607,52 @@ class LearnerService:
             await a.weights_applied(srv, msg)
         return None
 
+    async def _receive(self, identity: bytes, srv, msg: protocol.RolloutResult) -> None:
+        """Intake (and evaluation) of one result; its Ack held for the burst (none when the
+        rollout log could not write it: the server keeps the result)."""
+        try:
+            ack = await (self.evaluation.receive(msg, self.receive_result) if self.evaluation
+                         else self.receive_result(msg))
+        except RolloutLogFailed:
+            return
+        self.pending_acks.add(identity, srv, ack)
+
+    async def receive_held(self) -> None:
+        """The results held during a burst, received: the consecutive results of one server
+        (one identity, server and ``server_id``) merged into one, up to MERGE_SAMPLES samples,
+        so that the checks of their arrays, the counters and the Ack are made once for all of
+        them, and the single samples of one group, streamed one result each, go into the buffer
+        as that group at once (``Intake.receive``). The outcome is that of receiving them one
+        by one in the same order: samples are checked and put one assignment at a time either
+        way, and a server matches its Acks by sample id.
+
+        Held: results of fewer samples than a group, without a rollout log (with one, each
+        result is written and acknowledged as it arrives). A result of a whole group (what
+        rollout_server sends) is received at once, after what is held: it gains nothing from
+        a merge, and its arrays are still in the cache from its decode."""
+        held, self.held_results = self.held_results, []
+        i = 0
+        while i < len(held):
+            identity, srv, msg = held[i]
+            j, n = i + 1, len(msg.samples)
+            while (j < len(held) and held[j][0] == identity and held[j][1] is srv
+                   and held[j][2].server_id == msg.server_id
+                   and n + len(held[j][2].samples) <= MERGE_SAMPLES):
+                n += len(held[j][2].samples)
+                j += 1
+            if j > i + 1:
+                msg = protocol.RolloutResult(server_id=msg.server_id,
+                                             samples=[x for h in held[i:j] for x in h[2].samples])
+            await self._receive(identity, srv, msg)
+            i = j
+        self.update_gauges()
+
     async def flush_acks(self) -> None:
-        """Send the held Acks, one per server (learner.router.PendingAcks); a server whose Ack
-        cannot be queued is lost; then dispatch once, as after each result before."""
+        """Receive the held results (:meth:`receive_held`); send the held Acks, one per server
+        (learner.router.PendingAcks); a server whose Ack cannot be queued is lost; then dispatch
+        once, as after each result before."""
+        if self.held_results:
+            await self.receive_held()
         if not self.pending_acks:
             return
         sent = False

@@ -1,5 +1,6 @@
-"""The learner holds the Acks of a burst of results and sends them as one Ack per server when its
-rollout loop stops reading (learner.router.PendingAcks): a real LearnerService (tiny model) and
+"""The learner holds the results of a burst and their Acks, and receives them (one server's
+consecutive results as one) and sends one Ack per server when its rollout loop stops reading
+(LearnerService.receive_held, learner.router.PendingAcks): a real LearnerService (tiny model) and
 real sockets. Every sample is acknowledged exactly once, in arrival order; nothing is held while
 the loop waits; any other message from a server sends what is held first."""
 
@@ -81,9 +82,11 @@ async def test_held_acks_merge_per_server_and_leave_before_anything_else(tmp_pat
                 reply = await svc.on_rollout(identity, protocol.RolloutResult(
                     identity.decode(), samples_for(a, version=0)))
                 assert reply is None
-            assert svc.pending_acks                      # held, not sent
+            # Whole groups are received at once; their Acks are held, not sent.
+            assert not svc.held_results and svc.pending_acks
+            assert svc.buffer.counters["accepted"] == 6
             await svc.flush_acks()
-            assert not svc.pending_acks
+            assert not svc.pending_acks and not svc.held_results
             (ack,) = await acks_until(one, 4)
             assert ack.sample_ids == [s.sample_id for a in (a1, a2) for s in samples_for(a)]
             assert ack.statuses == ["accepted"] * 4
@@ -93,9 +96,57 @@ async def test_held_acks_merge_per_server_and_leave_before_anything_else(tmp_pat
             await svc.on_rollout(b"one", protocol.RolloutResult("one", samples_for(a3, version=0)))
             echo = await svc.on_rollout(b"one", protocol.Heartbeat(sender_id="one", version=0))
             assert isinstance(echo, protocol.Heartbeat) and not svc.pending_acks
+            assert not svc.held_results
             (ack,) = await acks_until(one, 2)
             assert ack.sample_ids == [s.sample_id for s in samples_for(a3)]
             assert svc.buffer.counters["accepted"] == 8 and svc.buffer.counters["duplicate"] == 0
+        finally:
+            one.close()
+            two.close()
+
+
+async def test_one_servers_results_of_a_burst_are_received_as_one(tmp_path, tiny_model_dir, monkeypatch):
+    """A server streaming one sample per result: the learner's intake sees the burst's
+    consecutive results of that server as one result (its checks and its Ack once), split where
+    another server's result comes between and where MERGE_SAMPLES would be passed; a hostile
+    sample in the middle is refused alone, and every other sample is accepted."""
+    import learner.service as service_module
+    monkeypatch.setattr(service_module, "MERGE_SAMPLES", 6)
+    cfg = learner_config(tmp_path, max_staleness=GROUPS)
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        one = FakeServer(svc.endpoints["rollout"], "one", max_concurrency=8)
+        two = FakeServer(svc.endpoints["rollout"], "two", max_concurrency=8)
+        seen: list[int] = []
+        receive = svc.intake.receive
+
+        async def counting(msg):
+            seen.append(len(msg.samples))
+            return await receive(msg)
+
+        monkeypatch.setattr(svc.intake, "receive", counting)
+        try:
+            a1, a2, a3, a4 = await assignments(one, 4)
+            (b1,) = await assignments(two, 1)
+            singles = [s for a in (a1, a2, a3, a4) for s in samples_for(a, version=0)]
+            singles[3].token_versions[-1] = 10 ** 6          # newer than the learner: invalid
+            (b1_first, b1_second) = samples_for(b1, version=0)
+            for s in singles[:1]:
+                await svc.on_rollout(b"one", protocol.RolloutResult("one", [s]))
+            await svc.on_rollout(b"two", protocol.RolloutResult("two", [b1_first]))
+            for s in singles[1:]:
+                await svc.on_rollout(b"one", protocol.RolloutResult("one", [s]))
+            assert seen == [] and len(svc.held_results) == 9           # nothing received yet
+            # A whole group's result is received at once, after what is held (arrival order).
+            await svc.on_rollout(b"two", protocol.RolloutResult("two", [b1_second, b1_first]))
+            assert seen == [1, 1, 6, 1, 2] and not svc.held_results   # cut by server and at 6
+            await svc.flush_acks()
+            (ack,) = await acks_until(one, 8)
+            assert ack.sample_ids == [s.sample_id for s in singles]
+            assert ack.statuses == ["accepted"] * 3 + ["invalid"] + ["accepted"] * 4
+            (ack,) = await acks_until(two, 3)
+            assert ack.sample_ids == [b1_first.sample_id, b1_second.sample_id, b1_first.sample_id]
+            assert ack.statuses == ["accepted", "accepted", "duplicate"]
+            assert svc.buffer.counters["accepted"] == 9 and svc.intake.invalid == {"version": 1}
         finally:
             one.close()
             two.close()

@@ -240,3 +240,69 @@ async def test_whole_group_of_an_issued_prompt_outside_the_vocabulary(monkeypatc
         bad_prompt_setup)
     assert batch == reference
     assert batch[0] == [["invalid"] * G] and batch[1] == {"vocab": G}
+
+
+def setup_three():
+    """Three open assignments of one run (what a burst of a server's results answers)."""
+    buf = RolloutBuffer(batch_samples=2 * G, group_size=G, max_staleness=3)
+    assignments = []
+    for k in (1, 2, 3):
+        a = protocol.Assignment(assignment_id=f"a{k}", prompt_id=f"p{k}", group_size=G, version=0,
+                                prompt_token_ids=np.array([1, 7, 9 + k], np.int32),
+                                sampling=protocol.SamplingParams(max_new_tokens=12))
+        buf.issue(a.assignment_id, "s", G, payload=a)
+        assignments.append(a)
+    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: 2,
+                    metrics=LearnerMetrics())
+    return buf, assignments, intake
+
+
+def outcome(buf, intake, statuses) -> tuple:
+    groups = {aid: (g.mins, g.min_version, g.filled) for aid, g in buf._groups.items()}
+    return (statuses, dict(intake.invalid), buf.counters, groups, buf.pending_samples,
+            buf.last_invalid_reason)
+
+
+@pytest.mark.parametrize("how", [None, *HOW])
+@pytest.mark.parametrize("order", ["streamed", "interleaved", "groups", "uneven"])
+async def test_a_merged_burst_ends_as_its_results_one_by_one(order, how):
+    """The learner receives a burst of one server's results as one (LearnerService.receive_held):
+    every sample gets the status, and the buffer the state, of receiving the results one by one,
+    for single samples of three groups in order or interleaved, whole groups, results that cut
+    across groups, and a hostile sample in the middle of the burst."""
+    def results(assignments):
+        groups = [group(a) for a in assignments]
+        if how is not None:
+            corrupt(groups[1][3], how)
+        if order == "streamed":              # one sample per result, group after group
+            return [[s] for g in groups for s in g]
+        if order == "interleaved":           # one sample per result, the groups taking turns
+            return [[g[i]] for i in range(G) for g in groups]
+        if order == "groups":                # what a rollout server sends: a group per result
+            return groups
+        flat = [s for g in groups for s in g]  # results of 5 samples, cutting across groups
+        return [flat[i:i + 5] for i in range(0, len(flat), 5)]
+
+    buf, assignments, intake = setup_three()
+    one_by_one = []
+    for samples in results(assignments):
+        one_by_one += (await intake.receive(protocol.RolloutResult(server_id="s", samples=samples))).statuses
+    reference = outcome(buf, intake, one_by_one)
+
+    buf, assignments, intake = setup_three()
+    merged = [s for samples in results(assignments) for s in samples]
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=merged))
+    assert ack.sample_ids == [s.sample_id for s in merged]
+    assert outcome(buf, intake, ack.statuses) == reference
+    if how is None:
+        assert ack.statuses == ["accepted"] * 3 * G and buf.ready_samples == 3 * G
+
+
+def test_runs_cut_at_each_new_assignment_and_at_a_groups_size():
+    _, (a1, a2, _), _ = setup_three()
+    s1, s2 = group(a1), group(a2)
+    runs = intake_module._runs
+    assert runs([], G) == []
+    assert runs([*s1, *s2], G) == [(0, G), (G, 2 * G)]
+    assert runs([s1[0], s2[0], s1[1], s1[2]], G) == [(0, 1), (1, 2), (2, 4)]
+    assert runs([*s1, s1[0], *s2[:2]], G) == [(0, G), (G, G + 1), (G + 1, G + 3)]
