@@ -20,11 +20,11 @@ __all__ = ["Critic"]
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, path: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32, **load_kwargs):
         from transformers import AutoModel
 
         super().__init__()
-        self.backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        self.backbone = AutoModel.from_pretrained(path, dtype=dtype, **load_kwargs)
         hidden = self.backbone.config.hidden_size
         self.value_head = torch.nn.Linear(hidden, 1, dtype=dtype)
         std = float(getattr(self.backbone.config, "initializer_range", 0.02))

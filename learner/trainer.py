@@ -76,6 +76,20 @@ engine needs to build the same adapter (the HF engine passes them to ``LoraConfi
 them into ``adapter_config.json``)."""
 
 
+def attn_kwargs(attn_implementation: str) -> dict[str, str]:
+    """``from_pretrained``'s keyword for ``learner.attn_implementation`` (none for auto);
+    StartupError when it needs a package this environment lacks."""
+    if attn_implementation == "auto":
+        return {}
+    if attn_implementation == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise StartupError("learner.attn_implementation: flash_attention_2 needs the flash-attn "
+                               "package and a CUDA GPU; use sdpa or eager")
+    return {"attn_implementation": attn_implementation}
+
+
 def adamw(params, **kw) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel where it has one for these parameters (CPU and CUDA
     floating point): one kernel over every tensor instead of a dozen small ops per tensor, the
@@ -116,7 +130,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                     **attn_kwargs(cfg.attn_implementation))
         if cfg.disable_dropout:
             disable_dropout(model)          # the base's; an adapter's lora.dropout is the config's
         model.to(self.device)
@@ -159,7 +174,8 @@ class Trainer:
         self.critic: Critic | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if cfg.uses_critic:
-            self.critic = Critic(cfg.critic_model or model_path, dtype=self.dtype)
+            self.critic = Critic(cfg.critic_model or model_path, dtype=self.dtype,
+                                 **attn_kwargs(cfg.attn_implementation))
             if cfg.disable_dropout:
                 disable_dropout(self.critic)
             self.critic.to(self.device)

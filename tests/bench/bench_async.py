@@ -144,7 +144,8 @@ def summarize(rows: list[dict], skip: int) -> dict:
     }
 
 
-def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool = False) -> dict:
+def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool = False,
+            attn: str = "auto") -> dict:
     """TRL's GRPOTrainer in its own interpreter; its per-step records."""
     from learner.models.builtin import ensure_builtin_model
     from learner.tasks import get_task
@@ -158,8 +159,8 @@ def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool
             "reward": w["reward"], "batch_prompts": BATCH_PROMPTS, "group_size": GROUP,
             "max_new_tokens": w["max_new_tokens"], "temperature": TEMPERATURE, "lr": LR,
             "steps": steps, "seed": args.seed, "threads": threads, "bf16": bf16,
-            "output_dir": str(out_dir / f"trl-{work}-out")}
-    tag = f"trl-{work}-t{threads}" + ("-bf16" if bf16 else "")
+            "attn_implementation": attn, "output_dir": str(out_dir / f"trl-{work}-out")}
+    tag = trl_tag(work, threads, bf16, attn)
     spec_file, result = out_dir / f"{tag}.spec.json", out_dir / f"{tag}.json"
     spec_file.write_text(json.dumps(spec))
     t0 = time.monotonic()
@@ -173,6 +174,14 @@ def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool
     data = json.loads(result.read_text())
     data["wall_s"] = time.monotonic() - t0
     return data
+
+
+def trl_tag(work: str, threads: int, bf16: bool, attn: str) -> str:
+    return f"trl-{work}-t{threads}" + ("-bf16" if bf16 else "") + ("" if attn == "auto" else f"-{attn}")
+
+
+def trl_name(threads: int, bf16: bool, attn: str) -> str:
+    return f"TRL {threads} thr" + (" bf16" if bf16 else "") + ("" if attn == "auto" else f" {attn}")
 
 
 def summarize_trl(data: dict, skip: int) -> dict:
@@ -191,7 +200,7 @@ def summarize_trl(data: dict, skip: int) -> dict:
 
 
 def fmt_table(results: list[dict]) -> str:
-    head = (f"{'workload':<9} {'run':<14} {'thr':>4} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
+    head = (f"{'workload':<9} {'run':<20} {'thr':>4} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
             f"{'step s':>7} {'pub s':>6} {'L idle':>6} {'R idle':>6} {'gen s':>7} {'train s':>7} "
             f"{'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'reward q1→q4':>14}")
     lines = [head, "-" * len(head)]
@@ -202,7 +211,7 @@ def fmt_table(results: list[dict]) -> str:
         t = r.get("threads")
         thr = f"{t['learner']}+{t['rollout']}" if t else "-"
         lines.append(
-            f"{r['workload']:<9} {r['name']:<14} {thr:>4} {s['samples_per_s']:>9.0f} "
+            f"{r['workload']:<9} {r['name']:<20} {thr:>4} {s['samples_per_s']:>9.0f} "
             f"{r.get('x_eta0', float('nan')):>6.2f} {r.get('x_trl', float('nan')):>6.2f} "
             f"{s['cycle_s']:>8.4f} {s['step_s']:>7.4f} {opt('publish_wait_s', '6.4f'):>6} "
             f"{opt('learner_idle', '6.2f'):>6} {opt('rollout_idle', '6.2f'):>6} {s['gen_s']:>7.4f} "
@@ -263,6 +272,9 @@ def main() -> None:
                    help="torch threads of the TRL process, one TRL run each (the best is the baseline)")
     p.add_argument("--trl-bf16-threads", default="1",
                    help="the same with TRL's own mixed precision (GRPOConfig bf16=True); '' for none")
+    p.add_argument("--trl-attn", default="auto,eager",
+                   help="attention implementations of the TRL model, one TRL run each per thread "
+                        "setting above (auto: the model's default, sdpa)")
     p.add_argument("--seed", type=int, default=1, help="round k runs with seed + k")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the whole plan, interleaved; the table shows medians over rounds")
@@ -294,12 +306,14 @@ def main() -> None:
             if not args.no_is_ablation:
                 plan.append(("slipstream", max(etas), "none"))
             if have_trl:                             # after η=0: the same load, roughly
-                trl = [("trl", int(t), None) for t in args.trl_threads.split(",") if t]
-                trl += [("trl", int(t), "bf16") for t in args.trl_bf16_threads.split(",") if t]
+                attns = [a for a in args.trl_attn.split(",") if a] or ["auto"]
+                trl = [("trl", int(t), (False, a)) for a in attns
+                       for t in args.trl_threads.split(",") if t]
+                trl += [("trl", int(t), (True, a)) for a in attns
+                        for t in args.trl_bf16_threads.split(",") if t]
                 plan[1:1] = trl
             for kind, eta, is_mode in plan:
-                name = (f"TRL {eta} thr" + (" bf16" if is_mode else "") if kind == "trl"
-                        else f"eta={eta} {is_mode}")
+                name = (trl_name(eta, *is_mode) if kind == "trl" else f"eta={eta} {is_mode}")
                 tag = f"round {rnd + 1}/{args.repeats}, " if args.repeats > 1 else ""
                 try:
                     row = one_run(work, kind, eta, is_mode, steps, tmp / f"r{rnd}" if rnd else tmp,
@@ -327,17 +341,17 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
     """Run (or, with ``collect``, read back) one configuration; None if collecting and absent."""
     tmp.mkdir(parents=True, exist_ok=True)
     if kind == "trl":
-        bf16 = is_mode == "bf16"                    # the TRL rows' is_mode slot says bf16 or not
-        result = tmp / (f"trl-{work}-t{eta}" + ("-bf16" if bf16 else "") + ".json")
+        bf16, attn = is_mode                        # the TRL rows' is_mode slot: (bf16, attention)
+        result = tmp / (trl_tag(work, eta, bf16, attn) + ".json")
         if collect:
             if not result.exists():
                 return None
             data = json.loads(result.read_text())
         else:
-            print(f"[bench] {work}: {tag}TRL {eta} thr{' bf16' if bf16 else ''}, {steps} steps "
+            print(f"[bench] {work}: {tag}{trl_name(eta, bf16, attn)}, {steps} steps "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
-            data = trl_run(work, steps, eta, tmp, args, bf16=bf16)
-        return {"kind": kind, "eta": eta, "is_mode": None, "bf16": bf16,
+            data = trl_run(work, steps, eta, tmp, args, bf16=bf16, attn=attn)
+        return {"kind": kind, "eta": eta, "is_mode": None, "bf16": bf16, "attn_implementation": attn,
                 "summary": summarize_trl(data, args.skip),
                 "rewards": [s.get("reward_mean", 0.0) for s in data["steps"]], "series": data["steps"]}
     run_dir = tmp / f"{work}-eta{eta}-{is_mode}"
@@ -459,6 +473,7 @@ def write(results: list[dict], args, load0, have_trl: bool, seed0: int) -> None:
     meta = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "loadavg_start": load0,
             "loadavg_end": os.getloadavg(), "learner_threads": args.learner_threads,
             "rollout_threads": args.rollout_threads, "trl_threads": args.trl_threads,
+            "trl_attn": args.trl_attn,
             "trl": have_trl, "seed": seed0, "repeats": args.repeats, "skip": args.skip,
             "time": time.time()}
     out.write_text(json.dumps({"meta": meta, "table": fmt_table(medians(results)),

@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="also show where grpo_1step's time goes")
+    ap.add_argument("--attn", action="store_true",
+                    help="also the demo's learner settings (one micro-batch, autocast bfloat16) "
+                         "with sdpa and with eager attention (learner.attn_implementation)")
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_learner.json"))
     args = ap.parse_args()
     repeats = 8 if args.quick else args.repeats
@@ -172,16 +175,20 @@ def main() -> None:
     tok.save_pretrained(tmp)
     batch = demo_batch(tok)
     bare = Bare(str(tmp), batch, tok.pad_token_id)
-    trainers = {name: Trainer(LearnerConfig(threads=args.threads, **kw), str(tmp)) for name, kw in CONFIGS.items()}
-    servers = {name: WeightsServer(64 << 20) for name in CONFIGS}
-    versions = dict.fromkeys(CONFIGS, 0)
+    configs = dict(CONFIGS)
+    if args.attn:
+        configs.update({f"demo_{attn}": dict(micro_batch_samples=PROMPTS * GROUP, autocast="bfloat16",
+                                             attn_implementation=attn) for attn in ("sdpa", "eager")})
+    trainers = {name: Trainer(LearnerConfig(threads=args.threads, **kw), str(tmp)) for name, kw in configs.items()}
+    servers = {name: WeightsServer(64 << 20) for name in configs}
+    versions = dict.fromkeys(configs, 0)
     for _ in range(3):                                       # warm-up
         bare.step()
         for name, tr in trainers.items():
             versions[name] += 1
             learner_step(tr, servers[name], batch, versions[name])
     bare_s: list[float] = []
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for _ in range(repeats):
         bare_s.append(bare.step())
         for name, tr in trainers.items():
@@ -199,7 +206,7 @@ def main() -> None:
     for name, rs in runs.items():
         med = {c: statistics.median(r[c] for r in rs) for c in cols}
         result["configs"][name] = {"ratio_total": med["total"] / bare_med, "ratio_step": med["step"] / bare_med,
-                                   **{f"{c}_s": v for c, v in med.items()}, "config": CONFIGS[name]}
+                                   **{f"{c}_s": v for c, v in med.items()}, "config": configs[name]}
         print(f"{name:<12}{med['total'] / bare_med:>8.2f}" + "".join(f"{med[c] * 1e3:>11.2f}" for c in cols))
     if args.profile:
         prof = profile(trainers["grpo_1step"], batch, max(5, repeats // 2))

@@ -56,7 +56,9 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    attn = spec.get("attn_implementation", "auto")
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.float32, **({} if attn == "auto" else {"attn_implementation": attn}))
     # The learner encodes BOS + the prompt's characters; the tokenizer adds no BOS itself here.
     rows = [{"prompt": tok.bos_token + r["prompt"], "answer": r["answer"]} for r in spec["prompts"]]
     batch = spec["batch_prompts"] * spec["group_size"]
@@ -102,7 +104,7 @@ def main() -> None:
     t0 = time.time()
     trainer.train()
     json.dump({"steps": steps, "wall_s": time.time() - t0, "threads": spec["threads"],
-               "bf16": bool(spec.get("bf16", False)),
+               "bf16": bool(spec.get("bf16", False)), "attn_implementation": attn,
                "batch": batch}, open(out_path, "w"))
 
 

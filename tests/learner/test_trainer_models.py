@@ -327,3 +327,61 @@ def test_autocast_refuses_what_it_cannot_mean(options, match):
 
     with pytest.raises(ValidationError, match=match):
         LearnerConfig(**options)
+
+
+# ---- attention (learner.attn_implementation) -------------------------------------------------
+
+@pytest.mark.parametrize("options", [{}, {"advantage": "gae"}, {"kl_coef": 0.1}],
+                         ids=["policy", "critic", "reference"])
+def test_eager_attention_is_what_runs_and_gives_the_sdpa_numbers(tiny_model_dir, options):
+    """attn_implementation: eager loads the policy (and the critic; the reference is a copy of
+    the policy) with transformers' eager attention, which the step really calls; log-probs and
+    the step's loss, entropy and gradient norm are sdpa's up to float32 rounding."""
+    import transformers.models.llama.modeling_llama as llama
+
+    sdpa = make_trainer(tiny_model_dir, **options)
+    eager = make_trainer(tiny_model_dir, attn_implementation="eager", **options)
+    models = [eager.model] + ([eager.critic.backbone] if eager.critic is not None else []) + (
+        [eager.reference.model] if eager.reference is not None else [])
+    assert len(models) == (1 if not options else 2)
+    assert all(m.config._attn_implementation == "eager" for m in models)
+    assert sdpa.model.config._attn_implementation == "sdpa"
+    batch = make_batch()
+    bt = collate(batch.samples, eager.pad_id)
+    with torch.no_grad():
+        lp_eager, _ = eager.forward(bt.input_ids, bt.attention_mask, bt.targets, 1.0)
+        lp_sdpa, _ = sdpa.forward(bt.input_ids, bt.attention_mask, bt.targets, 1.0)
+    assert float((lp_eager - lp_sdpa)[bt.mask.bool()].abs().max()) < 1e-5
+    original = llama.eager_attention_forward
+    calls = []
+    llama.eager_attention_forward = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    try:
+        start = params(sdpa)
+        s_sdpa, s_eager = sdpa.step(batch), eager.step(make_batch())
+    finally:
+        llama.eager_attention_forward = original
+    assert calls                                    # eager attention ran (sdpa's does not call it)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert s_eager[key] == pytest.approx(s_sdpa[key], rel=1e-4, abs=1e-6), key
+    d_sdpa = torch.cat([(p - start[n]).flatten() for n, p in params(sdpa).items()])
+    d_eager = torch.cat([(p - start[n]).flatten() for n, p in params(eager).items()])
+    # Adam's first update is about lr * sign(grad): a gradient near 0 may flip with rounding
+    assert float(torch.nn.functional.cosine_similarity(d_sdpa, d_eager, dim=0)) > 0.99
+
+
+def test_attention_that_needs_a_missing_package_is_a_startup_error(tiny_model_dir):
+    from transformers.utils import is_flash_attn_2_available
+
+    if is_flash_attn_2_available():
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(protocol.StartupError, match="flash_attention_2 needs the flash-attn"):
+        make_trainer(tiny_model_dir, attn_implementation="flash_attention_2")
+
+
+def test_an_unknown_attention_is_a_config_error():
+    from pydantic import ValidationError
+
+    from learner.config import LearnerConfig
+
+    with pytest.raises(ValidationError, match="attn_implementation"):
+        LearnerConfig(attn_implementation="fast")
