@@ -149,23 +149,19 @@ class Intake:
         """
         version = self.version()
         samples = msg.samples
-        if len(samples) <= self.group_size:
-            # One sample: check() as it is (the result-wide pass would only add to it).
-            mins = _arrays_pass(samples, self.vocab_size, version) if len(samples) > 1 else None
-            statuses, refused, completed = self._put_each(samples, version, mins)
-        else:
-            # Several groups (a burst's results merged: LearnerService.receive_held): each run
-            # of one assignment's samples, up to a group, is checked and put as a result of
-            # those samples would be (a whole group at once where it is one).
-            statuses, refused, completed = [], [], False
-            vocab, put_each = self.vocab_size, self._put_each
-            for start, end in _runs(samples, self.group_size):
-                run = samples[start:end]
-                mins = _arrays_pass(run, vocab, version) if end - start > 1 else None
-                st, rf, done = put_each(run, version, mins)
-                statuses += st
-                refused += rf
-                completed |= done
+        # Each run of one assignment's samples, up to a group, is checked and put as a result of
+        # those samples alone would be (several runs: a burst's results merged by
+        # LearnerService.receive_held). One sample: check() as it is (the batch pass would only
+        # add to it); a whole group goes in at once where it can.
+        statuses, refused, completed = [], [], False
+        vocab, put_each = self.vocab_size, self._put_each
+        for start, end in _runs(samples, self.group_size):
+            run = samples[start:end]
+            mins = _arrays_pass(run, vocab, version) if end - start > 1 else None
+            st, rf, done = put_each(run, version, mins)
+            statuses += st
+            refused += rf
+            completed |= done
         if completed:           # one wake-up for the groups this result completed
             await self.buffer.wake()
         m = self.metrics

@@ -87,6 +87,7 @@ SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
 # The most samples of one server's consecutive results received as one (LearnerService.receive_held)
 MERGE_SAMPLES = 256
 
+
 class LearnerService:
     """One learner process. ``await run()`` serves until the last step (or ``stop``); returns the
     exit code. ``ready`` is set once every socket is bound and the model is loaded."""

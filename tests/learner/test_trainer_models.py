@@ -333,7 +333,7 @@ def test_autocast_refuses_what_it_cannot_mean(options, match):
 
 @pytest.mark.parametrize("options", [{}, {"advantage": "gae"}, {"kl_coef": 0.1}],
                          ids=["policy", "critic", "reference"])
-def test_eager_attention_is_what_runs_and_gives_the_sdpa_numbers(tiny_model_dir, options):
+def test_eager_attention_is_what_runs_and_gives_the_sdpa_numbers(tiny_model_dir, options, monkeypatch):
     """attn_implementation: eager loads the policy (and the critic; the reference is a copy of
     the policy) with transformers' eager attention, which the step really calls; log-probs and
     the step's loss, entropy and gradient norm are sdpa's up to float32 rounding."""
@@ -354,12 +354,11 @@ def test_eager_attention_is_what_runs_and_gives_the_sdpa_numbers(tiny_model_dir,
     assert float((lp_eager - lp_sdpa)[bt.mask.bool()].abs().max()) < 1e-5
     original = llama.eager_attention_forward
     calls = []
-    llama.eager_attention_forward = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
-    try:
-        start = params(sdpa)
-        s_sdpa, s_eager = sdpa.step(batch), eager.step(make_batch())
-    finally:
-        llama.eager_attention_forward = original
+    monkeypatch.setattr(llama, "eager_attention_forward",
+                        lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    start = params(sdpa)
+    s_sdpa, s_eager = sdpa.step(batch), eager.step(make_batch())
+    monkeypatch.undo()
     assert calls                                    # eager attention ran (sdpa's does not call it)
     for key in ("loss", "entropy", "grad_norm"):
         assert s_eager[key] == pytest.approx(s_sdpa[key], rel=1e-4, abs=1e-6), key
