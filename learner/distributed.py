@@ -90,8 +90,8 @@ from learner.trainer import Trainer
 from protocol.errors import StartupError
 from protocol.messages import Sample
 
-__all__ = ["DeepSpeedTrainer", "Group", "join_group", "launch_ranks", "make_trainer", "rank_seed", "serve",
-           "worker_main"]
+__all__ = ["DeepSpeedTrainer", "Group", "join_group", "launch_ranks", "leave_group", "make_trainer", "rank_seed",
+           "serve", "worker_main"]
 
 _GROUP: Group | None = None
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -205,6 +205,19 @@ def join_group(ds: DeepSpeedSettings) -> Group:
     if _GROUP is None:
         _GROUP = Group(ds)
     return _GROUP
+
+
+def leave_group() -> None:
+    """After a clean end (rank 0 sent ``stop``; a worker received it): destroy this process's
+    process groups while every thread is idle. Left to the interpreter's exit, the gloo groups'
+    C++ threads can be destroyed still joinable, and a run that finished cleanly aborts
+    (``terminate called without an active exception``, exit -6) as it exits."""
+    global _GROUP
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUP = None
 
 
 def _plain(x):

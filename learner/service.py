@@ -688,10 +688,17 @@ class LearnerService:
 
 
 def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int:
-    if cfg.deepspeed is not None:          # several ranks: only rank 0 is the service
-        from learner.distributed import join_group, worker_main
+    if cfg.deepspeed is None:
+        return asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
+    # Several ranks: only rank 0 is the service. The groups are left only after a clean end: a
+    # failed run may have a thread stuck in a collective, and its exit code is what matters.
+    from learner.distributed import join_group, leave_group, worker_main
 
-        group = join_group(cfg.deepspeed)
-        if group.rank != 0:
-            return worker_main(cfg, model_path, group)
-    return asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
+    group = join_group(cfg.deepspeed)
+    if group.rank != 0:
+        code = worker_main(cfg, model_path, group)
+    else:
+        code = asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
+    if code == 0:
+        leave_group()
+    return code

@@ -121,6 +121,56 @@ def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir,
     assert r.returncode == 2 and len(lines) == 1 and "learner.deepspeed" in lines[0], r.stderr
 
 
+LEAVE = """
+import torch.distributed as dist
+from learner import distributed
+from learner.config import LearnerConfig
+
+group = distributed.join_group(LearnerConfig(deepspeed={"timeout_s": 60}).deepspeed)
+assert dist.is_initialized() and group.world == 1
+distributed.leave_group()
+assert not dist.is_initialized() and distributed._GROUP is None
+distributed.leave_group()                  # twice: nothing left to leave
+print("left")
+"""
+
+
+def test_leave_group_destroys_the_process_groups(ds_env, process_groups):
+    """A real group of one (deepspeed.init_distributed, gloo) is gone after leave_group, and the
+    process exits 0 (the groups' threads are not torn down by the interpreter's exit)."""
+    env = {k: v for k, v in ds_env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    r = process_groups.run([sys.executable, "-c", LEAVE], timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("left"), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(("rank", "code", "left"), [(0, 0, True), (0, 1, False), (1, 0, True), (1, 1, False)])
+def test_the_groups_are_left_only_after_a_clean_end(monkeypatch, rank, code, left):
+    """``learner.service.serve`` under DeepSpeed: rank 0 (the service) and a worker leave their
+    groups when they end cleanly, never after a failure (a thread may be stuck in a collective)."""
+    from learner import distributed, service
+
+    calls = []
+
+    class FakeGroup:                         # stands in for the launcher-made group (not under test)
+        pass
+
+    FakeGroup.rank = rank
+
+    class Run:                               # the service's or the worker's exit code
+        def __init__(self, *a, **k):
+            pass
+
+        async def run(self):
+            return code
+
+    monkeypatch.setattr(distributed, "join_group", lambda ds: FakeGroup())
+    monkeypatch.setattr(distributed, "worker_main", lambda cfg, model, group: code)
+    monkeypatch.setattr(distributed, "leave_group", lambda: calls.append("left"))
+    monkeypatch.setattr(service, "LearnerService", Run)
+    assert service.serve(LearnerConfig(deepspeed={}), "unused") == code
+    assert calls == (["left"] if left else [])
+
+
 # ---- two ranks: the equivalence oracle, rollback, RNG states per rank ----------------------------
 
 DS_ORACLE = {"timeout_s": 120, "heartbeat_s": 5, "publish_bucket_bytes": 64 << 10}
