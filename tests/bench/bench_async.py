@@ -78,12 +78,54 @@ WORKLOADS = {
                  "max_new_tokens": 64, "reward": "exact_match"},
 }
 LR, TEMPERATURE = 3.0e-4, 1.0
+BODIES = {
+    # SmolLM2-135M's decoder (30 layers, width 576, 9 heads over 3 KV heads, MLP 1536) with random
+    # weights under the workload's own tokenizer: the cost of a real small model's step and
+    # generation, not its answers (the reward stays near 0; a step costs the same).
+    "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "intermediate_size": 1536, "max_position_embeddings": 2048},
+}
+_MODELS: dict[tuple[str, str], str] = {}
+
+
+def model_for(work: str, body: str | None) -> str:
+    """The model of ``work``'s runs (slipstream's and TRL's): the workload's built-in model, or
+    with ``body`` (``--body``) a random-weights model of that size with the same tokenizer, built
+    once into the cache (written aside, renamed into place)."""
+    if body is None:
+        return WORKLOADS[work]["model"]
+    if (work, body) in _MODELS:
+        return _MODELS[(work, body)]
+    from learner.models.builtin import cache_dir, ensure_builtin_model
+
+    base = ensure_builtin_model(WORKLOADS[work]["model"], log=lambda m: print(f"[setup] {m}"))
+    target = cache_dir() / "bench" / f"{Path(base).name}-{body}"
+    if not (target / "done").exists():
+        import shutil
+
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        print(f"[setup] {target}: random {body} body", flush=True)
+        config = LlamaConfig.from_pretrained(base)
+        for k, v in BODIES[body].items():
+            setattr(config, k, v)
+        torch.manual_seed(1234)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        (tmp / "done").write_text("ok")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    _MODELS[(work, body)] = str(target)
+    return _MODELS[(work, body)]
 
 
 def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path, args) -> dict:
     """One ``slipstream run``; its step rows and wall time."""
     w = WORKLOADS[work]
-    sets = {"model": w["model"], "learner.dataset": w["dataset"],
+    devices = {} if args.device == "auto" else {"learner.device": args.device, "rollout.device": args.device}
+    sets = {"model": model_for(work, args.body), "learner.dataset": w["dataset"],
             "learner.max_new_tokens": w["max_new_tokens"], "learner.total_steps": steps,
             "learner.max_staleness": eta, "learner.is_mode": is_mode,
             "learner.batch_prompts": BATCH_PROMPTS, "learner.group_size": GROUP,
@@ -92,7 +134,7 @@ def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path,
             "learner.seed": args.seed, "rollout.seed": args.seed, "learner.save_every": 0,
             "learner.run_dir": str(run_dir), "learner.metrics_port": 0, "rollout.metrics_port": 0,
             "learner.rollout_port": 0, "learner.weights_port": 0, "learner.control_port": 0,
-            **dict(kv.split("=", 1) for kv in args.set)}
+            **devices, **dict(kv.split("=", 1) for kv in args.set)}
     cmd = [sys.executable, "-m", "deploy.cli", "run"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
@@ -154,7 +196,9 @@ def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool
     task = get_task(w["dataset"])
     rng = random.Random(args.seed)
     prompts = [task.example(rng) for _ in range(steps * BATCH_PROMPTS)]
-    spec = {"model": str(ensure_builtin_model(w["model"], log=lambda m: print(f"[setup] {m}"))),
+    model = model_for(work, args.body)
+    spec = {"model": str(ensure_builtin_model(model, log=lambda m: print(f"[setup] {m}")))
+            if model.startswith("builtin:") else model, "device": args.device,
             "prompts": [{"prompt": e.prompt, "answer": e.answer} for e in prompts],
             "reward": w["reward"], "batch_prompts": BATCH_PROMPTS, "group_size": GROUP,
             "max_new_tokens": w["max_new_tokens"], "temperature": TEMPERATURE, "lr": LR,
@@ -275,6 +319,11 @@ def main() -> None:
     p.add_argument("--trl-attn", default="auto,eager",
                    help="attention implementations of the TRL model, one TRL run each per thread "
                         "setting above (auto: the model's default, sdpa)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the learner, the HF engine and TRL run (auto: cuda when there is one)")
+    p.add_argument("--body", default=None, choices=sorted(BODIES),
+                   help="a random-weights model of this size with the workload's tokenizer, instead "
+                        "of the workload's built-in model")
     p.add_argument("--seed", type=int, default=1, help="round k runs with seed + k")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the whole plan, interleaved; the table shows medians over rounds")

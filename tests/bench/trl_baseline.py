@@ -9,8 +9,9 @@ SPEC (written by bench_async.py): the model directory, the prompts with their an
 the same built-in task and seed as slipstream's run), the reward kind (``exact_numeric``: the first
 number of the completion equals the answer; ``exact_match``: the stripped completion equals it),
 the batch (prompts × group), ``max_completion_length``, temperature, learning rate, steps, seed,
-torch threads and ``bf16`` (TRL's own mixed precision, ``GRPOConfig(bf16=...)``; off unless asked:
-on this CPU it is slower, see bench_async.py). This file imports nothing of slipstream, so it runs in TRL's environment alone.
+torch threads, ``bf16`` (TRL's own mixed precision, ``GRPOConfig(bf16=...)``; off unless asked)
+and ``device`` (cpu, cuda, or auto: CUDA when there is one, where slipstream's processes go too).
+This file imports nothing of slipstream, so it runs in TRL's environment alone.
 
 OUT: per optimizer step its end time, the seconds spent generating and scoring (TRL's
 ``_generate_and_score_completions``, timed by wrapping it) and the mean reward.
@@ -62,8 +63,10 @@ def main() -> None:
     # The learner encodes BOS + the prompt's characters; the tokenizer adds no BOS itself here.
     rows = [{"prompt": tok.bos_token + r["prompt"], "answer": r["answer"]} for r in spec["prompts"]]
     batch = spec["batch_prompts"] * spec["group_size"]
+    device = spec.get("device", "cpu")          # auto: CUDA when there is one, as slipstream's
+    use_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     args = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=True, bf16=bool(spec.get("bf16", False)),
+        output_dir=spec["output_dir"], use_cpu=use_cpu, bf16=bool(spec.get("bf16", False)),
         gradient_checkpointing=False,
         per_device_train_batch_size=batch, num_generations=spec["group_size"],
         max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
@@ -104,7 +107,7 @@ def main() -> None:
     t0 = time.time()
     trainer.train()
     json.dump({"steps": steps, "wall_s": time.time() - t0, "threads": spec["threads"],
-               "bf16": bool(spec.get("bf16", False)), "attn_implementation": attn,
+               "bf16": bool(spec.get("bf16", False)), "attn_implementation": attn, "use_cpu": use_cpu,
                "batch": batch}, open(out_path, "w"))
 
 
