@@ -181,6 +181,7 @@ def summarize(rows: list[dict], skip: int) -> dict:
         "time_proximal_s": mean("time_proximal_s"),
         "staleness_mean": mean("staleness_mean"),
         "completion_tokens_mean": mean("completion_tokens_mean"),
+        "tokens_per_s": sps * mean("completion_tokens_mean"),
         "reward_first_q": sum(rewards[:q]) / q, "reward_last_q": sum(rewards[-q:]) / q,
         "reward_gain": sum(rewards[-q:]) / q - sum(rewards[:q]) / q,
     }
@@ -236,9 +237,10 @@ def summarize_trl(data: dict, skip: int) -> dict:
     step = sum(s["step_s"] for s in steady[1:]) / n
     rewards = [s.get("reward_mean", 0.0) for s in data["steps"]]
     q = max(1, len(rewards) // 4)
+    tokens = sum(s.get("completion_tokens_mean", 0.0) for s in steady) / len(steady)
     return {"samples_per_s": data["batch"] * n / span, "cycle_s": span / n, "step_s": step,
-            "gen_s": gen, "train_s": step - gen,
-            "completion_tokens_mean": sum(s.get("completion_tokens_mean", 0.0) for s in steady) / len(steady),
+            "gen_s": gen, "train_s": step - gen, "completion_tokens_mean": tokens,
+            "tokens_per_s": data["batch"] * n / span * tokens,
             "reward_first_q": sum(rewards[:q]) / q, "reward_last_q": sum(rewards[-q:]) / q,
             "reward_gain": sum(rewards[-q:]) / q - sum(rewards[:q]) / q}
 
@@ -246,7 +248,7 @@ def summarize_trl(data: dict, skip: int) -> dict:
 def fmt_table(results: list[dict]) -> str:
     head = (f"{'workload':<9} {'run':<20} {'thr':>4} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
             f"{'step s':>7} {'pub s':>6} {'L idle':>6} {'R idle':>6} {'gen s':>7} {'train s':>7} "
-            f"{'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'reward q1→q4':>14}")
+            f"{'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'tok/s':>6} {'reward q1→q4':>14}")
     lines = [head, "-" * len(head)]
     for r in results:
         s = r["summary"]
@@ -260,7 +262,7 @@ def fmt_table(results: list[dict]) -> str:
             f"{s['cycle_s']:>8.4f} {s['step_s']:>7.4f} {opt('publish_wait_s', '6.4f'):>6} "
             f"{opt('learner_idle', '6.2f'):>6} {opt('rollout_idle', '6.2f'):>6} {s['gen_s']:>7.4f} "
             f"{s['train_s']:>7.4f} {opt('ideal_overlap_sps', '8.0f'):>8} {opt('of_ideal', '8.2f'):>8} "
-            f"{s['completion_tokens_mean']:>6.1f} "
+            f"{s['completion_tokens_mean']:>6.1f} {opt('tokens_per_s', '6.0f'):>6} "
             f"{s['reward_first_q']:>6.3f}→{s['reward_last_q']:.3f}")
     return "\n".join(lines)
 
@@ -433,6 +435,10 @@ def ratios(results: list[dict], work: str, rnd: int = 0) -> None:
             r["x_eta0"] = r["summary"]["samples_per_s"] / base["summary"]["samples_per_s"]
         if trl:
             r["x_trl"] = r["summary"]["samples_per_s"] / trl["summary"]["samples_per_s"]
+            if r["summary"].get("tokens_per_s") and trl["summary"].get("tokens_per_s"):
+                # The same baseline run, counted in completion tokens: where the two trainers'
+                # policies drift to different answer lengths, samples/s alone flatters the shorter.
+                r["x_trl_tokens"] = r["summary"]["tokens_per_s"] / trl["summary"]["tokens_per_s"]
 
 
 def medians(results: list[dict]) -> list[dict]:
@@ -446,7 +452,7 @@ def medians(results: list[dict]) -> list[dict]:
         row = {"workload": work, "name": name, "rounds": len(rs), "threads": rs[0].get("threads"),
                "summary": {k: statistics.median(r["summary"][k] for r in rs)
                            for k in rs[0]["summary"] if all(k in r["summary"] for r in rs)}}
-        for k in ("x_eta0", "x_trl"):
+        for k in ("x_eta0", "x_trl", "x_trl_tokens"):
             if all(k in r for r in rs):
                 row[k] = statistics.median(r[k] for r in rs)
         rows.append(row)
@@ -465,6 +471,7 @@ def targets(results: list[dict]) -> str:
     checks = [("demo", "eta=2 tis", "x_eta0", 1.4), ("demo", "eta=2 tis", "of_ideal", 0.95),
               ("demo", "eta=0 tis", "x_trl", 0.9), ("demo", "eta=2 tis", "x_trl", 1.3),
               ("longtail", "eta=0 tis", "x_trl", None), ("longtail", "eta=2 tis", "x_trl", None),
+              ("longtail", "eta=0 tis", "x_trl_tokens", None), ("longtail", "eta=2 tis", "x_trl_tokens", None),
               ("longtail", "eta=2 tis", "x_eta0", None)]
     for work, name, key, goal in checks:
         xs = per_round(work, name, key)
@@ -473,7 +480,7 @@ def targets(results: list[dict]) -> str:
         med = statistics.median(xs)
         verdict = "" if goal is None else (f"  >= {goal}: " + ("met" if med >= goal else "NOT met")
                                            + f" ({sum(x >= goal for x in xs)}/{len(xs)} rounds)")
-        lines.append(f"  {work:<8} {name:<10} {key:<7} " + " ".join(f"{x:.3f}" for x in xs)
+        lines.append(f"  {work:<8} {name:<10} {key:<12} " + " ".join(f"{x:.3f}" for x in xs)
                      + f"  median {med:.3f}{verdict}")
     for work in sorted({r["workload"] for r in results}):
         bounds = core_bounds(results, work)
