@@ -1,7 +1,8 @@
 """Async vs synchronous (issue 12): the demo at η ∈ {0, 1, 2, 4} against TRL's GRPOTrainer.
 
     python tests/bench/bench_async.py [--samples 3840] [--etas 0,1,2,4] [--workloads demo,longtail]
-        [--repeats 1] [--trl-python /tmp/trl-venv/bin/python] [--out bench_results/bench_async.json]
+        [--repeats 1] [--trl-python /tmp/trl-venv/bin/python] [--device auto] [--body smollm2-135m]
+        [--out bench_results/bench_async.json]
 
 Every slipstream run is ``slipstream run`` (deploy/launcher.py) in a subprocess with ``--set``
 overrides: the same seeds, the threads of each process as ``slipstream run`` splits the cores
@@ -44,13 +45,18 @@ with TRL as a line, and reward against trained samples), and prints the table. T
 average is recorded with the numbers: ratios within one run are what counts.
 
 Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
-synchronous"): demo, ``--repeats 3``, medians: eta 0 697/s = 1.12x TRL (515/586/633/s with
-1 thread, 2 threads, 1 thread bf16; the fastest is the baseline), eta 1/2/4 748/808/845/s =
-1.28/1.10/1.29x eta 0 and 1.25/1.23/1.33x TRL, 0.93-0.94 of ideal; the long tail (one round):
-eta 0 129/s = 1.34x TRL, eta 1/2/4 1.72/1.39/1.50x TRL. Two busy processes get ~1.34 cores' worth
-of compute from these two cores (two single-thread matmul loops: 141 + 141/s against 211/s
+synchronous", 2026-12-03): demo, ``--repeats 3``, medians: eta 0 798/s = 0.98x TRL (the fastest of
+TRL's six runs a round, 785-907/s), eta 1/2/4 1200/1237/1229/s = 1.50/1.55/1.49x eta 0 and
+1.53/1.46/1.46x TRL, 0.93-0.94 of ideal; the long tail (one round): eta 0 150/s = 1.41x TRL,
+eta 1/2/4 1.96/2.32/2.18x TRL in samples/s, and in completion tokens/s (slipstream's policy
+shortens its answers sooner) eta 0 0.66x and eta 2 1.19x TRL. Two busy processes get ~1.34 cores'
+worth of compute from these two cores (two single-thread matmul loops: 141 + 141/s against 211/s
 alone), which bounds what overlapping the phases can gain here. Under load (other jobs on the
 cores) the overlapped runs lose the second core and the demo's ratios fall below 1.
+
+On a GPU: ``--device cuda`` (or auto) puts the learner, the HF engine and TRL there, and
+``--body smollm2-135m`` swaps the tiny model for a random one of SmolLM2-135M's size with the
+same tokenizer; tests/gpu/bench_async.sh runs both on a lent GPU.
 """
 
 from __future__ import annotations
