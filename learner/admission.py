@@ -71,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
@@ -101,7 +102,7 @@ class ServerState:
     session: str = ""                  # per-process id from its Hello (a restart changes it)
     weights_failures: int = 0          # weights_failed reports in a row
     dropped: bool = False              # circuit breaker open: no dispatch until it applies weights
-    idle_ratio: float = 0.0            # its engine's idle fraction, from its last Heartbeat
+    idle_ratio: float = math.nan       # its engine's idle fraction, from its last Heartbeat (none yet: NaN)
 
 
 class Admission:
@@ -150,9 +151,10 @@ class Admission:
         return held + (self.side_work.outstanding(srv.server_id) if self.side_work is not None else 0)
 
     def rollout_idle_ratio(self) -> float:
-        """Mean idle ratio the connected servers last reported (NaN with none)."""
-        ratios = [s.idle_ratio for s in self.servers.values()]
-        return sum(ratios) / len(ratios) if ratios else float("nan")
+        """Mean idle ratio the connected servers last reported; NaN while none has reported (a
+        server that has sent no Heartbeat yet is left out: it is unknown, not busy)."""
+        ratios = [s.idle_ratio for s in self.servers.values() if not math.isnan(s.idle_ratio)]
+        return sum(ratios) / len(ratios) if ratios else math.nan
 
     def lagging(self, srv: ServerState) -> bool:
         """The lag rule: more than ``max_staleness`` versions behind gets no new work."""

@@ -140,7 +140,8 @@ def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path,
             "learner.seed": args.seed, "rollout.seed": args.seed, "learner.save_every": 0,
             "learner.run_dir": str(run_dir), "learner.metrics_port": 0, "rollout.metrics_port": 0,
             "learner.rollout_port": 0, "learner.weights_port": 0, "learner.control_port": 0,
-            **devices, **dict(kv.split("=", 1) for kv in args.set)}
+            # A heartbeat (the servers' idle ratio) every 0.5 s, not 2: a 60-step run lasts ~3 s.
+            "rollout.heartbeat_interval_s": 0.5, **devices, **dict(kv.split("=", 1) for kv in args.set)}
     cmd = [sys.executable, "-m", "deploy.cli", "run"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
@@ -171,7 +172,11 @@ def summarize(rows: list[dict], skip: int) -> dict:
     mean = lambda key: sum(r.get(key, 0.0) for r in steady[1:]) / n  # noqa: E731
     cycle = span / n
     train = mean("step_s") + mean("publish_wait_s")
-    rollout_idle = mean("rollout_idle_ratio")
+    # The servers' idle ratio is NaN in the rows before their first Heartbeat (unknown): the mean
+    # of the rows that have one.
+    reported = [r["rollout_idle_ratio"] for r in steady[1:]
+                if r.get("rollout_idle_ratio") is not None and r["rollout_idle_ratio"] == r["rollout_idle_ratio"]]
+    rollout_idle = sum(reported) / len(reported) if reported else float("nan")
     gen = cycle * (1.0 - rollout_idle)
     sps = samples / span
     q = max(1, len(rows) // 4)

@@ -8,4 +8,5 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 out="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"

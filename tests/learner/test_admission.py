@@ -6,6 +6,8 @@ capacity(v) = (v + η + 1)·B − (accepted_total + in_flight).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from learner_testkit import samples_for
@@ -102,6 +104,22 @@ async def test_credits_are_capped_at_declared_concurrency():
     assert h.metrics.value("slipstream_credits_refused_total") == 2 * 10**12 - 4
     await h.adm.heartbeat(srv, protocol.Heartbeat(sender_id="H", version=0))
     assert len(h.assigned()) == 2
+
+
+async def test_the_rollout_idle_ratio_counts_only_servers_that_have_reported():
+    """Before any Heartbeat a server's idle ratio is unknown (NaN), not 0 (busy): a step row of
+    a run's first seconds must not claim the servers never waited. The mean is over the servers
+    that have reported."""
+    h = Harness()
+    a = await h.join("A")
+    b = await h.join("B")
+    assert math.isnan(h.adm.rollout_idle_ratio())
+    await h.adm.heartbeat(a, protocol.Heartbeat(sender_id="A", version=0, idle_ratio=0.6))
+    assert h.adm.rollout_idle_ratio() == pytest.approx(0.6)        # B unknown: left out
+    await h.adm.heartbeat(b, protocol.Heartbeat(sender_id="B", version=0, idle_ratio=0.2))
+    assert h.adm.rollout_idle_ratio() == pytest.approx(0.4)
+    await h.adm.heartbeat(b, protocol.Heartbeat(sender_id="B", version=0, idle_ratio=0.0))
+    assert h.adm.rollout_idle_ratio() == pytest.approx(0.3)        # a busy server counts as 0
 
 
 async def test_hello_is_idempotent():
