@@ -45,11 +45,12 @@ with TRL as a line, and reward against trained samples), and prints the table. T
 average is recorded with the numbers: ratios within one run are what counts.
 
 Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
-synchronous", 2026-12-03): demo, ``--repeats 3``, medians: eta 0 798/s = 0.98x TRL (the fastest of
-TRL's six runs a round, 785-907/s), eta 1/2/4 1200/1237/1229/s = 1.50/1.55/1.49x eta 0 and
-1.53/1.46/1.46x TRL, 0.93-0.94 of ideal; the long tail (one round): eta 0 150/s = 1.41x TRL,
-eta 1/2/4 1.96/2.32/2.18x TRL in samples/s, and in completion tokens/s (slipstream's policy
-shortens its answers sooner) eta 0 0.66x and eta 2 1.19x TRL. Two busy processes get ~1.34 cores'
+synchronous", 2026-12-03, the later of two sittings): demo, ``--repeats 3``, medians: eta 0
+811/s = 1.02x TRL (the fastest of TRL's six runs a round), eta 1/2/4 1112/1041/1083/s =
+1.37/1.28/1.34x eta 0 and 1.60/1.50/1.51x TRL, 0.93-0.94 of ideal (the sitting before: eta 2
+1.55x eta 0, 1.46x TRL); the long tail (one round): eta 0 169/s = 1.50x TRL, eta 1/2/4
+1.69/1.79/1.57x TRL in samples/s, and in completion tokens/s (slipstream's policy shortens its
+answers sooner) eta 0 0.70x and eta 2 0.98x TRL. Two busy processes get ~1.34 cores'
 worth of compute from these two cores (two single-thread matmul loops: 141 + 141/s against 211/s
 alone), which bounds what overlapping the phases can gain here. Under load (other jobs on the
 cores) the overlapped runs lose the second core and the demo's ratios fall below 1.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 12's async benchmark on one CUDA GPU: `bash tests/gpu/bench_async.sh` from the repository
-# root (about 5 min on one H200; prepared on CPU, where `--device cpu` runs the same commands). The
+# root (at most 8 min on one H200; prepared on CPU, where `--device cpu` runs the same commands). The
 # learner and the HF engine share the GPU (device auto), at η = 0 and 2, on the demo's tiny model
 # and on a random model of SmolLM2-135M's size with the same tokenizer (bench_async.py --body).
 # TRL's GRPOTrainer is the baseline when `import trl` works here (its wheels, with datasets and
@@ -11,9 +11,9 @@ cd "$(dirname "$0")/../.."
 source tests/gpu/env.sh
 trl=/nonexistent
 if python3 -c "import trl" 2>/dev/null; then trl="$(command -v python3)"; fi
-common=(--workloads demo --etas 0,2 --no-is-ablation --trl-python "$trl" --trl-threads 4
-        --trl-bf16-threads 4 --trl-attn auto --skip 3 --run-timeout-s 200 "$@")
-timeout 200 python3 tests/bench/bench_async.py "${common[@]}" --samples 1920 \
+common=(--workloads demo --etas "0,2" --no-is-ablation --trl-python "$trl" --trl-threads 4
+        --trl-bf16-threads 4 --trl-attn auto --skip 3 --run-timeout-s 220 "$@")
+timeout 240 python3 tests/bench/bench_async.py "${common[@]}" --samples 3840 \
     --out "$out/bench_async_gpu_tiny.json" 2>&1 | tee "$out/bench_async_gpu_tiny.log" || echo "[gpu] tiny: exit $?"
-timeout 220 python3 tests/bench/bench_async.py "${common[@]}" --samples 1280 --body smollm2-135m \
+timeout 240 python3 tests/bench/bench_async.py "${common[@]}" --samples 2560 --body smollm2-135m \
     --out "$out/bench_async_gpu_smollm2.json" 2>&1 | tee "$out/bench_async_gpu_smollm2.log" || echo "[gpu] smollm2: exit $?"
