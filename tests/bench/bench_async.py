@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -92,7 +93,6 @@ BODIES = {
     "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
                      "num_key_value_heads": 3, "intermediate_size": 1536, "max_position_embeddings": 2048},
 }
-_MODELS: dict[tuple[str, str], str] = {}
 
 
 def model_for(work: str, body: str | None) -> str:
@@ -101,8 +101,6 @@ def model_for(work: str, body: str | None) -> str:
     once into the cache (written aside, renamed into place)."""
     if body is None:
         return WORKLOADS[work]["model"]
-    if (work, body) in _MODELS:
-        return _MODELS[(work, body)]
     from learner.models.builtin import cache_dir, ensure_builtin_model
 
     base = ensure_builtin_model(WORKLOADS[work]["model"], log=lambda m: print(f"[setup] {m}"))
@@ -124,8 +122,7 @@ def model_for(work: str, body: str | None) -> str:
         (tmp / "done").write_text("ok")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
-    _MODELS[(work, body)] = str(target)
-    return _MODELS[(work, body)]
+    return str(target)
 
 
 def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path, args) -> dict:
@@ -176,7 +173,7 @@ def summarize(rows: list[dict], skip: int) -> dict:
     # The servers' idle ratio is NaN in the rows before their first Heartbeat (unknown): the mean
     # of the rows that have one.
     reported = [r["rollout_idle_ratio"] for r in steady[1:]
-                if r.get("rollout_idle_ratio") is not None and r["rollout_idle_ratio"] == r["rollout_idle_ratio"]]
+                if r.get("rollout_idle_ratio") is not None and not math.isnan(r["rollout_idle_ratio"])]
     rollout_idle = sum(reported) / len(reported) if reported else float("nan")
     gen = cycle * (1.0 - rollout_idle)
     sps = samples / span

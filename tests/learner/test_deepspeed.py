@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,11 +152,6 @@ def test_the_groups_are_left_only_after_a_clean_end(monkeypatch, rank, code, lef
 
     calls = []
 
-    class FakeGroup:                         # stands in for the launcher-made group (not under test)
-        pass
-
-    FakeGroup.rank = rank
-
     class Run:                               # the service's or the worker's exit code
         def __init__(self, *a, **k):
             pass
@@ -163,7 +159,8 @@ def test_the_groups_are_left_only_after_a_clean_end(monkeypatch, rank, code, lef
         async def run(self):
             return code
 
-    monkeypatch.setattr(distributed, "join_group", lambda ds: FakeGroup())
+    # The launcher-made group is not under test: only its rank is read.
+    monkeypatch.setattr(distributed, "join_group", lambda ds: SimpleNamespace(rank=rank))
     monkeypatch.setattr(distributed, "worker_main", lambda cfg, model, group: code)
     monkeypatch.setattr(distributed, "leave_group", lambda: calls.append("left"))
     monkeypatch.setattr(service, "LearnerService", Run)
