@@ -47,6 +47,10 @@ class LauncherConfig(BaseModel):
     """Longest delay before a restart."""
     restart_window_s: float = Field(600.0, gt=0)
     """Restarts older than this no longer count toward restart_limit."""
+    pin_cores: bool = True
+    """Pin each process to its own cores when the thread split uses the machine's cores exactly
+    (deploy/cores.py: at η > 0 with at least as many cores as processes); false leaves placement
+    to the OS."""
 
 
 class SlipstreamConfig(BaseModel):

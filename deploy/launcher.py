@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from deploy.config import SlipstreamConfig
-from deploy.cores import available_cores, share_cores
+from deploy.cores import allowed_cpus, available_cores, pin, plan_affinity, share_cores
 from deploy.live import LiveView, cell
 
 SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
@@ -60,11 +60,15 @@ class Child:
     streams are done (stderr is drained first, so an error line comes before the exit).
     """
 
-    def __init__(self, name: str, cmd: list[str], events: queue.Queue, env: dict):
+    def __init__(self, name: str, cmd: list[str], events: queue.Queue, env: dict,
+                 cpus: list[int] | None = None):
         self.name = name
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      bufsize=1, env=env)
+        # Pinned from here (not in a preexec_fn, unsafe beside this process's pump threads): the
+        # child is still starting its interpreter, so every thread it starts inherits the CPUs.
+        self.cpus = cpus if cpus and pin(self.proc.pid, cpus) else None
         self._err = threading.Thread(target=self._pump, args=(self.proc.stderr, "err", events),
                                      daemon=True)
         self._err.start()
@@ -154,15 +158,22 @@ def _event(event: str, **fields) -> None:
     print(f"[run] {event} {json.dumps(fields)}", flush=True)
 
 
-def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int]:
-    """Threads for the learner and each server (:func:`deploy.cores.share_cores`), printed."""
+def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int, dict[str, list[int]]]:
+    """Threads for the learner and each server (:func:`deploy.cores.share_cores`) and, with
+    ``launcher.pin_cores``, each process's own CPUs where the split fits them
+    (:func:`deploy.cores.plan_affinity`; empty otherwise), printed."""
     cores = available_cores()
     n = cfg.launcher.num_rollout_servers
     learner, rollout = share_cores(cores, n, cfg.learner.threads, cfg.rollout.threads,
                                    synchronous=cfg.learner.max_staleness == 0)
     servers = ", ".join(f"rollout-{i} {rollout}" for i in range(n))
     print(f"[run] threads: learner {learner}, {servers} ({cores} cores)", flush=True)
-    return learner, rollout
+    plan = (plan_affinity(allowed_cpus(), n, learner, rollout, cores) if cfg.launcher.pin_cores
+            else None) or {}
+    if plan:
+        print("[run] cores: " + ", ".join(f"{name} {','.join(map(str, cpus))}"
+                                          for name, cpus in plan.items()), flush=True)
+    return learner, rollout, plan
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -197,7 +208,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
     verbose = bool(os.environ.get("SLIPSTREAM_VERBOSE"))
     check_dataset(cfg.learner)              # a bad dataset (or eval_data) stops us before any process
     model_path = resolve_model(cfg.model, log=lambda m: print(f"[setup] {m}", flush=True))
-    learner_threads, rollout_threads = _thread_split(cfg)
+    learner_threads, rollout_threads, cpus = _thread_split(cfg)
     run_dir = Path(cfg.learner.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = cfg.model_dump(mode="json")
@@ -231,7 +242,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
                 "--set", f"rollout.server_id=rollout-{i}", "--set", f"rollout.metrics_port={port}",
                 "--set", f"rollout.seed={cfg.rollout.seed + i}"]
             child = children[f"rollout-{i}"] = Child(f"rollout-{i}", server_cmds[f"rollout-{i}"],
-                                                     events, env)
+                                                     events, env, cpus.get(f"rollout-{i}"))
             print(f"[run] rollout-{i} pid {child.proc.pid}", flush=True)
 
     def restart_due() -> None:
@@ -239,7 +250,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
         for name, at in list(restart_at.items()):
             if at <= now:
                 del restart_at[name]
-                child = children[name] = Child(name, server_cmds[name], events, env)
+                child = children[name] = Child(name, server_cmds[name], events, env, cpus.get(name))
                 _event("server_restarted", server=name, pid=child.proc.pid)
 
     def servers_left() -> bool:
@@ -255,7 +266,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
     try:
         learner = children["learner"] = Child(
             "learner", [*base, "learner", "--config", str(cfg_file),
-                        *(["--resume", resume] if resume else [])], events, env)
+                        *(["--resume", resume] if resume else [])], events, env, cpus.get("learner"))
         print(f"[run] learner pid {learner.proc.pid}; run dir {run_dir}", flush=True)
         while True:
             if interrupted.is_set():

@@ -79,6 +79,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 BATCH_PROMPTS, GROUP = 8, 8
+END = "@end"
+"""The is_mode suffix of the round's closing η = 0 run (see ratios)."""
 WORKLOADS = {
     "demo": {"model": "builtin:tiny-arith", "dataset": "builtin:arith", "max_new_tokens": 4,
              "reward": "exact_numeric"},
@@ -184,6 +186,9 @@ def summarize(rows: list[dict], skip: int) -> dict:
         "publish_wait_s": mean("publish_wait_s"),
         "learner_idle": sum(r.get("learner_idle_s", 0.0) for r in steady[1:]) / span,
         "rollout_idle": rollout_idle, "gen_s": gen, "train_s": train,
+        # What the train loop spent per step on neither the step, the snapshot nor waiting for
+        # samples: handing the step to its thread and back, the step row, dispatching work.
+        "loop_gap_s": cycle - train - mean("learner_idle_s"),
         "ideal_sync_sps": samples / n / (gen + train), "ideal_overlap_sps": samples / n / max(gen, train),
         "of_ideal": sps / (samples / n / max(gen, train)),
         "time_update_s": mean("time_update_s"), "time_collate_s": mean("time_collate_s"),
@@ -257,7 +262,7 @@ def summarize_trl(data: dict, skip: int) -> dict:
 def fmt_table(results: list[dict]) -> str:
     head = (f"{'workload':<9} {'run':<20} {'thr':>4} {'samples/s':>9} {'x eta0':>6} {'x TRL':>6} {'cycle s':>8} "
             f"{'step s':>7} {'pub s':>6} {'L idle':>6} {'R idle':>6} {'gen s':>7} {'train s':>7} "
-            f"{'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'tok/s':>6} {'reward q1→q4':>14}")
+            f"{'gap ms':>6} {'ideal/s':>8} {'of ideal':>8} {'tokens':>6} {'tok/s':>6} {'reward q1→q4':>14}")
     lines = [head, "-" * len(head)]
     for r in results:
         s = r["summary"]
@@ -265,12 +270,13 @@ def fmt_table(results: list[dict]) -> str:
             return format(s[k], f) if k in s else "-"
         t = r.get("threads")
         thr = f"{t['learner']}+{t['rollout']}" if t else "-"
+        gap = format(s["loop_gap_s"] * 1e3, "6.2f") if "loop_gap_s" in s else "-"
         lines.append(
             f"{r['workload']:<9} {r['name']:<20} {thr:>4} {s['samples_per_s']:>9.0f} "
             f"{r.get('x_eta0', float('nan')):>6.2f} {r.get('x_trl', float('nan')):>6.2f} "
             f"{s['cycle_s']:>8.4f} {s['step_s']:>7.4f} {opt('publish_wait_s', '6.4f'):>6} "
             f"{opt('learner_idle', '6.2f'):>6} {opt('rollout_idle', '6.2f'):>6} {s['gen_s']:>7.4f} "
-            f"{s['train_s']:>7.4f} {opt('ideal_overlap_sps', '8.0f'):>8} {opt('of_ideal', '8.2f'):>8} "
+            f"{s['train_s']:>7.4f} {gap:>6} {opt('ideal_overlap_sps', '8.0f'):>8} {opt('of_ideal', '8.2f'):>8} "
             f"{s['completion_tokens_mean']:>6.1f} {opt('tokens_per_s', '6.0f'):>6} "
             f"{s['reward_first_q']:>6.3f}→{s['reward_last_q']:.3f}")
     return "\n".join(lines)
@@ -286,7 +292,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(works), figsize=(6 * len(works), 8), squeeze=False)
     for j, work in enumerate(works):
         rs = [r for r in results if r["workload"] == work]
-        tis = [r for r in rs if r["kind"] == "slipstream" and r["is_mode"] == "tis"]
+        tis = [r for r in rs if r["kind"] == "slipstream" and r["is_mode"] == "tis" and not r.get("end")]
         ax = axes[0][j]
         ax.bar([str(r["eta"]) for r in tis], [r["summary"]["samples_per_s"] for r in tis], label="slipstream (tis)")
         ax.scatter([str(r["eta"]) for r in tis], [r["summary"]["ideal_overlap_sps"] for r in tis],
@@ -318,6 +324,8 @@ def main() -> None:
     p.add_argument("--longtail-samples", type=int, default=None,
                    help="trained samples per long-tail run (default: --samples / 2)")
     p.add_argument("--no-is-ablation", action="store_true", help="skip is_mode=none at the largest η")
+    p.add_argument("--no-bracket", action="store_true",
+                   help="run η=0 once a round, not also at its end (the base of x eta0 is then one run)")
     p.add_argument("--learner-threads", type=int, default=0,
                    help="torch threads of the learner (0: slipstream run's own split, deploy/cores.py)")
     p.add_argument("--rollout-threads", type=int, default=0,
@@ -365,6 +373,8 @@ def main() -> None:
             plan = [("slipstream", eta, "tis") for eta in etas]
             if not args.no_is_ablation:
                 plan.append(("slipstream", max(etas), "none"))
+            if 0 in etas and len(etas) > 1 and not args.no_bracket:
+                plan.append(("slipstream", 0, "tis" + END))   # brackets the round (see ratios)
             if have_trl:                             # after η=0: the same load, roughly
                 attns = [a for a in args.trl_attn.split(",") if a] or ["auto"]
                 trl = [("trl", int(t), (False, a)) for a in attns
@@ -373,7 +383,7 @@ def main() -> None:
                         for t in args.trl_bf16_threads.split(",") if t]
                 plan[1:1] = trl
             for kind, eta, is_mode in plan:
-                name = (trl_name(eta, *is_mode) if kind == "trl" else f"eta={eta} {is_mode}")
+                name = (trl_name(eta, *is_mode) if kind == "trl" else run_name(eta, is_mode))
                 tag = f"round {rnd + 1}/{args.repeats}, " if args.repeats > 1 else ""
                 try:
                     row = one_run(work, kind, eta, is_mode, steps, tmp / f"r{rnd}" if rnd else tmp,
@@ -386,7 +396,10 @@ def main() -> None:
                 results.append({"workload": work, "name": name, "steps": steps, "round": rnd,
                                 "seed": args.seed, **row, "load_after": os.getloadavg()[0]})
                 print(f"[bench]   {row['summary']['samples_per_s']:.0f} samples/s", flush=True)
-            ratios(results, work, rnd)
+            drift = ratios(results, work, rnd)
+            if drift is not None:
+                print(f"[bench] {work}: eta=0 at the end of the round / at its start: {drift:.2f} (the "
+                      f"machine's drift over the round; x eta0 is over their mean)", flush=True)
             write(results, args, load0, have_trl, seed0)
     print()
     print(fmt_table(medians(results)))
@@ -414,7 +427,8 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
         return {"kind": kind, "eta": eta, "is_mode": None, "bf16": bf16, "attn_implementation": attn,
                 "summary": summarize_trl(data, args.skip),
                 "rewards": [s.get("reward_mean", 0.0) for s in data["steps"]], "series": data["steps"]}
-    run_dir = tmp / f"{work}-eta{eta}-{is_mode}"
+    run_dir = tmp / f"{work}-eta{eta}-{is_mode.replace(END, '-end')}"
+    is_mode = is_mode.removesuffix(END)
     if collect:
         if not (run_dir / "metrics.jsonl").exists():
             return None
@@ -427,27 +441,40 @@ def one_run(work: str, kind: str, eta: int, is_mode: str | None, steps: int, tmp
         rows, threads = run["rows"], run["threads"]
     keys = ("time", "step_s", "publish_wait_s", "learner_idle_s", "rollout_idle_ratio", "reward_mean",
             "staleness_mean", "completion_tokens_mean")
-    return {"kind": kind, "eta": eta, "is_mode": is_mode, "threads": threads,
+    return {"kind": kind, "eta": eta, "is_mode": is_mode, "threads": threads, "end": run_dir.name.endswith("-end"),
             "summary": summarize(rows, args.skip),
             "rewards": [r["reward_mean"] for r in rows], "series": [{k: r.get(k) for k in keys} for r in rows]}
 
 
-def ratios(results: list[dict], work: str, rnd: int = 0) -> None:
-    """× η=0 (tis) and × the fastest TRL run of the same workload and round."""
+def run_name(eta: int, is_mode: str) -> str:
+    return f"eta={eta} {is_mode.removesuffix(END)}" + (" (end)" if is_mode.endswith(END) else "")
+
+
+def ratios(results: list[dict], work: str, rnd: int = 0) -> float | None:
+    """× η=0 (tis) and × the fastest TRL run of the same workload and round. η = 0 runs first and
+    again last in a round (``--no-bracket``: first only); the base of × η=0 is the mean of the two
+    rates, which cancels a drift of the machine's speed over the round that is linear in time
+    (runs minutes apart on a shared machine differ by up to 30 %). Returns the end run's rate over
+    the first's (None without both)."""
     mine = [r for r in results if r["workload"] == work and r.get("round", 0) == rnd]
-    base = next((r for r in mine if r["kind"] == "slipstream" and r["eta"] == 0
-                 and r["is_mode"] == "tis"), None)
+    zeros = [r for r in mine if r["kind"] == "slipstream" and r["eta"] == 0 and r["is_mode"] == "tis"]
     trls = [r for r in mine if r["kind"] == "trl"]
     trl = max(trls, key=lambda r: r["summary"]["samples_per_s"]) if trls else None
+    base = statistics.mean(r["summary"]["samples_per_s"] for r in zeros) if zeros else None
     for r in mine:
         if base:
-            r["x_eta0"] = r["summary"]["samples_per_s"] / base["summary"]["samples_per_s"]
+            r["x_eta0"] = r["summary"]["samples_per_s"] / base
         if trl:
             r["x_trl"] = r["summary"]["samples_per_s"] / trl["summary"]["samples_per_s"]
             if r["summary"].get("tokens_per_s") and trl["summary"].get("tokens_per_s"):
                 # The same baseline run, counted in completion tokens: where the two trainers'
                 # policies drift to different answer lengths, samples/s alone flatters the shorter.
                 r["x_trl_tokens"] = r["summary"]["tokens_per_s"] / trl["summary"]["tokens_per_s"]
+    first = [r for r in zeros if not r.get("end")]
+    end = [r for r in zeros if r.get("end")]
+    if first and end:
+        return end[0]["summary"]["samples_per_s"] / first[0]["summary"]["samples_per_s"]
+    return None
 
 
 def medians(results: list[dict]) -> list[dict]:
@@ -521,13 +548,14 @@ def core_bounds(results: list[dict], work: str) -> list[tuple[float, float, floa
     out = []
     for rnd in sorted({r.get("round", 0) for r in results if r["workload"] == work}):
         mine = {r["name"]: r for r in results if r["workload"] == work and r.get("round", 0) == rnd}
-        eta2, eta0 = mine.get("eta=2 tis"), mine.get("eta=0 tis")
-        if not eta2 or not eta0:
+        eta2 = mine.get("eta=2 tis")
+        zeros = [mine[n]["summary"]["samples_per_s"] for n in ("eta=0 tis", "eta=0 tis (end)") if n in mine]
+        if not eta2 or not zeros:
             continue
         s = eta2["summary"]
         bound = BATCH_PROMPTS * GROUP * (os.cpu_count() or 1) / (s["gen_s"] + s["train_s"])
         trls = [r["summary"]["samples_per_s"] for r in mine.values() if r["kind"] == "trl"]
-        out.append((bound, bound / eta0["summary"]["samples_per_s"], bound / max(trls) if trls else None))
+        out.append((bound, bound / statistics.mean(zeros), bound / max(trls) if trls else None))
     return out
 
 

@@ -62,6 +62,37 @@ def test_ctrl_c_stops_all_processes(tmp_path, subprocess_env, process_groups):
         os.killpg(run.proc.pid, 0)
 
 
+def test_each_process_runs_on_its_own_cores(tmp_path, subprocess_env, process_groups):
+    """The demo (eta 1, one server): where the thread split uses the cores exactly, the learner,
+    the server and every thread they started (torch, asyncio, ZeroMQ's I/O) are on their own
+    CPUs, as the launcher printed (deploy/cores.py); elsewhere nothing is pinned."""
+    from deploy.cores import allowed_cpus, available_cores, plan_affinity
+
+    run = process_groups.watch([*RUN, "--set", "learner.total_steps=100000",
+                                "--set", f"learner.run_dir={tmp_path}/r"],
+                               env=subprocess_env, cwd=tmp_path)
+    split = run.wait_for_line(r"\[run\] threads: learner (\d+), rollout-0 (\d+)", 300)
+    plan = plan_affinity(allowed_cpus(), 1, int(split[1]), int(split[2]), available_cores())
+    pids = {name: int(run.wait_for_line(rf"\[run\] {name} pid (\d+)", 300).group(1))
+            for name in ("learner", "rollout-0")}
+    run.wait_for_line(r"^\s+3\s", 300)                       # the loop, its threads all started
+    try:
+        if plan is None:
+            assert "[run] cores" not in run.output()
+            for pid in pids.values():
+                assert os.sched_getaffinity(pid) == set(allowed_cpus())
+        else:
+            line = ", ".join(f"{n} {','.join(map(str, c))}" for n, c in plan.items())
+            assert f"[run] cores: {line}" in run.output()
+            for name, pid in pids.items():
+                threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+                assert len(threads) > 2, (name, threads)
+                assert {t: os.sched_getaffinity(t) for t in threads} == dict.fromkeys(threads, set(plan[name]))
+    finally:
+        run.proc.send_signal(signal.SIGINT)
+        assert run.proc.wait(timeout=60) == 130, run.output()
+
+
 @pytest.mark.vllm
 def test_run_with_the_vllm_engine(tmp_path, subprocess_env, process_groups):
     """The whole loop with real vLLM (the CPU build in CI): weights reach the engine every step."""
