@@ -24,6 +24,11 @@ steps):
   curve lags the policy by about η versions and 60 steps are few: the retention target is
   measured on the policy itself, over 200 steps and several seeds, by
   tests/bench/bench_staleness_reward.py.
+- the loop gap: the cycle less the step, the snapshot and the wait for samples (handing the step
+  to its thread and back, the step row, the dispatch of new work), per step;
+- η = 0 runs first and again last in every round (``--no-bracket``: first only): × η=0 is over the
+  mean of the two, which cancels a drift of the machine's speed over the round that is linear in
+  time, and the end/start ratio is printed as the round's drift;
 - the core bound: per round, batch × cores / (gen s + train s) of the η = 2 run, the rate a
   perfect sharing of the cores between the two phases (one thread each) would reach.
 
