@@ -68,7 +68,8 @@ class Child:
                                      bufsize=1, env=env)
         # Pinned from here (not in a preexec_fn, unsafe beside this process's pump threads): the
         # child is still starting its interpreter, so every thread it starts inherits the CPUs.
-        self.cpus = cpus if cpus and pin(self.proc.pid, cpus) else None
+        if cpus:
+            pin(self.proc.pid, cpus)
         self._err = threading.Thread(target=self._pump, args=(self.proc.stderr, "err", events),
                                      daemon=True)
         self._err.start()
