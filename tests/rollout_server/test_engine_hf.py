@@ -36,7 +36,9 @@ def _recompute(engine, prompt, comps, temperature):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behavior_logprobs_match_learner_recompute(engine, temperature):
-    prompts = [_prompt(engine, "12+7="), _prompt(engine, "3+25=")]
+    # Prompts of different lengths in one batch: the engine pads them; the learner's rows do not.
+    prompts = [_prompt(engine, t) for t in ("12+7=", "3+25=", "7=", "123+4567=")]
+    assert len({len(p) for p in prompts}) == 3
     out = engine.generate_sync([GenRequest(p, 4, temperature=temperature, max_new_tokens=6) for p in prompts])
     for prompt, comps in zip(prompts, out):
         assert len(comps) == 4
