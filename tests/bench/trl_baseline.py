@@ -46,14 +46,14 @@ def make_reward(kind: str):
     return reward
 
 
-def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
-    out_path = sys.argv[2]
+def make_trainer(spec: dict, reward=None, max_grad_norm: float = 1.0):
+    """TRL's GRPOTrainer as the benchmark configures it (``reward``: the reward function, by
+    default ``spec["reward"]``'s)."""
     import torch
 
     torch.set_num_threads(spec["threads"])
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
@@ -71,12 +71,19 @@ def main() -> None:
         per_device_train_batch_size=batch, num_generations=spec["group_size"],
         max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"],
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, beta=0.0, max_steps=spec["steps"], num_iterations=1,
+        max_grad_norm=max_grad_norm, beta=0.0, max_steps=spec["steps"], num_iterations=1,
         logging_steps=1, save_strategy="no", report_to="none", seed=spec["seed"],
         shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=make_reward(spec["reward"]),
+    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=reward or make_reward(spec["reward"]),
                           args=args, train_dataset=Dataset.from_list(rows))
+    return trainer
+
+
+def train(spec: dict, out_path: str) -> None:
+    from transformers import TrainerCallback
+
+    trainer = make_trainer(spec)
     steps: list[dict] = []
     gen_s = [0.0]
     inner = trainer._generate_and_score_completions
@@ -107,8 +114,69 @@ def main() -> None:
     t0 = time.time()
     trainer.train()
     json.dump({"steps": steps, "wall_s": time.time() - t0, "threads": spec["threads"],
-               "bf16": bool(spec.get("bf16", False)), "attn_implementation": attn, "use_cpu": use_cpu,
-               "batch": batch}, open(out_path, "w"))
+               "bf16": bool(spec.get("bf16", False)),
+               "attn_implementation": spec.get("attn_implementation", "auto"),
+               "use_cpu": trainer.args.use_cpu, "batch": trainer.args.per_device_train_batch_size},
+              open(out_path, "w"))
+
+
+def gradient(spec: dict, out_path: str) -> None:
+    """One optimizer step's gradient, unclipped, with the batch it came from (check_trl_gradient.py).
+
+    TRL generates and scores its first batch as in training; the un-shuffled batch
+    (``_generate_and_score_completions``'s output: groups contiguous) and the rewards are recorded,
+    and the gradients are read just before the optimizer step. Writes ``OUT`` (JSON: per row the
+    prompt and completion token ids under their masks, reward, advantage, the loss type) and
+    ``OUT.safetensors`` (the gradients by parameter name).
+    """
+    from safetensors.torch import save_file
+    from transformers import TrainerCallback
+
+    rewards: list[float] = []
+    scorer = make_reward(spec["reward"])
+
+    def reward(prompts, completions, **kw):
+        out = scorer(prompts, completions, **kw)
+        rewards.extend(out)
+        return out
+
+    reward.__name__ = spec["reward"]
+    trainer = make_trainer(dict(spec, steps=1), reward=reward, max_grad_norm=1e9)
+    batches: list[dict] = []
+    inner = trainer._generate_and_score_completions
+
+    def keep(*a, **k):
+        out = inner(*a, **k)
+        batches.append({k: v.detach().clone() for k, v in out.items() if hasattr(v, "detach")})
+        return out
+
+    trainer._generate_and_score_completions = keep
+    grads: dict = {}
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            for name, p in trainer.model.named_parameters():
+                if p.grad is not None:
+                    grads[name] = p.grad.detach().clone().contiguous()
+
+    trainer.add_callback(Grab())
+    trainer.train()
+    b = batches[0]
+    rows = []
+    for i in range(len(b["prompt_ids"])):
+        pm, cm = b["prompt_mask"][i].bool(), b["completion_mask"][i].bool()
+        rows.append({"prompt_ids": b["prompt_ids"][i][pm].tolist(),
+                     "completion_ids": b["completion_ids"][i][cm].tolist(),
+                     "reward": float(rewards[i]), "advantage": float(b["advantages"][i])})
+    save_file(grads, out_path + ".safetensors")
+    json.dump({"rows": rows, "loss_type": trainer.args.loss_type,
+               "scale_rewards": str(trainer.args.scale_rewards), "group_size": spec["group_size"]},
+              open(out_path, "w"))
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    (gradient if spec.get("mode") == "gradient" else train)(spec, sys.argv[2])
 
 
 if __name__ == "__main__":
