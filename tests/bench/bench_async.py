@@ -49,13 +49,15 @@ Writes the JSON (every row and its per-step series) and a PNG next to it (sample
 with TRL as a line, and reward against trained samples), and prints the table. The machine's load
 average is recorded with the numbers: ratios within one run are what counts.
 
-Measured on the 2-core machine with nothing else running (README "Benchmark: async vs
-synchronous", 2026-12-03, the later of two sittings): demo, ``--repeats 3``, medians: eta 0
-811/s = 1.02x TRL (the fastest of TRL's six runs a round), eta 1/2/4 1112/1041/1083/s =
-1.37/1.28/1.34x eta 0 and 1.60/1.50/1.51x TRL, 0.93-0.94 of ideal (the sitting before: eta 2
-1.55x eta 0, 1.46x TRL); the long tail (one round): eta 0 169/s = 1.50x TRL, eta 1/2/4
-1.69/1.79/1.57x TRL in samples/s, and in completion tokens/s (slipstream's policy shortens its
-answers sooner) eta 0 0.70x and eta 2 0.98x TRL. Two busy processes get ~1.34 cores'
+Measured on the 2-core machine with nothing else running, every process pinned (README
+"Benchmark: async vs synchronous"): demo ``--repeats 3`` in two sittings, eta 2 1.43/1.40/1.47x
+eta 0 and 0.950-0.952 of ideal per round with the machine fast, 1.14x (median) and 0.963-0.966
+with it slow, where eta 0's two-thread step gained more on the one-thread step beside a busy core
+(core bound 1.66x eta 0, against 2.2x); eta 0 0.95-1.52x and eta 2 1.19-1.52x the fastest of
+TRL's six runs a round. The long tail (``--repeats 3``): compare it in completion tokens/s (the
+``tok/s`` column, ``x_trl_tokens``), eta 2 1.30x TRL (median): the completion lengths follow each
+run's seed (slipstream's 4.7/7.3/8.8 tokens at seeds 1/2/3, TRL's 10.0/6.5/6.2), not the trainer
+(check_trl_gradient.py: the same gradient on the same batch). Two busy processes get ~1.34 cores'
 worth of compute from these two cores (two single-thread matmul loops: 141 + 141/s against 211/s
 alone), which bounds what overlapping the phases can gain here. Under load (other jobs on the
 cores) the overlapped runs lose the second core and the demo's ratios fall below 1.

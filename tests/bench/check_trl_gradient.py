@@ -13,7 +13,8 @@ exactly those tokens and rewards (behavior log-probs: the same weights' own, so 
 on-policy as TRL's is) and its gradient is read at the same point. Both in float32, eager
 attention, one micro-batch.
 
-Prints, per seed and per learner setting (the library default, and the demo's ``clip_anchor:
+``--trl-eps`` gives slipstream's advantages TRL's epsilon (1e-4; the library's is 1e-6) for the
+check, which leaves float rounding. Prints, per seed and per learner setting (the library default, and the demo's ``clip_anchor:
 behavior``): the largest difference of the advantages, the two gradient norms, the relative
 error ‖g − g_TRL‖ / ‖g_TRL‖ and the cosine over all parameters. Writes JSON to ``--out``. Exits 1
 when a relative error is above ``--tolerance``.
@@ -53,6 +54,8 @@ SETTINGS = {
     "clip_anchor=behavior": {"clip_anchor": "behavior"},
 }
 """Learner settings compared with TRL (over the check's base: is_mode none, float32, eager)."""
+TRL_ADV_EPS = 1e-4
+"""TRL's (r - mean) / (std + eps) epsilon (GRPOTrainer, scale_rewards group)."""
 
 
 def trl_batch(model_dir: Path, work: str, seed: int, args, tmp: Path) -> tuple[dict, dict]:
@@ -140,8 +143,15 @@ def main() -> None:
     p.add_argument("--trl-python", default="/tmp/trl-venv/bin/python")
     p.add_argument("--tolerance", type=float, default=1e-3, help="the largest relative error accepted")
     p.add_argument("--out", default=str(REPO / "bench_results"))
+    p.add_argument("--trl-eps", action="store_true",
+                   help="slipstream's group advantages with TRL's epsilon (1e-4, the library's is 1e-6) "
+                        "for this check: what differs then is float rounding")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.trl_eps:
+        group_advantages = ops.group_advantages
+        ops.group_advantages = lambda scores, g, method="grpo", eps=None: group_advantages(
+            scores, g, method, eps=TRL_ADV_EPS)
     model_dir = ensure_builtin_model(WORKLOADS[args.workload]["model"], log=lambda m: print(f"[setup] {m}"))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
