@@ -11,7 +11,8 @@ Temperatures. Each row keeps the sampling temperature its completion was drawn a
 
 Updates. ``ppo_epochs`` passes over the batch; each pass is a fresh shuffle cut into mini-batches
 of ``mini_batch_samples`` rows (one optimizer step each), each cut into micro-batches of
-``micro_batch_samples`` rows (one forward/backward each, gradients accumulated). A step with a
+``micro_batch_samples`` rows (one forward/backward each, gradients accumulated), or by a token
+budget (``micro_batch_tokens``: rows of like lengths together, :func:`plan_updates`). A step with a
 single update keeps the batch's order (groups stay contiguous, no shuffle to draw).
 """
 
@@ -121,17 +122,40 @@ def _cut(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
 
 
 def plan_updates(batch_rows: int, epochs: int, mini_batch: int, micro_batch: int,
-                 generator: torch.Generator) -> list[list[list[torch.Tensor]]]:
+                 generator: torch.Generator, seq_lens: torch.Tensor | None = None,
+                 micro_tokens: int = 0) -> list[list[list[torch.Tensor]]]:
     """``plan[epoch][mini_batch]`` = the micro-batches (row index tensors) of one optimizer step.
 
     ``mini_batch`` 0 (or >= the batch) means the whole batch. With one update in all, rows keep
     their order; otherwise every epoch draws a permutation from ``generator``.
+
+    ``micro_tokens`` > 0 (``learner.micro_batch_tokens``, with ``seq_lens``: each row's prompt +
+    completion tokens): each mini-batch's rows are taken longest first and cut into micro-batches
+    of at most ``micro_batch`` rows whose padded size (rows × the longest) stays within
+    ``micro_tokens`` (a longer row goes alone), so short rows are not padded to the long ones
+    (verl's dynamic batch size, by a token budget). The mini-batch, and so the gradient, is the
+    same: every micro-batch's loss is divided by the mini-batch's normalizer.
     """
     mini = mini_batch if 0 < mini_batch < batch_rows else batch_rows
     single = epochs == 1 and mini == batch_rows
+    lens = seq_lens.cpu() if micro_tokens > 0 and seq_lens is not None else None   # the plan is on the CPU
     plan = []
     for _ in range(epochs):
         order = (torch.arange(batch_rows) if single
                  else torch.randperm(batch_rows, generator=generator))
-        plan.append([_cut(mb, micro_batch) for mb in _cut(order, mini)])
+        plan.append([_pack(mb, lens, micro_batch, micro_tokens) if lens is not None else _cut(mb, micro_batch)
+                     for mb in _cut(order, mini)])
     return plan
+
+
+def _pack(idx: torch.Tensor, seq_lens: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+    """``idx`` longest row first, cut greedily into micro-batches of at most ``max_rows`` rows and
+    ``max_tokens`` padded tokens (rows × the first row's length; at least one row each)."""
+    order = idx[torch.argsort(seq_lens[idx], descending=True, stable=True)]
+    widths = seq_lens[order].tolist()
+    out, start = [], 0
+    while start < len(widths):
+        take = max(1, min(max_rows if max_rows > 0 else len(widths), max_tokens // max(2, widths[start])))
+        out.append(order[start:start + take])
+        start += take
+    return out

@@ -109,6 +109,12 @@ class LearnerConfig(BaseModel):
     """Completions per prompt (GRPO/RLOO groups)."""
     micro_batch_samples: int = Field(32, ge=1)
     """Samples per forward/backward pass (gradient accumulation within a mini-batch)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Padded tokens per forward/backward pass (0 = off): each mini-batch's samples, longest
+    first, cut into passes of at most micro_batch_samples samples whose count times the longest's
+    prompt + completion tokens stays within this (a longer sample goes alone), so short
+    completions are not padded to long ones. The gradient is the same; where lengths vary
+    (long tails) a step computes less. verl's use_dynamic_bsz with ppo_max_token_len_per_gpu."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each batch; every pass reshuffles it into mini-batches, one optimizer step each."""
     mini_batch_samples: int = Field(0, ge=0)

@@ -464,7 +464,8 @@ class Trainer:
         s.sanity_on = s.separate and cfg.recompute_logprobs and s.train_policy
         s.moments_before = self.reward_moments.state_dict()
         if cfg.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
-            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
+            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator,
+                                  bt.seq_lens, cfg.micro_batch_tokens)
         return s
 
     @staticmethod
@@ -519,7 +520,8 @@ class Trainer:
                 value = getattr(s, name)
                 if value is not None:
                     setattr(s, name, value[idx])
-            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator)
+            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator,
+                                  s.bt.seq_lens, cfg.micro_batch_tokens)
 
     def _proximal_and_weights(self, s: StepData, phases: Phases) -> None:
         """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),

@@ -19,6 +19,9 @@ micro-batches), ``ppo`` (critic + KL to the reference + 2 epochs × 2 mini-batch
 pass accounted for). Timing: median of ``--repeats`` interleaved rounds (each configuration once
 per round) after warm-up; one torch thread by default (see ``bench_ops.py`` for why).
 Where the update's time goes is measured with cProfile over the same steps (``--profile``).
+``--longtail``: a batch of completions of 2–65 tokens (builtin:longtail's lengths) under the demo's
+learner settings, in one pass against ``learner.micro_batch_tokens`` budgets (rows of like lengths
+per pass, less padding), interleaved, × the one pass.
 
 Measured (2 shared cores, one thread, medians of 20): bare 76–82 ms; ``grpo_1step`` 1.11–1.12×
 (step 1.03×, publish 6–7 ms); ``grpo_demo`` 1.30× (the second micro-batch: 32 rows twice cost
@@ -63,6 +66,10 @@ CONFIGS = {
                 mini_batch_samples=PROMPTS * GROUP // 2),
 }
 PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
+DEMO_SETTINGS = dict(micro_batch_samples=PROMPTS * GROUP, autocast="bfloat16", attn_implementation="eager")
+LONGTAIL_CONFIGS = {"lt_one_pass": DEMO_SETTINGS,
+                    **{f"lt_tokens_{n}": dict(DEMO_SETTINGS, micro_batch_tokens=n) for n in (512, 1024, 2048)}}
+"""``--longtail``: the demo's learner settings on a long-tail batch, in one pass and by a token budget."""
 
 
 def demo_batch(tokenizer, seed: int = 0) -> Batch:
@@ -82,6 +89,49 @@ def demo_batch(tokenizer, seed: int = 0) -> Batch:
                 token_versions=np.zeros(t, dtype=np.int32), reward=float(rng.random() < 0.3)))
     return Batch(samples, version=1, staleness=[0] * len(samples), needs_correction=[False] * len(samples),
                  group_sizes=[GROUP] * PROMPTS)
+
+
+def longtail_batch(tokenizer, seed: int = 0) -> Batch:
+    """8 prompts ``dxn=`` × 8 completions of n digits + EOS, n log-uniform in 1..64 per completion
+    (builtin:longtail's answer lengths, where the policy is still learning them)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g in range(PROMPTS):
+        d = int(rng.integers(0, 10))
+        prompt = np.asarray([tokenizer.bos_token_id] + tokenizer.encode(f"{d}x12=", add_special_tokens=False),
+                            dtype=np.int32)
+        for i in range(GROUP):
+            t = min(65, int(np.exp(rng.uniform(0.0, np.log(65)))) + 1)
+            samples.append(protocol.Sample(
+                sample_id=protocol.sample_id(f"a{g}", i), assignment_id=f"a{g}", group_index=i,
+                group_size=GROUP, prompt_token_ids=prompt,
+                completion_token_ids=rng.integers(4, len(tokenizer), t).astype(np.int32),
+                behavior_logprobs=(-np.log(len(tokenizer)) + 0.05 * rng.standard_normal(t)).astype(np.float32),
+                token_versions=np.zeros(t, dtype=np.int32), reward=float(rng.random() < 0.3)))
+    return Batch(samples, version=1, staleness=[0] * len(samples), needs_correction=[False] * len(samples),
+                 group_sizes=[GROUP] * PROMPTS)
+
+
+def longtail(model_dir: str, tokenizer, threads: int, repeats: int) -> dict:
+    """``LONGTAIL_CONFIGS`` interleaved on one long-tail batch: step medians, × the one pass."""
+    batch = longtail_batch(tokenizer)
+    bt = collate(batch.samples, tokenizer.pad_token_id)
+    trainers = {n: Trainer(LearnerConfig(threads=threads, **kw), model_dir) for n, kw in LONGTAIL_CONFIGS.items()}
+    steps: dict[str, list[float]] = {n: [] for n in trainers}
+    for r in range(3 + repeats):                              # 3 warm-up rounds
+        for n, tr in trainers.items():
+            t = tr.step(batch)["step_s"]
+            if r >= 3:
+                steps[n].append(t)
+    med = {n: statistics.median(v) for n, v in steps.items()}
+    base = med["lt_one_pass"]
+    print(f"\nlong tail: {len(bt)} samples, {int(bt.attention_mask.sum())} tokens, padded to "
+          f"{bt.input_ids.numel()} in one pass; median of {repeats}")
+    print(f"{'config':<16}{'step ms':>9}{'x one pass':>11}")
+    for n, v in med.items():
+        print(f"{n:<16}{v * 1e3:>9.2f}{v / base:>11.2f}")
+    return {"tokens": int(bt.attention_mask.sum()), "padded": int(bt.input_ids.numel()),
+            "step_s": med, "configs": LONGTAIL_CONFIGS}
 
 
 class Bare:
@@ -165,6 +215,9 @@ def main() -> None:
     ap.add_argument("--attn", action="store_true",
                     help="also the demo's learner settings (one micro-batch, autocast bfloat16) "
                          "with sdpa and with eager attention (learner.attn_implementation)")
+    ap.add_argument("--longtail", action="store_true",
+                    help="also a long-tail batch (completions of 2-65 tokens) in one pass against "
+                         "learner.micro_batch_tokens budgets")
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_learner.json"))
     args = ap.parse_args()
     repeats = 8 if args.quick else args.repeats
@@ -177,8 +230,7 @@ def main() -> None:
     bare = Bare(str(tmp), batch, tok.pad_token_id)
     configs = dict(CONFIGS)
     if args.attn:
-        configs.update({f"demo_{attn}": dict(micro_batch_samples=PROMPTS * GROUP, autocast="bfloat16",
-                                             attn_implementation=attn) for attn in ("sdpa", "eager")})
+        configs.update({f"demo_{attn}": dict(DEMO_SETTINGS, attn_implementation=attn) for attn in ("sdpa", "eager")})
     trainers = {name: Trainer(LearnerConfig(threads=args.threads, **kw), str(tmp)) for name, kw in configs.items()}
     servers = {name: WeightsServer(64 << 20) for name in configs}
     versions = dict.fromkeys(configs, 0)
@@ -214,6 +266,8 @@ def main() -> None:
         print("\nwhere grpo_1step's step goes (cProfile, cumulative, per step; nested entries overlap):")
         for label, sec in sorted(prof.items(), key=lambda kv: -kv[1]):
             print(f"  {label:<22}{sec * 1e3:>9.2f} ms")
+    if args.longtail:
+        result["longtail"] = longtail(str(tmp), tok, args.threads, repeats)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -179,8 +179,10 @@ RUNS = {
                      "poison": [{"fields": {"ppo_epochs": 2}, "at": 2, "which": "critic", "seed": 2},
                                 {"fields": {"ppo_epochs": 1}, "at": 1, "which": "critic", "seed": 3}]},
     # ZeRO-1 with the optimizer offloaded to the CPU (the trainer's torch AdamW there: no
-    # DeepSpeedCPUAdam to compile), GRPO and KL.
-    "zero1-offload": {"fields": {**ORACLE, "deepspeed": {**DS_ORACLE, "zero_stage": 1, "offload_optimizer": "cpu"}},
+    # DeepSpeedCPUAdam to compile), GRPO and KL; micro-batches by a 24-token budget (each
+    # epoch's rows longest first in passes of 2, 3 and 3 rows: rank 1 trains one and a dummy).
+    "zero1-offload": {"fields": {**ORACLE, "micro_batch_tokens": 24,
+                                 "deepspeed": {**DS_ORACLE, "zero_stage": 1, "offload_optimizer": "cpu"}},
                       "poison": [{"fields": {"ppo_epochs": 2}, "at": 2, "which": "policy", "seed": 2}]},
     # ZeRO-3 with GRPO and KL: parameters gathered in every pass, the publish in 64 KiB buckets.
     "zero3": {"fields": {**ORACLE, "deepspeed": {**DS_ORACLE, "zero_stage": 3}},

@@ -197,14 +197,21 @@ def test_clip_anchor_behavior_refuses_target_kl():
     (dict(recompute_logprobs=False, is_mode="mis", loss_agg="seq_mean_token_mean"), None),
     (dict(is_mode="seq_tis", loss_agg="seq_mean_token_sum"), [False] * 6 + [True] * 2),
 ])
-@pytest.mark.parametrize("micro", [4, 3])
+@pytest.mark.parametrize("micro", [dict(micro_batch_samples=4), dict(micro_batch_samples=3),
+                                   dict(micro_batch_tokens=24)], ids=["4", "3", "tokens24"])
 def test_micro_batches_change_nothing(tiny_model_dir, overrides, flags, micro):
-    """micro_batch_samples = B vs B/2 (and an uneven 3 + 3 + 2): the same loss, gradients,
-    updated weights and step statistics, every stat over the whole batch."""
+    """micro_batch_samples = B vs B/2 (and an uneven 3 + 3 + 2), and a 24-token budget (the rows
+    longest first: 11 + 9 | 8 + 8 + 6 | 6 + 6 + 6 tokens, three passes of their own widths): the
+    same loss, gradients, updated weights and step statistics, every stat over the whole batch."""
     one = make_trainer(tiny_model_dir, micro_batch_samples=B, **overrides)
-    split = make_trainer(tiny_model_dir, micro_batch_samples=micro, **overrides)
+    split = make_trainer(tiny_model_dir, **{"micro_batch_samples": B, **micro}, **overrides)
+    widths = []
+    forward = split.model.forward
+    split.model.forward = lambda *a, **k: widths.append(k["input_ids"].shape) or forward(*a, **k)
     s1 = one.step(make_batch(flags, spread=0.3))
     s2 = split.step(make_batch(flags, spread=0.3))
+    if "micro_batch_tokens" in micro:
+        assert [tuple(w) for w in widths] == [(2, 11), (3, 8), (3, 6)]
     if not overrides.get("recompute_logprobs", True):
         assert s1["pg_clip_fraction"] > 0 and s1["pg_approx_kl"] > 0 and s1["pg_ratio_max"] > 1
     if overrides.get("recompute_logprobs", True) or flags:   # else proximal := behavior: w = 1
