@@ -72,15 +72,16 @@ LONGTAIL_CONFIGS = {"lt_one_pass": DEMO_SETTINGS,
 """``--longtail``: the demo's learner settings on a long-tail batch, in one pass and by a token budget."""
 
 
-def demo_batch(tokenizer, seed: int = 0) -> Batch:
+def make_batch(tokenizer, prompt_of, length_of, seed: int = 0) -> Batch:
+    """PROMPTS prompts (``prompt_of(rng)``) × GROUP random completions of ``length_of(rng)``
+    tokens, behavior log-probs near a uniform policy's, rewards 1 with probability 0.3."""
     rng = np.random.default_rng(seed)
     samples = []
     for g in range(PROMPTS):
-        a, b = rng.integers(0, 10, 2)
-        prompt = np.asarray([tokenizer.bos_token_id] + tokenizer.encode(f"{a}+{b}=", add_special_tokens=False),
+        prompt = np.asarray([tokenizer.bos_token_id] + tokenizer.encode(prompt_of(rng), add_special_tokens=False),
                             dtype=np.int32)
         for i in range(GROUP):
-            t = int(rng.integers(1, 5))
+            t = length_of(rng)
             samples.append(protocol.Sample(
                 sample_id=protocol.sample_id(f"a{g}", i), assignment_id=f"a{g}", group_index=i,
                 group_size=GROUP, prompt_token_ids=prompt,
@@ -89,27 +90,22 @@ def demo_batch(tokenizer, seed: int = 0) -> Batch:
                 token_versions=np.zeros(t, dtype=np.int32), reward=float(rng.random() < 0.3)))
     return Batch(samples, version=1, staleness=[0] * len(samples), needs_correction=[False] * len(samples),
                  group_sizes=[GROUP] * PROMPTS)
+
+
+def demo_batch(tokenizer, seed: int = 0) -> Batch:
+    """The demo's: ``a+b=`` with 1–4 completion tokens."""
+    def prompt(rng) -> str:
+        a, b = rng.integers(0, 10, 2)
+        return f"{a}+{b}="
+
+    return make_batch(tokenizer, prompt, lambda rng: int(rng.integers(1, 5)), seed)
 
 
 def longtail_batch(tokenizer, seed: int = 0) -> Batch:
-    """8 prompts ``dxn=`` × 8 completions of n digits + EOS, n log-uniform in 1..64 per completion
+    """``dx12=`` × completions of n digits + EOS, n log-uniform in 1..64 per completion
     (builtin:longtail's answer lengths, where the policy is still learning them)."""
-    rng = np.random.default_rng(seed)
-    samples = []
-    for g in range(PROMPTS):
-        d = int(rng.integers(0, 10))
-        prompt = np.asarray([tokenizer.bos_token_id] + tokenizer.encode(f"{d}x12=", add_special_tokens=False),
-                            dtype=np.int32)
-        for i in range(GROUP):
-            t = min(65, int(np.exp(rng.uniform(0.0, np.log(65)))) + 1)
-            samples.append(protocol.Sample(
-                sample_id=protocol.sample_id(f"a{g}", i), assignment_id=f"a{g}", group_index=i,
-                group_size=GROUP, prompt_token_ids=prompt,
-                completion_token_ids=rng.integers(4, len(tokenizer), t).astype(np.int32),
-                behavior_logprobs=(-np.log(len(tokenizer)) + 0.05 * rng.standard_normal(t)).astype(np.float32),
-                token_versions=np.zeros(t, dtype=np.int32), reward=float(rng.random() < 0.3)))
-    return Batch(samples, version=1, staleness=[0] * len(samples), needs_correction=[False] * len(samples),
-                 group_sizes=[GROUP] * PROMPTS)
+    return make_batch(tokenizer, lambda rng: f"{int(rng.integers(0, 10))}x12=",
+                      lambda rng: min(65, int(np.exp(rng.uniform(0.0, np.log(65)))) + 1), seed)
 
 
 def longtail(model_dir: str, tokenizer, threads: int, repeats: int) -> dict:
