@@ -89,8 +89,8 @@ def samples_of(rows: list[dict], model) -> list[Sample]:
         p, c = np.asarray(r["prompt_ids"], np.int32), np.asarray(r["completion_ids"], np.int32)
         ids = torch.from_numpy(np.concatenate([p, c]).astype(np.int64))[None]
         with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1:-1].float() / TEMPERATURE
-        lp = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(c.astype(np.int64))[:, None])[:, 0]
+            logits = model(input_ids=ids, use_cache=False).logits[:, len(p) - 1:-1]
+        lp = ops.token_logprobs(logits, ids[:, len(p):], temperature=TEMPERATURE)[0]
         g, gi = divmod(i, GROUP)
         out.append(Sample(sample_id=f"a{g}-{gi}", assignment_id=f"a{g}", group_index=gi, group_size=GROUP,
                           prompt_token_ids=p, completion_token_ids=c, behavior_logprobs=lp.numpy(),

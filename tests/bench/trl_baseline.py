@@ -147,7 +147,7 @@ def gradient(spec: dict, out_path: str) -> None:
 
     def keep(*a, **k):
         out = inner(*a, **k)
-        batches.append({k: v.detach().clone() for k, v in out.items() if hasattr(v, "detach")})
+        batches.append({name: value.detach().clone() for name, value in out.items() if hasattr(value, "detach")})
         return out
 
     trainer._generate_and_score_completions = keep
