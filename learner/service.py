@@ -67,7 +67,7 @@ from learner.staleness import StalenessController
 from learner.trainer import SkippedStep
 from learner.weights_server import Publisher, WeightsServer
 from protocol.http import HttpEndpoint
-from protocol.process import EventLog, cancel_all, supervise
+from protocol.process import EventLog, cancel_all, supervise, trace
 from protocol.sockets import advertised_host, bind, make_socket
 
 
@@ -345,6 +345,7 @@ class LearnerService:
             self.train_busy = False                  # waiting for a batch (or paused), not stepping
             cycle_start = time.monotonic()
             batch = await self.next_batch()
+            trace("learner.batch")
             if batch is None:
                 self.log("data_exhausted", steps=self.version, prompts=self.prompts.status(),
                          pending_samples=self.buffer.pending_samples)
@@ -359,16 +360,19 @@ class LearnerService:
                 self.skip_step(batch, skip)
                 await self.admission.dispatch()
                 continue
+            trace("learner.step_end")
             stats.update(self.batch_versions(batch))
             self.record_trained(batch)
             if self.rollout_log is not None:
                 await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
             stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
+            trace("learner.published")
             stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.record_step(stats)
             self.maybe_evaluate()
             await self.admission.dispatch()
+            trace("learner.dispatched")
         await self.publisher.drain()          # the last version is announced before finish waits
 
     async def next_batch(self) -> Batch | None:
@@ -668,6 +672,7 @@ class LearnerService:
     async def receive_result(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Intake, then (``rollout_log``) the accepted samples on disk before the Ack may leave;
         RolloutLogFailed when that write failed."""
+        trace("learner.result")
         ack = await self.intake.receive(msg)
         if self.rollout_log is not None and not await self.rollout_log.receive(msg, ack):
             raise RolloutLogFailed(msg.server_id)

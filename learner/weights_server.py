@@ -47,6 +47,7 @@ import torch
 
 import protocol
 from learner.weights import copy_into, layout
+from protocol.process import trace
 from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
 
@@ -219,6 +220,7 @@ class WeightsServer:
         if not isinstance(msg, protocol.WeightChunkRequest):
             raise protocol.ProtocolError(f"weights socket: {type(msg).TYPE} is not a "
                                          f"{protocol.WeightChunkRequest.TYPE}")
+        trace("learner.chunk")
         return self.chunk(msg.version, msg.index)
 
 
@@ -317,6 +319,7 @@ class Publisher:
             self.preparing = snap.version
             try:
                 await asyncio.to_thread(self.weights.prepare, snap)
+                trace("learner.prepared")
                 if self.stopped():
                     self._waiting = None
                     return
@@ -330,4 +333,5 @@ class Publisher:
             self.observe_latency(time.monotonic() - snap.started)
             del snap
             await self.announce(manifest)
+            trace("learner.announced")
 

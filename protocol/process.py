@@ -11,8 +11,30 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+TRACE_ENV = "SLIPSTREAM_TRACE"
+_trace_path = os.environ.get(TRACE_ENV) or None
+_trace_file = None
+
+
+def trace(point: str) -> None:
+    """One point of the cross-process cycle timeline: ``<unix time> <pid> <point>`` appended to the
+    file ``$SLIPSTREAM_TRACE`` names (read at import; nothing is done when it is unset). Lines are
+    written whole with ``O_APPEND``, so the learner and its servers can share one file;
+    ``tests/bench/bench_cycle.py`` turns it into the time between a step's end and the next one's
+    start, part by part. A point that cannot be written turns tracing off; it never fails a caller."""
+    global _trace_file, _trace_path
+    if _trace_path is None:
+        return
+    try:
+        if _trace_file is None:
+            _trace_file = open(_trace_path, "a", buffering=1, encoding="ascii")
+        _trace_file.write(f"{time.time():.6f} {os.getpid()} {point}\n")
+    except (OSError, ValueError):
+        _trace_path = None
 
 
 def fsync_path(path) -> None:

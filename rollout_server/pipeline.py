@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import protocol
+from protocol.process import trace
 from rollout_server.engine import Completion, GenRequest
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import Scored
@@ -119,6 +120,7 @@ class Pipeline:
 
     def admit(self, a: protocol.Assignment) -> None:
         """Queue ``a`` for the next batch, or raise :class:`Refused`."""
+        trace("rollout.assignment")
         self.check(a)
         self.queue.append(a)
         self.assigned += a.group_size
@@ -189,6 +191,7 @@ class Pipeline:
             self.log("results_dropped", assignments=len(batch), reason="a new learner run")
             await self._done(batch)
             return
+        trace("rollout.generate")
         requests = [GenRequest.from_sampling(a.prompt_token_ids, a.group_size, a.sampling)
                     for a in batch]
         start = self._gen_start = self.clock()
@@ -204,6 +207,7 @@ class Pipeline:
             self.log("generate_failed", assignments=len(batch), error=error[:500])
         finally:
             self.generating = False
+        trace("rollout.generated")
         gen_s = self.clock() - start
         self.busy_s += gen_s
         self.metrics.generation_seconds.observe(gen_s)
@@ -211,8 +215,10 @@ class Pipeline:
             self.samples(a, c, gen_s) if error is None else self.failed_samples(a, error)
             for a, c in zip(batch, groups)))
         if epoch == self._epoch:
+            trace("rollout.scored")
             for samples in results:
                 await self.emit(protocol.RolloutResult(server_id=self.server_id, samples=samples))
+            trace("rollout.sent")
         else:
             self.log("results_dropped", assignments=len(batch), reason="a new learner run")
         await self._done(batch)

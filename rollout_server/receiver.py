@@ -49,6 +49,7 @@ import zmq
 
 import protocol
 from protocol.codec import MAX_FRAME_BYTES
+from protocol.process import trace
 from protocol.security import CurveClient
 from protocol.sockets import make_socket
 from protocol.weights import chunk_checksum, combine_checksums
@@ -180,6 +181,7 @@ class WeightsReceiver:
                                 f"the {MAX_FRAME_BYTES}-byte frame limit")
         if m.num_chunks > MAX_CHUNKS:
             return self._refuse("weights_manifest", m, f"{m.num_chunks} chunks exceed {MAX_CHUNKS}")
+        trace("rollout.manifest")
         self.announced, self.newest = m, m.version
         self._settled.clear()
         self._wake.set()
@@ -241,7 +243,9 @@ class WeightsReceiver:
         start = self.clock()
         try:
             try:
+                trace("rollout.fetch")
                 chunks = await self.fetch_chunks(m)
+                trace("rollout.fetched")
             except FetchError as e:
                 self.metrics.count(e.kind)
                 self.log("weights_failed", weights_version=m.version, kind=e.kind, error=str(e))
@@ -255,6 +259,7 @@ class WeightsReceiver:
                                       lora_config=m.metadata.get("lora", {}))
                 del chunks
                 await self.apply(update)
+                trace("rollout.applied")
             except Exception as e:  # noqa: BLE001 - refused by the engine: keep the old version
                 self.metrics.count("weights")
                 self.log("weights_failed", weights_version=m.version, kind="weights",

@@ -509,7 +509,7 @@ def medians(results: list[dict]) -> list[dict]:
 def targets(results: list[dict]) -> str:
     """Issue 12's targets on the demo workload (and the long tail's ratios), per round and as
     medians; the reward retention at η = 4 from the mean gains over all rounds (seeds)."""
-    lines = ["targets (demo; per round, then the median):"]
+    lines = ["targets (per round, then the median; the goals are the demo's):"]
 
     def per_round(work: str, name: str, key: str) -> list[float]:
         return [r[key] if key in r else r["summary"][key] for r in results

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -162,3 +164,31 @@ async def test_supervise_returns_on_stop():
     done, error = await supervise([t], stop, lambda *a, **k: None)
     assert done == set() and error is None
     await cancel_all([t])
+
+
+def test_trace_writes_points_only_when_asked_and_never_fails(tmp_path, monkeypatch):
+    from protocol import process
+
+    path = tmp_path / "trace.txt"
+    monkeypatch.setattr(process, "_trace_file", None)
+    monkeypatch.setattr(process, "_trace_path", None)          # $SLIPSTREAM_TRACE unset
+    process.trace("learner.step_end")
+    assert not path.exists() and process._trace_file is None
+
+    monkeypatch.setattr(process, "_trace_path", str(path))
+    before = time.time()
+    process.trace("learner.step_end")
+    process.trace("rollout.applied")
+    after = time.time()
+    process._trace_file.close()
+    lines = [line.split() for line in path.read_text().splitlines()]
+    assert [p for _, _, p in lines] == ["learner.step_end", "rollout.applied"]
+    assert all(int(pid) == os.getpid() for _, pid, _ in lines)
+    times = [float(t) for t, _, _ in lines]
+    assert before - 1e-3 <= times[0] <= times[1] <= after + 1e-3
+
+    # A file that cannot be opened turns tracing off; the caller goes on.
+    monkeypatch.setattr(process, "_trace_file", None)
+    monkeypatch.setattr(process, "_trace_path", str(tmp_path / "missing-dir" / "trace.txt"))
+    process.trace("learner.batch")
+    assert process._trace_path is None and process._trace_file is None
