@@ -345,11 +345,11 @@ class LearnerService:
             self.train_busy = False                  # waiting for a batch (or paused), not stepping
             cycle_start = time.monotonic()
             batch = await self.next_batch()
-            trace("learner.batch")
             if batch is None:
                 self.log("data_exhausted", steps=self.version, prompts=self.prompts.status(),
                          pending_samples=self.buffer.pending_samples)
                 break
+            trace("learner.batch")
             await self.control.resumed.wait()        # ctl pause: no step until resume
             self.control.before_step(self.trainer)   # ctl set of step settings lands here
             self.train_busy = True

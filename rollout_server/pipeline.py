@@ -120,8 +120,8 @@ class Pipeline:
 
     def admit(self, a: protocol.Assignment) -> None:
         """Queue ``a`` for the next batch, or raise :class:`Refused`."""
-        trace("rollout.assignment")
         self.check(a)
+        trace("rollout.assignment")
         self.queue.append(a)
         self.assigned += a.group_size
         self._queued.set()
