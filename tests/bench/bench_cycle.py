@@ -130,7 +130,7 @@ def main() -> None:
         p.error("--steps must exceed --skip by at least 2")
     # The fields slipstream_run reads besides those: the launcher's own thread split and device.
     run_args = argparse.Namespace(device="auto", body=None, learner_threads=0, rollout_threads=0,
-                                  set=[], run_timeout_s=args.run_timeout_s, seed=args.seed)
+                                  set=[], run_timeout_s=args.run_timeout_s)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench_cycle-") as tmp:
         for k in range(args.repeats):
