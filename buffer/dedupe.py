@@ -1,4 +1,4 @@
-"""A bounded memory of recent ids, for de-duplication (DESIGN.md §6: nothing trained twice).
+"""A bounded memory of recent ids, for de-duplication (docs/design.md §6: nothing trained twice).
 
 The oldest entry is forgotten first once ``capacity`` entries are held: memory stays bounded
 whatever the run length. A deque plus a dict keeps both ends O(1) (a dict alone, popped from its

@@ -1,4 +1,4 @@
-"""The staleness gate: how many samples generation may run ahead of training (DESIGN.md §3).
+"""The staleness gate: how many samples generation may run ahead of training (docs/design.md §3).
 
 Counted in samples. With learner version ``v``, batch size ``B`` (samples per policy step) and
 ``max_staleness`` η::

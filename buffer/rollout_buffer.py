@@ -5,7 +5,7 @@ and a bounded de-duplication memory (:mod:`buffer.dedupe`). One asyncio loop own
 :meth:`RolloutBuffer.put` and :meth:`RolloutBuffer.next_batch` are coroutines, and they share one
 ``asyncio.Condition`` (notified when a group completes).
 
-Delivery argument — nothing lost, nothing trained twice (DESIGN.md §6):
+Delivery argument — nothing lost, nothing trained twice (docs/design.md §6):
 
 - every sample slot ``(assignment_id, group_index)`` is filled at most once: the first result
   wins, every later copy (a re-send after reconnect, or the other server's answer to a re-issued
@@ -27,7 +27,7 @@ group-relative baseline over the survivors would be biased upward; and batches k
 shape. The failed sample is acknowledged ``accepted`` (received; do not re-send) and counted in
 ``failed``.
 
-Staleness (DESIGN.md §3): the staleness of a sample at learner version ``v`` is
+Staleness (docs/design.md §3): the staleness of a sample at learner version ``v`` is
 ``v − min(token_versions)`` (0 for a sample without tokens); a group's staleness is that of its
 oldest member. Under ``stale_policy="drop"`` a group over the limit is dropped as soon as that
 is known — when one of its results arrives, at the first ``capacity``/``next_batch`` call of a
@@ -409,7 +409,7 @@ class RolloutBuffer:
         result's) awaits :meth:`wake` once after them if any completed a group; until it does, a
         waiting ``next_batch`` does not see the new group. ``min_version``: the sample's oldest
         token version, when the caller has computed it (exactly ``token_versions.min()``; one
-        pass over a result's samples instead of one a sample, learner.intake)."""
+        pass over a result's samples instead of one a sample, learner.serve.intake)."""
         return self._put(sample, version, min_version)
 
     def put_group_nowait(self, samples: list[Sample], version: int,

@@ -141,16 +141,16 @@ def _run(args) -> int:
 
 def _learner(args) -> int:
     from deploy.config import load_config
-    from learner.data import check_dataset
+    from learner.data.prompts import check_dataset
 
     cfg = load_config(args.config, args.overrides)
     check_dataset(cfg.learner)              # the datasets (and their keys) are checked before the model
     model_path = _resolve_model(cfg.model)
     if args.nproc > 1:
-        from learner.distributed import launch_ranks
+        from learner.train.distributed import launch_ranks
 
         return launch_ranks(args.nproc, cfg.learner, args.config, args.overrides, args.resume)
-    from learner.service import serve
+    from learner.serve.service import serve
 
     return serve(cfg.learner, model_path, resume=args.resume)
 

@@ -3,7 +3,7 @@
 Every config error becomes :class:`ConfigError` with one line that says what to fix; the CLI prints
 it and exits with code 2 (no traceback), like every other :class:`protocol.StartupError`.
 
-A built-in task names the reward it is scored with (:attr:`learner.tasks.Task.reward`): unless the
+A built-in task names the reward it is scored with (:attr:`learner.data.tasks.Task.reward`): unless the
 config sets ``rollout.reward``, the servers use the task's reward, so the task stays the one place
 that says how it is scored.
 """
@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from learner.config import LearnerConfig
-from learner.tasks import get_task, is_builtin
+from learner.data.tasks import get_task, is_builtin
 from protocol.errors import StartupError
 from rollout_server.config import RolloutConfig
 

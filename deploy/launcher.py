@@ -204,7 +204,7 @@ def _server_metrics_port(cfg: SlipstreamConfig, index: int) -> int:
 def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
            resume: str | None = None) -> int:
     from deploy.builtin import resolve_model
-    from learner.data import check_dataset
+    from learner.data.prompts import check_dataset
 
     verbose = bool(os.environ.get("SLIPSTREAM_VERBOSE"))
     check_dataset(cfg.learner)              # a bad dataset (or eval_data) stops us before any process
@@ -342,7 +342,7 @@ def _resume_command(config_path: str | None, overrides: list[str]) -> str:
 
 
 def _latest_checkpoint(cfg: SlipstreamConfig, run_dir: Path) -> Path | None:
-    from learner.checkpoint import Checkpointer
+    from learner.state.checkpoint import Checkpointer
 
     try:
         return Checkpointer(cfg.learner.checkpoint_dir or run_dir / "checkpoints").latest_complete()

@@ -1,10 +1,10 @@
 """``slipstream replay LOG_DIR``: what a rollout log holds, and offline training from it.
 
-The log (learner/rollout_log.py) is every result the learner accepted, as the protocol's bytes.
+The log (learner/state/rollout_log.py) is every result the learner accepted, as the protocol's bytes.
 Read back it answers what the run generated — rewards, staleness at acceptance, token versions,
 per server, and how many records were torn or corrupt — and it is a data set:
 
-- ``--train``: re-training through the learner's own :class:`learner.trainer.Trainer` (the
+- ``--train``: re-training through the learner's own :class:`learner.train.trainer.Trainer` (the
   configured loss, importance correction and optimizer) on batches of ``batch_prompts`` whole
   groups in log order; no servers. Behavior log-probs are the logged ones (the policy that
   generated them), so the importance weights correct for the distance to the offline policy.
@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from learner.rollout_log import LIFE, LogReader
+from learner.state.rollout_log import LIFE, LogReader
 
 
 def read_samples(log_dir: str | Path) -> tuple[list[dict], dict[str, Any]]:
@@ -121,7 +121,7 @@ def replay_stats(log_dir: str | Path, trained_ids: str | Path | None = None) -> 
 def _trained(entries: list[dict], path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
-    from learner.checkpoint import effective_trained_ids
+    from learner.state.checkpoint import effective_trained_ids
 
     trained = set(effective_trained_ids(Path(path)))
     n = sum(e["sample"].sample_id in trained for e in entries)
@@ -157,7 +157,7 @@ def train_offline(log_dir: str | Path, cfg: Any, model_path: str, steps: int,
     """Up to ``steps`` Trainer steps on batches of ``cfg.batch_prompts`` logged groups; the policy
     saved to ``out`` (as the learner's ``final/``) when given."""
     from buffer import Batch
-    from learner.distributed import make_trainer
+    from learner.train.distributed import make_trainer
 
     entries, _ = read_samples(log_dir)
     groups = [g for g in groups_of(entries) if len(g) == cfg.group_size]
@@ -236,7 +236,7 @@ def dpo_offline(log_dir: str | Path, model_path: str, steps: int, beta: float = 
         emit(json.dumps({"event": "no_pairs", "samples": len(entries)}))
         return []
     torch.manual_seed(seed)
-    from learner.dropout import disable_dropout
+    from learner.train.dropout import disable_dropout
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     disable_dropout(model)                      # the reference pass and the updates see one function

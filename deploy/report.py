@@ -1,6 +1,6 @@
 """``slipstream report RUN_DIR``: PNG plots and a markdown summary of a run's ``metrics.jsonl``.
 
-The learner appends one row per policy step (``learner/service.py`` ``record_step``): the step's
+The learner appends one row per policy step (``learner/serve/service.py`` ``record_step``): the step's
 statistics, ``run_id``, ``time`` and ``server_versions``. Several runs may share a run directory
 (a rerun appends), so rows are grouped by ``run_id`` and the report is of one run: the last one in
 the file unless ``--run-id`` names another. Rows written before run ids existed are split where
@@ -100,7 +100,7 @@ def read_runs(path: Path) -> tuple[dict[str, Run], int]:
                 r.get("kind") != "eval" and isinstance(r.get("step"), (int, float)) and r["step"] >= step
                 for r in run.rows):
             # A resume from an earlier checkpoint trains these steps again: the later life wins
-            # (the earlier life's rows from this step on were rolled back, learner/checkpoint.py).
+            # (the earlier life's rows from this step on were rolled back, learner/state/checkpoint.py).
             run.rows = [r for r in run.rows
                         if not (isinstance(r.get("step"), (int, float)) and r["step"] >= step)]
         run.rows.append(row)

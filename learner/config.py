@@ -1,6 +1,6 @@
 """Learner configuration: one pydantic model, every field documented where it is defined.
 
-The algorithm keys (DESIGN.md §4) in the order a policy step uses them: the no-grad passes
+The algorithm keys (docs/design.md §4) in the order a policy step uses them: the no-grad passes
 (``recompute_logprobs``, the reference for ``kl_coef``, the critic for ``advantage: gae``), the
 rewards (``length_penalty``, ``reward_clip``, ``reward_norm``, ``kl_in_reward``), the advantages
 (``advantage``, ``whiten_advantages``, ``critic_targets``), the batch filter (``batch_filter``),
@@ -15,10 +15,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from buffer import STALE_POLICIES
-from learner.ds_config import DeepSpeedSettings
-from learner.rollout_log import RolloutLogSettings
-from learner.security import LearnerSecurity
-from learner.sinks import METRICS_SINKS
 from ops import (
     ADVANTAGE_METHODS,
     CLIP_ANCHORS,
@@ -42,6 +38,101 @@ CHECKPOINT_FAILURES = ("continue", "stop")
 STALENESS_CONTROLLERS = ("fixed", "adaptive")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
+
+
+ZERO_STAGES = (1, 2, 3)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class DeepSpeedSettings(BaseModel):
+    """ZeRO stage, precision and offload of the DeepSpeed engines (``learner.deepspeed``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zero_stage: Literal[ZERO_STAGES] = 2
+    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also the parameters (gathered
+    layer by layer in each pass, and bucket by bucket on rank 0 for a publish)."""
+    precision: Literal[PRECISIONS] = "fp32"
+    """Engine precision: fp32, bf16 (bfloat16 weights with float32 master weights in the optimizer
+    partitions) or fp16 (dynamic loss scaling; an overflowing step is skipped; not on DeepSpeed's
+    CPU accelerator, a StartupError there). learner.dtype must be float32 or auto (the engine casts)."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """Keep optimizer states (and the float32 master weights) in CPU memory (ZeRO-Offload); the
+    trainer's torch AdamW updates them there (no DeepSpeedCPUAdam op to compile; slower)."""
+    offload_param: Literal["none", "cpu"] = "none"
+    """ZeRO-3 only: keep the parameter partitions in CPU memory between uses."""
+    reduce_bucket_bytes: int = Field(50_000_000, ge=1024)
+    """Elements per gradient reduce bucket (DeepSpeed's reduce_bucket_size)."""
+    allgather_bucket_bytes: int = Field(50_000_000, ge=1024)
+    """Elements per parameter all-gather bucket after a ZeRO-1/2 step (allgather_bucket_size)."""
+    publish_bucket_bytes: int = Field(256 << 20, ge=1024)
+    """ZeRO-3 publishing: bytes of parameters gathered at a time (each bucket is copied to the CPU
+    on rank 0 and released before the next one is gathered)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Process-group timeout: a collective (or a worker rank waiting for its next command) that
+    waits longer fails, and its rank exits non-zero, so no rank hangs forever."""
+    heartbeat_s: float = Field(10.0, gt=0)
+    """Rank 0 sends idle worker ranks a no-op this often while it waits for rollouts (well under
+    timeout_s, so an idle wait is never taken for a dead rank 0)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepSpeedSettings:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ValueError("deepspeed.offload_param needs zero_stage: 3 (stages 1 and 2 keep the "
+                             "parameters whole on every rank)")
+        if self.heartbeat_s * 3 > self.timeout_s:
+            raise ValueError(f"deepspeed.heartbeat_s={self.heartbeat_s} must be at most a third of "
+                             f"timeout_s={self.timeout_s}")
+        return self
+
+
+FSYNC_POLICIES = ("step", "record")
+
+
+class RolloutLogSettings(BaseModel):
+    """``learner.rollout_log``: where the durable log of accepted results goes (learner.state.rollout_log)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None
+    """Directory of the segment files (null = RUN_DIR/rollout_log)."""
+    segment_bytes: int = Field(64 << 20, ge=4096)
+    """A new segment file starts when the next record would make the current one larger."""
+    fsync: Literal[FSYNC_POLICIES] = "step"
+    """step: records reach the OS before their Ack and the disk once per policy step (a machine
+    crash may lose the last step's acks); record: every record reaches the disk before its Ack."""
+
+
+class LearnerSecurity(BaseModel):
+    """CURVE on the learner's sockets (off by default; the sockets bind to 127.0.0.1 anyway)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    curve: bool = False
+    """Encrypt the rollout, weights and control sockets (CURVE) and accept only allow-listed keys."""
+    secret_key_file: str | None = None
+    """The learner's secret key file (NAME.key_secret from `slipstream keys`, or a mounted Secret
+    holding the 40-character Z85 secret key); its public key goes to learner.json for ctl."""
+    allowed_clients_dir: str | None = None
+    """Directory of the *.key public keys accepted on the rollout and weights sockets (rollout
+    servers); re-read when it changes, so keys can be added without a restart."""
+    control_allowed_dir: str | None = None
+    """Directory of the *.key public keys accepted on the control socket (operators running
+    `slipstream ctl`); null = the same as allowed_clients_dir."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerSecurity:
+        if self.curve:
+            missing = [k for k in ("secret_key_file", "allowed_clients_dir") if not getattr(self, k)]
+            if missing:
+                raise ValueError(f"security.curve needs {' and '.join(missing)} (create keys with "
+                                 "`slipstream keys DIR`)")
+        return self
+
+
+METRICS_SINKS = ("jsonl", "tensorboard")
 
 class LoraSettings(BaseModel):
     """LoRA adapters through PEFT (``learner.lora``): only the adapter is trained and published."""

@@ -102,7 +102,7 @@ class LearnerMetrics:
         self.sanity_failures = Counter(
             "slipstream_sanity_check_failures", "Steps whose first-mini-batch ratio or KL exceeded "
             "the sanity tolerance", registry=r)
-        # ---- prompts and held-out evaluation (learner.data, learner.evaluation) ----
+        # ---- prompts and held-out evaluation (learner.data.prompts, learner.data.evaluation) ----
         self.prompts_skipped = Counter(
             "slipstream_prompts_skipped", "Prompts left out of the stream (too_long: over "
             "max_prompt_tokens), by reason", ["reason"], registry=r)

@@ -1,4 +1,4 @@
-"""Behavior-policy importance weights for decoupled PPO (DESIGN.md §4).
+"""Behavior-policy importance weights for decoupled PPO (docs/design.md §4).
 
 Tokens were sampled by the behavior policy μ (the engine, possibly several versions old, possibly a
 different numerical stack); the PPO ratio is taken against the proximal policy π_prox (learner

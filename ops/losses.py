@@ -38,7 +38,7 @@ def ppo_policy_loss(
     agg: str = "token_mean",
     normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled PPO clipped surrogate (DESIGN.md §4) -> (loss, stats).
+    """Decoupled PPO clipped surrogate (docs/design.md §4) -> (loss, stats).
 
     r_t = exp(clamp(log π_θ − log π_prox, −20, 20))                                      [B, T]
     l_t = w_t · max(−A_t r_t, −A_t clip(r_t, 1 − ε_low, 1 + ε_high))       (Schulman et al. 2017;

@@ -1,6 +1,6 @@
 """slipstream wire protocol: message types, msgpack codec, validation, errors.
 
-Imports stdlib, msgpack and numpy only — never torch (DESIGN.md §2).
+Imports stdlib, msgpack and numpy only — never torch (docs/design.md §2).
 """
 
 from protocol.codec import (

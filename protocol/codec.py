@@ -279,7 +279,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if type(frames) is list and len(frames) == 2:
         head, data = frames
         # The body may be a memoryview (a receiver's view of the buffer libzmq received it
-        # into, learner.router): msgpack reads it in place.
+        # into, learner.serve.router): msgpack reads it in place.
         size = len(data) if type(data) is bytes else data.nbytes if type(data) is memoryview else -1
         if type(head) is bytes and len(head) <= MAX_HEADER_BYTES and 0 <= size <= MAX_BODY_BYTES:
             try:

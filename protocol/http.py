@@ -1,4 +1,4 @@
-"""The HTTP endpoint every process serves: Prometheus ``/metrics`` and ``/healthz`` (DESIGN.md §7).
+"""The HTTP endpoint every process serves: Prometheus ``/metrics`` and ``/healthz`` (docs/design.md §7).
 
 Standard library only (a threaded WSGI server in a daemon thread), so it lives beside the other
 process plumbing without importing prometheus-client: the caller passes ``render_metrics``

@@ -1,4 +1,4 @@
-"""Message types for the whole flow of DESIGN.md §1/§6.
+"""Message types for the whole flow of docs/design.md §1/§6.
 
 Flow (rollout server = DEALER, learner = ROUTER):
 

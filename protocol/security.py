@@ -1,4 +1,4 @@
-"""CURVE encryption and client authentication for the learner's sockets (DESIGN.md §6).
+"""CURVE encryption and client authentication for the learner's sockets (docs/design.md §6).
 
 Off by default; everything binds to 127.0.0.1 unless configured otherwise, so an unconfigured run
 is reachable only from its own machine. Once a learner listens beyond loopback, any process that

@@ -1,4 +1,4 @@
-"""ZeroMQ socket setup, written once for both processes (DESIGN.md §6).
+"""ZeroMQ socket setup, written once for both processes (docs/design.md §6).
 
 Every socket gets ``LINGER 0`` (a closing process never hangs on unsent messages), send and
 receive high-water marks (a slow peer queues at most ``hwm`` messages, then sends block or the

@@ -1,4 +1,4 @@
-"""Checksums and chunking for weight publishing (DESIGN.md §5).
+"""Checksums and chunking for weight publishing (docs/design.md §5).
 
 A version's tensors are laid end to end in manifest order (``TensorSpec.offset``) and cut into
 chunks of ``chunk_bytes``. Each chunk has an XXH3-128 checksum; the version's checksum is the

@@ -17,7 +17,7 @@ import numpy as np
 import protocol
 
 INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
-"""What an engine does with a request that is generating when new weights arrive (DESIGN.md §3)."""
+"""What an engine does with a request that is generating when new weights arrive (docs/design.md §3)."""
 WEIGHT_TRANSFERS = ("zmq",)
 """How full weights reach an engine. ZeroMQ is the one transport until a GPU one is tested."""
 

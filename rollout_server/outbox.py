@@ -1,4 +1,4 @@
-"""The outbox: results sent and not yet acknowledged (DESIGN.md §6, delivery).
+"""The outbox: results sent and not yet acknowledged (docs/design.md §6, delivery).
 
 Every ``RolloutResult`` (one per assignment) stays here until the learner's ``Ack`` has named
 each of its samples. It is sent again after every (re)connect (:meth:`Outbox.resend_all`, on

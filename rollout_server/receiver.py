@@ -1,6 +1,6 @@
 """The weights receiver: ``WeightsAvailable`` -> fetch the chunks -> verify -> apply -> report.
 
-DESIGN.md §5: a server reports ``WeightsApplied(version, checksum)`` only for weights it has
+docs/design.md §5: a server reports ``WeightsApplied(version, checksum)`` only for weights it has
 applied, and tags new tokens with a version only once the engine serves it.
 
 Accepting a manifest (:meth:`WeightsReceiver.offer`). The codec has already checked that it adds

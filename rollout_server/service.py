@@ -7,7 +7,7 @@
 This module owns the learner link, the credits, health and shutdown; each component is handed the
 few functions it needs (a send, a clock, the engine's generate) and is tested without sockets.
 
-Delivery (DESIGN.md §6): the server is a DEALER connected to the learner's ROUTER. It grants
+Delivery (docs/design.md §6): the server is a DEALER connected to the learner's ROUTER. It grants
 *credits* (free generation slots, counted in samples) with ``WorkRequest``; the learner answers
 with ``Assignment`` leases. On each ``Welcome`` the server grants every free slot
 (``max_concurrency`` minus the samples it holds) and re-sends every unacknowledged result; after
@@ -363,7 +363,7 @@ class RolloutService:
         """Before a batch generates: the announced weights (bounded by ``weights_wait_s``), and
         at least the version its assignments were issued at. The learner counts a sample's
         staleness from its tokens' version and bounds it by issuing at most η batches ahead of
-        training (DESIGN.md §3); generated with older weights — an assignment issued right after
+        training (docs/design.md §3); generated with older weights — an assignment issued right after
         a step can arrive before that step's manifest, which is announced once its checksums are
         done — its samples can be over the limit when trained and are dropped: wasted work. An
         update that does not come in time is counted (``weights_behind``) and the batch runs."""

@@ -23,6 +23,18 @@ GROUP_STOP_S = 10.0
 """Seconds a test's process group gets between SIGTERM and SIGKILL at teardown."""
 
 
+SLOW_TIMEOUT_S = 1200
+"""Per-test limit (pytest-timeout) of the marked slow, vllm and gpu tests; the rest get the
+``timeout`` of pyproject.toml."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None and any(
+                item.get_closest_marker(m) for m in ("slow", "vllm", "gpu")):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random-init tiny Llama + char tokenizer saved to disk (no warm-up: fast)."""

@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md §2 at run time: ``protocol`` and ``buffer`` never pull in torch
+"""The import rules of docs/design.md §2 at run time: ``protocol`` and ``buffer`` never pull in torch
 (rollout clients, tools and the buffer stay light), and neither does ``slipstream ctl``. Checked in
 a fresh interpreter by looking at ``sys.modules`` after the imports; ``tests/test_layering.py``
 checks every import statement of every package against the table."""

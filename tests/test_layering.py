@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md §2, for every pair of packages, read from the source (AST).
+"""The import rules of docs/design.md §2, for every pair of packages, read from the source (AST).
 
 Every ``import``/``from ... import`` of every ``.py`` file of the six packages is checked, at
 module level and inside functions, ``try`` blocks and ``if TYPE_CHECKING`` alike, and so is
@@ -17,6 +17,18 @@ packages its row allows:
 
 Nothing imports ``deploy`` (only tests do). ``tests/test_imports.py`` checks the runtime side
 (importing ``protocol``/``buffer`` never loads torch) in a fresh interpreter.
+
+Inside ``learner`` the wings (docs/design.md §8) have rules of their own; a wing may always import
+itself and the two shared modules ``learner.config`` and ``learner.metrics``:
+
+| wing            | may not import                         |
+|-----------------|----------------------------------------|
+| learner.serve   | - (it ties the others together)        |
+| learner.train   | learner.serve                          |
+| learner.state   | learner.serve, learner.train           |
+| learner.data    | learner.serve, learner.train, learner.state |
+| learner.models  | learner.serve, learner.train, learner.state |
+| config, metrics | any wing                               |
 """
 
 from __future__ import annotations
@@ -61,7 +73,8 @@ def imported_modules(tree: ast.AST, package: str) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:                       # from . import x / from ..a import b
-                found.append((node.lineno, package + ("." + node.module if node.module else "")))
+                base = ".".join(package.split(".")[:len(package.split(".")) - (node.level - 1)])
+                found.append((node.lineno, base + ("." + node.module if node.module else "")))
             elif node.module:
                 found.append((node.lineno, node.module))
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
@@ -90,6 +103,36 @@ def violations(package: str, path: Path, rule: Rule) -> list[str]:
     return out
 
 
+WINGS = ("serve", "train", "state", "data", "models")
+WING_BANS = {
+    "serve": frozenset(),
+    "train": frozenset({"serve"}),
+    "state": frozenset({"serve", "train"}),
+    "data": frozenset({"serve", "train", "state"}),
+    "models": frozenset({"serve", "train", "state"}),
+    "shared": frozenset(WINGS),          # learner/config.py, learner/metrics.py, learner/__init__.py
+}
+
+
+def wing_of(path: Path) -> str:
+    """The wing of a file under learner/ ("shared" for the package's top-level modules)."""
+    parts = path.relative_to(ROOT / "learner").parts
+    return parts[0] if len(parts) > 1 else "shared"
+
+
+def wing_violations(path: Path, wing: str) -> list[str]:
+    """What ``path`` (a file of learner wing ``wing``) imports from a wing it may not."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.parent.relative_to(ROOT).parts)      # the file's own package
+    out = []
+    for line, module in imported_modules(tree, package):
+        parts = module.split(".")
+        if parts[0] == "learner" and len(parts) > 1 and parts[1] in WING_BANS[wing]:
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            out.append(f"{shown}:{line}: learner.{wing} imports {module}")
+    return out
+
+
 def package_files(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
@@ -99,12 +142,12 @@ def test_package_keeps_the_import_rules(package):
     files = package_files(package)
     assert files, f"no .py files under {package}/"       # the walk really reads something
     found = [v for f in files for v in violations(package, f, RULES[package])]
-    assert not found, "DESIGN.md §2 import rules broken:\n" + "\n".join(found)
+    assert not found, "docs/design.md §2 import rules broken:\n" + "\n".join(found)
 
 
 def test_every_package_has_a_rule():
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
-    assert packages == set(RULES), "a new top-level package needs a row in RULES (and DESIGN.md §2)"
+    assert packages == set(RULES), "a new top-level package needs a row in RULES (and docs/design.md §2)"
 
 
 BAD = '''
@@ -141,3 +184,35 @@ def test_protocol_may_not_import_torch_even_inside_a_function(tmp_path):
     f = tmp_path / "codec.py"
     f.write_text("import msgpack\n\ndef fast():\n    import torch\n    return torch\n")
     assert violations("protocol", f, RULES["protocol"]) == ["codec.py:4: protocol imports torch"]
+
+
+def test_every_learner_file_is_in_a_wing_or_shared():
+    top = sorted(p.name for p in (ROOT / "learner").glob("*.py"))
+    assert top == ["__init__.py", "config.py", "metrics.py"], top
+    wings = sorted(p.name for p in (ROOT / "learner").iterdir() if (p / "__init__.py").exists())
+    assert wings == sorted(WINGS), "a new learner wing needs a row in WING_BANS (and docs/design.md §8)"
+
+
+@pytest.mark.parametrize("wing", [*WINGS, "shared"])
+def test_learner_wings_keep_their_import_rules(wing):
+    files = [f for f in package_files("learner") if wing_of(f) == wing]
+    assert files, f"no .py files in learner wing {wing}"
+    found = [v for f in files for v in wing_violations(f, wing)]
+    assert not found, "learner wing rules (docs/design.md §8) broken:\n" + "\n".join(found)
+
+
+def test_the_wing_check_catches_a_planted_violation(tmp_path):
+    train = ROOT / "learner" / "train"
+    planted = train / "_planted_violation.py"
+    planted.write_text("from learner.serve.service import LearnerService\n"
+                       "from learner.state import checkpoint  # allowed\n"
+                       "def later():\n    import learner.serve.router\n"
+                       "    from ..serve import admission\n")
+    try:
+        assert wing_of(planted) == "train"
+        assert wing_violations(planted, "train") == [
+            "learner/train/_planted_violation.py:1: learner.train imports learner.serve.service",
+            "learner/train/_planted_violation.py:4: learner.train imports learner.serve.router",
+            "learner/train/_planted_violation.py:5: learner.train imports learner.serve"]
+    finally:
+        planted.unlink()

@@ -6,7 +6,7 @@
 ``builtin:tiny-arith`` needs no download. A random-init model does not learn arithmetic from RL
 alone (the policy collapses before any group sees a reward difference), so the recipe starts the
 way RLHF starts from an SFT model: a short supervised warm-up on the recipe's task (a module of
-:mod:`learner.tasks`), then RL on the same task. The result is cached under ``$SLIPSTREAM_CACHE``
+:mod:`learner.data.tasks`), then RL on the same task. The result is cached under ``$SLIPSTREAM_CACHE``
 (default ``~/.cache/slipstream``) keyed by the recipe (and, for a tiny model, its task's
 parameters), built once under a file lock so concurrent processes wait for one builder, written
 to a temporary directory and renamed into place with a ``done`` marker last, so a build that dies
@@ -23,7 +23,7 @@ import random
 import time
 from pathlib import Path
 
-from learner.tasks import Task, get_task
+from learner.data.tasks import Task, get_task
 from protocol.errors import StartupError
 
 RECIPES: dict[str, dict] = {

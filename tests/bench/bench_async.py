@@ -215,8 +215,8 @@ def summarize(rows: list[dict], skip: int) -> dict:
 def trl_run(work: str, steps: int, threads: int, out_dir: Path, args, bf16: bool = False,
             attn: str = "auto") -> dict:
     """TRL's GRPOTrainer in its own interpreter; its per-step records."""
+    from learner.data.tasks import get_task
     from learner.models.builtin import ensure_builtin_model
-    from learner.tasks import get_task
 
     w = WORKLOADS[work]
     task = get_task(w["dataset"])

@@ -1,4 +1,4 @@
-"""Benchmark of learner.checkpoint: save, verify and restore seconds of a full checkpoint.
+"""Benchmark of learner.state.checkpoint: save, verify and restore seconds of a full checkpoint.
 
     python tests/bench/bench_checkpoint.py [--models tiny,builtin:smollm2-135m] [--repeat 3]
                                            [--out bench_results/bench_checkpoint.json]
@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer import Batch  # noqa: E402
-from learner.checkpoint import Checkpointer  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
-from learner.trainer import Trainer  # noqa: E402
+from learner.state.checkpoint import Checkpointer  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
 from protocol import Sample  # noqa: E402
 
 STATE = {"run_id": "bench", "assignment_counter": 0, "data": {"position": 0}, "buffer": {}}

@@ -57,8 +57,8 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
     from bench_learner import demo_batch
 
     from learner.config import LearnerConfig
-    from learner.distributed import DeepSpeedTrainer, join_group, worker_main
-    from learner.trainer import Trainer
+    from learner.train.distributed import DeepSpeedTrainer, join_group, worker_main
+    from learner.train.trainer import Trainer
 
     cfg = LearnerConfig(**FIELDS, deepspeed={"zero_stage": stage, "timeout_s": 600, "heartbeat_s": 30,
                                              "publish_bucket_bytes": 1 << 20})

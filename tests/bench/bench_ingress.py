@@ -5,7 +5,7 @@ rollout socket, against a raw pyzmq DEALER -> ROUTER of the same bytes in the sa
                                         [--profile] [--out bench_results/bench_ingress.json]
 
 The socket pattern is the learner's: its rollout socket is a ROUTER (``ROUTER_MANDATORY``,
-``ROUTER_HANDOVER``, the configured HWMs and ``MAXMSGSIZE``, learner.service) and rollout servers
+``ROUTER_HANDOVER``, the configured HWMs and ``MAXMSGSIZE``, learner.serve.service) and rollout servers
 connect as DEALERs, so the baseline is DEALER -> ROUTER (a ROUTER adds the identity frame; PUSH ->
 PULL would not). Two message shapes, built by the load client's ``group()`` (the one the R4 load
 test uses) with ``--tokens`` completion tokens and a 128-token prompt: one sample per
@@ -21,9 +21,9 @@ pairs two measurements taken seconds apart on the same (shared, noisy) machine:
 - ``raw_decode``: the same, the receiver calling ``protocol.decode`` on every message: the floor
   of any learner that speaks the protocol (reported beside the target ratio, not instead of it).
 - ``ingress``: the same shape through slipstream's learner, in this process: a
-  :class:`learner.service.LearnerService` with its sockets opened by ``_open()`` (the real
-  ROUTER, the real :class:`learner.router.RouterSocket` loop) and its real ``on_rollout``:
-  admission (``touch``), ``protocol.decode``, :class:`learner.intake.Intake` (every check, the
+  :class:`learner.serve.service.LearnerService` with its sockets opened by ``_open()`` (the real
+  ROUTER, the real :class:`learner.serve.router.RouterSocket` loop) and its real ``on_rollout``:
+  admission (``touch``), ``protocol.decode``, :class:`learner.serve.intake.Intake` (every check, the
   temperature stamp), ``RolloutBuffer.put`` (dedupe, gate, group assembly), the metrics, the Ack
   encoded and sent, ``dispatch`` and the gauges after every result. The client is a protocol-level
   rollout server in another process (``--client``): Hello, WorkRequests for all its credits,
@@ -31,7 +31,7 @@ pairs two measurements taken seconds apart on the same (shared, noisy) machine:
   frames encoded *before* the timed phase; then it pushes them as fast as the socket takes them
   (at most ``WINDOW`` results' samples unacknowledged, below the learner's send HWM, so an Ack
   is never dropped) and reads and decodes every Ack. The learner merges the Acks of a burst per
-  server (``learner.router.PendingAcks``; a real server matches acks by sample id), so the
+  server (``learner.serve.router.PendingAcks``; a real server matches acks by sample id), so the
   client counts acknowledged samples, as ``rollout_server.outbox`` does. Every Ack status must
   be ``accepted`` (the bench fails otherwise). The window runs, on the learner side, from the
   first RolloutResult received to the last one's Ack sent (the service's ``flush_acks``, the
@@ -162,7 +162,7 @@ def client(endpoint: str, name: str, groups: int, per_message: int, tokens: int,
     t_first, c_first, h_first = time.monotonic(), time.process_time(), time.thread_time()
     while acked < samples:
         # An Ack may name the samples of several results (the learner merges a burst's Acks per
-        # server, learner.router.PendingAcks): the window counts samples.
+        # server, learner.serve.router.PendingAcks): the window counts samples.
         while sent < total and sent * per_message - acked < WINDOW * per_message:
             sock.send_multipart(messages[sent], copy=False)
             sent += 1
@@ -251,8 +251,8 @@ class Ingress:
 
     def __init__(self, run_dir: Path, tokens: int):
         from learner.config import LearnerConfig
-        from learner.intake import Intake
-        from learner.service import LearnerService
+        from learner.serve.intake import Intake
+        from learner.serve.service import LearnerService
 
         cfg = LearnerConfig(rollout_port=0, weights_port=0, control_port=0, metrics_port=0,
                             run_dir=str(run_dir), batch_prompts=8, group_size=GROUP,

@@ -55,8 +55,8 @@ import protocol  # noqa: E402
 from buffer import Batch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.models.builtin import build_model, build_tokenizer  # noqa: E402
-from learner.trainer import Trainer, collate  # noqa: E402
-from learner.weights_server import WeightsServer  # noqa: E402
+from learner.serve.weights_server import WeightsServer  # noqa: E402
+from learner.train.trainer import Trainer, collate  # noqa: E402
 
 PROMPTS, GROUP = 8, 8
 CONFIGS = {

@@ -36,7 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from learner.weights_server import WeightsServer  # noqa: E402
+from learner.serve.weights_server import WeightsServer  # noqa: E402
 from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
 from rollout_server.service import RolloutService  # noqa: E402

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import protocol  # noqa: E402
-from learner.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter  # noqa: E402
+from learner.state.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter  # noqa: E402
 
 
 def make_result(k: int, group: int, prompt: int, completion: int) -> protocol.RolloutResult:

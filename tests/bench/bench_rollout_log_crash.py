@@ -29,8 +29,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from learner.checkpoint import effective_trained_ids  # noqa: E402
 from learner.models.builtin import build_model, build_tokenizer  # noqa: E402
+from learner.state.checkpoint import effective_trained_ids  # noqa: E402
 
 CLI = [sys.executable, "-m", "deploy.cli"]
 

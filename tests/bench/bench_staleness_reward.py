@@ -13,7 +13,7 @@ a seed's runs share their prompts, their first samples and the machine's state.
 What "the reward gain" is, measured two ways per run:
 
 - **policy** (the figure the target is judged on): the learner's own held-out evaluation
-  (learner.evaluation) every ``--eval-every`` versions from version 0, ``--eval-prompts``
+  (learner.data.evaluation) every ``--eval-every`` versions from version 0, ``--eval-prompts``
   prompts of the task, the same ones in every run of a seed, one completion each at the
   training temperature (1.0): the mean reward of the policy's samples, i.e. what GRPO
   maximizes, measured on the policy itself. The gain is the mean of the rounds in the last

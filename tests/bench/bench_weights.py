@@ -25,7 +25,7 @@ loopback. The manifest goes to the parent over a pipe (in a run it is one small 
    beside step v + 1, whose time includes that contention). Fraction = median wait / median step;
    target < 5 %. Also the tiny demo model through a real ``LearnerService`` with an honest server
    (``publish_wait_s`` / ``step_s`` of its metrics.jsonl): the worst case, tiny steps.
-4. **Checkpoint save and load**: ``learner.checkpoint.Checkpointer.save`` of the trainer after a
+4. **Checkpoint save and load**: ``learner.state.checkpoint.Checkpointer.save`` of the trainer after a
    step (policy ``save_pretrained``, optimizer, RNG, fsync'd, renamed, marked) and ``read`` +
    ``restore_trainer`` into a fresh trainer, full float32 and LoRA.
 
@@ -108,9 +108,9 @@ async def _learner_side(conn, model_dir, dtype, lora, chunk_bytes) -> None:
 
     import protocol
     from learner.metrics import LearnerMetrics
-    from learner.router import RouterSocket
-    from learner.trainer import Trainer
-    from learner.weights_server import Publisher, WeightsServer
+    from learner.serve.router import RouterSocket
+    from learner.serve.weights_server import Publisher, WeightsServer
+    from learner.train.trainer import Trainer
     from protocol.sockets import make_socket
 
     trainer = Trainer(learner_config(dtype, lora), model_dir)
@@ -275,8 +275,8 @@ def model_batch(vocab: int, samples: int, prompt_len: int, completion_len: int, 
 
 
 async def loop_wait(model_dir: str, reps: int, samples: int, prompt_len: int, completion_len: int) -> dict:
-    from learner.trainer import Trainer
-    from learner.weights_server import Publisher, WeightsServer
+    from learner.serve.weights_server import Publisher, WeightsServer
+    from learner.train.trainer import Trainer
 
     trainer = Trainer(learner_config("float32", batch_prompts=samples // 4, group_size=4,
                                      micro_batch_samples=samples), model_dir)
@@ -322,8 +322,8 @@ async def service_wait(steps: int) -> dict:
 
 # ---- 4. checkpoints -----------------------------------------------------------------------------
 def checkpoint_times(model_dir: str, lora: dict | None, samples: int) -> dict:
-    from learner.checkpoint import Checkpointer
-    from learner.trainer import Trainer
+    from learner.state.checkpoint import Checkpointer
+    from learner.train.trainer import Trainer
 
     cfg = learner_config("float32", lora, batch_prompts=samples // 4, group_size=4)
     trainer = Trainer(cfg, model_dir)

@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO))
 import ops  # noqa: E402
 from buffer import Batch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
+from learner.data.tasks import get_task  # noqa: E402
 from learner.models.builtin import ensure_builtin_model  # noqa: E402
-from learner.tasks import get_task  # noqa: E402
-from learner.trainer import Trainer  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
 from protocol import Sample  # noqa: E402
 
 SETTINGS = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from deploy.config import load_config
-from learner.tasks import get_task
+from learner.data.tasks import get_task
 from protocol.errors import StartupError
 from protocol.sockets import advertised_host
 from rollout_server.rewards import exact_numeric

@@ -14,7 +14,7 @@ import torch
 import protocol
 from deploy.cli import main
 from deploy.replay import dpo_offline, dpo_pairs, read_samples, sequence_logprobs
-from learner.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter
+from learner.state.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter
 
 
 def sample(aid: str, i: int, reward: float, versions=(0, 0, 0), size: int = 2) -> protocol.Sample:

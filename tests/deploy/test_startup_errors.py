@@ -76,12 +76,12 @@ def test_ctl_without_a_learner_file_says_what_to_pass(tmp_path, capsys):
 
 
 def test_a_runtime_error_is_not_reported_as_a_config_error(tmp_path, monkeypatch, tiny_model_dir, capsys):
-    import learner.service
+    import learner.serve.service
 
     def serve(cfg, model_path, **options):
         raise ValueError("a bug in the training loop")
 
-    monkeypatch.setattr(learner.service, "serve", serve)
+    monkeypatch.setattr(learner.serve.service, "serve", serve)
     cfg = _config(tmp_path, model=tiny_model_dir, learner={"run_dir": str(tmp_path / "run")})
     with pytest.raises(ValueError, match="a bug in the training loop"):
         main(["learner", "--config", cfg])

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner" / "train"))
 from test_trainer import make_batch  # noqa: E402
 
-from learner.checkpoint import Checkpointer  # noqa: E402
 from learner.config import LearnerConfig, LoraSettings  # noqa: E402
-from learner.trainer import Trainer  # noqa: E402
+from learner.state.checkpoint import Checkpointer  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STATE = {"run_id": "gpu", "assignment_counter": 0, "data": {"position": 0}, "buffer": {}}

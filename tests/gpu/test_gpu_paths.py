@@ -17,11 +17,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner" / "train"))
 from learner_testkit import learner_config, running_learner, wait_until  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
 from learner.config import LearnerConfig, LoraSettings  # noqa: E402
-from learner.trainer import Trainer  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
 from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
 from rollout_server.engines import create_engine  # noqa: E402

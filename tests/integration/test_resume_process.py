@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from learner.checkpoint import effective_trained_ids
+from learner.state.checkpoint import effective_trained_ids
 
 CLI = [sys.executable, "-m", "deploy.cli"]
 

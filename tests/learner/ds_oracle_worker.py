@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE), str(HERE.parent / "ops")]
+sys.path[:0] = [str(HERE.parents[1]), str(HERE), str(HERE / "train"), str(HERE.parent / "ops")]
 
 from test_trainer import make_batch  # noqa: E402
 
 from learner.config import LearnerConfig  # noqa: E402
-from learner.distributed import DeepSpeedTrainer, _batch_to_wire, join_group, serve  # noqa: E402
-from learner.step import SkippedStep  # noqa: E402
+from learner.train.distributed import DeepSpeedTrainer, _batch_to_wire, join_group, serve  # noqa: E402
+from learner.train.step import SkippedStep  # noqa: E402
 
 SECOND_STEP = {"ppo_epochs": 1, "kl_coef": 0.0}
 """The live change before the oracle's second step (rank 0 sends the trainer's config with each step)."""
@@ -113,7 +113,7 @@ def poisoned_step(tr: DeepSpeedTrainer, fields: dict, at: int, which: str, seed:
 
 
 def _masters(engine) -> list[torch.Tensor]:
-    from learner.distributed import _masters as masters
+    from learner.train.distributed import _masters as masters
 
     return masters(engine)
 

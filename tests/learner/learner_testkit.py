@@ -16,7 +16,7 @@ import zmq.asyncio
 
 import protocol
 from learner.config import LearnerConfig
-from learner.service import LearnerService
+from learner.serve.service import LearnerService
 
 
 def samples_for(a: protocol.Assignment, *, version: int | None = None, tokens: int = 3,

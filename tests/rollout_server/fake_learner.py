@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from learner.weights import flatten
+from learner.train.weights import flatten
 from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
 QUIET = (protocol.Heartbeat, protocol.WorkRequest, protocol.WeightsApplied)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.trainer import collate
+from learner.train.trainer import collate
 from ops import token_logprobs
 from protocol import Sample
 from rollout_server.engine import GenRequest

@@ -27,7 +27,7 @@ import pytest_asyncio
 import torch
 from fake_learner import wait_until
 
-from learner.trainer import collate
+from learner.train.trainer import collate
 from ops import token_logprobs
 from protocol import Sample
 from rollout_server.config import RolloutConfig

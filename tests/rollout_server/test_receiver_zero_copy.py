@@ -16,8 +16,8 @@ import zmq.asyncio
 
 import protocol
 from learner.metrics import LearnerMetrics
-from learner.router import RouterSocket
-from learner.weights_server import WeightsServer
+from learner.serve.router import RouterSocket
+from learner.serve.weights_server import WeightsServer
 from protocol.sockets import make_socket
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.receiver import CHUNK_FRAME_SLACK_BYTES, WeightsReceiver, ZmqChunkChannel

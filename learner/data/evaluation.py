@@ -1,0 +1,313 @@
+"""Held-out evaluation: greedy completions of ``eval_data`` prompts, scored, never trained on.
+
+Every ``eval_every`` policy steps (and at version 0, the baseline) the learner starts a *round* at
+its version ``v``: the same ``eval_prompts`` prompts each round, one completion each
+(``group_size`` 1, ``eval_temperature``: greedy by default), sent as ``Assignment`` messages whose
+ids are ``<run_id>-e<round>.<k>``, a namespace the training assignments (``<run_id>-a<n>``) never
+use. The rollout servers treat them like any assignment (generate, score with the run's reward,
+send the result, re-send until acknowledged); the learner tells them apart by the id:
+
+- **Outside the staleness gate.** They are not leases of the buffer, take no gate capacity and
+  never enter it: their samples go here, not to :class:`learner.serve.intake.Intake`, so they can be
+  neither buffered nor trained (``trained_ids.jsonl`` never names them).
+- **Server credits.** They do take credits: a server's slots are shared. :class:`Admission` counts
+  their samples in what a server holds (``outstanding``) and hands them out first at every
+  dispatch, one credit each, to eligible servers that have applied version ``v`` or newer (so the
+  completions are ``v``'s; the token versions actually seen are reported too).
+- **Acknowledged.** Every eval sample is acked (``accepted``; a second copy ``duplicate``; one for
+  a round already closed ``stale``; one that does not fit its assignment ``invalid``, whose lease
+  then expires and is re-issued), so servers do not re-send.
+- **Leases of their own.** An eval assignment whose server died, went silent past
+  ``lease_timeout_s`` or refused it is **re-issued** (to any eligible server, same id, attempt + 1),
+  at most ``max_attempts`` times in all; then it is dropped and counted in ``eval_dropped``.
+
+A round is complete when every prompt has a result or was dropped. Its numbers — ``eval_reward_mean``
+(over samples not failed), ``eval_accuracy`` (the fraction with reward >= ``eval_correct_threshold``,
+0-1), samples, failed, dropped, the token versions seen, seconds — go to ``metrics.jsonl`` as a row
+with ``"kind": "eval"`` (``step`` = ``version`` = ``v``), to the gauges
+``slipstream_eval_reward_mean`` / ``slipstream_eval_accuracy`` / ``slipstream_eval_policy_version``,
+and to an ``eval`` event. A round that comes due while the previous one is still open is skipped
+(counted). After the last step the learner waits (``final_sync_s``) for an open round to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import protocol
+from learner.data.prompts import PromptSource
+from learner.metrics import LearnerMetrics
+
+MAX_ATTEMPTS = 3
+RECENT_ROUNDS = 4          # closed rounds whose ids still answer "duplicate" (else "stale")
+
+
+@dataclass(slots=True)
+class EvalLease:
+    assignment_id: str
+    prompt: dict
+    holder: str = ""
+    deadline_s: float = 0.0
+    attempt: int = 0
+
+
+@dataclass
+class EvalRound:
+    number: int
+    version: int
+    started_s: float
+    leases: dict[str, EvalLease] = field(default_factory=dict)   # open: waiting or held
+    waiting: deque[str] = field(default_factory=deque)            # ids to send (re-issues first)
+    rewards: list[float] = field(default_factory=list)
+    failed: int = 0
+    dropped: int = 0
+    token_versions: list[int] = field(default_factory=list)      # min and max of every sample
+
+    @property
+    def open(self) -> bool:
+        return bool(self.leases)
+
+
+class Evaluation:
+    """Evaluation rounds (see the module docstring). Driven by calls, like Admission: the service
+    calls :meth:`maybe_start` after each version, routes results through :meth:`receive`; Admission
+    calls :meth:`dispatch`, :meth:`outstanding`, :meth:`release_holder`, :meth:`refused`,
+    :meth:`expire` (its ``side_work`` hooks).
+
+    Args:
+        prompts: the round's prompts (stream items with ``prompt_token_ids``).
+        prefix: assignment ids start with this (``<run_id>-e``).
+        every: a round every this many versions.
+        sampling: the SamplingParams of every eval assignment.
+        version: the learner's version now.
+        record: writes one metrics.jsonl row.
+    """
+
+    def __init__(self, prompts: list[dict], *, prefix: str, every: int, sampling: protocol.SamplingParams,
+                 version: Callable[[], int], metrics: LearnerMetrics, record: Callable[[dict], None],
+                 log: Callable[..., None] = lambda event, **fields: None, lease_timeout_s: float = 120.0,
+                 correct_threshold: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
+                 clock: Callable[[], float] = time.monotonic):
+        if not prompts:
+            raise ValueError("an evaluation needs prompts")
+        self.prompts, self.prefix, self.every, self.sampling = prompts, prefix, every, sampling
+        self.version, self.metrics, self.record, self.log = version, metrics, record, log
+        self.lease_timeout_s, self.correct_threshold = lease_timeout_s, correct_threshold
+        self.max_attempts, self.clock = max_attempts, clock
+        self.round: EvalRound | None = None
+        self.rounds = 0
+        self.last: dict[str, Any] | None = None       # the last complete round's numbers
+        self._recent: deque[str] = deque(maxlen=RECENT_ROUNDS)   # prefixes of closed rounds
+        self._held: Counter[str] = Counter()          # server id -> eval assignments it holds
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    @classmethod
+    def from_config(cls, cfg, *, tokenizer, encode, run_id: str, **kwargs) -> Evaluation:
+        """The evaluation of a LearnerConfig (``eval_every`` > 0): ``eval_prompts`` prompts of
+        ``eval_data``, formatted and tokenized like the training prompts."""
+        source = PromptSource.from_config(cfg, tokenizer=tokenizer, encode=encode, evaluation=True)
+        rows = source.rows                      # None: an endless built-in task
+        if rows is None and not cfg.eval_prompts:
+            raise protocol.StartupError(f"learner.eval_prompts: eval_data {cfg.eval_data} is an endless "
+                                        "built-in task; set eval_prompts to a number of prompts")
+        n = cfg.eval_prompts if rows is None else min(cfg.eval_prompts or rows, rows)   # each row once
+        prompts = [{**p, "prompt_id": f"e{i}"} for i, p in enumerate(source.take(n))]
+        sampling = protocol.SamplingParams(temperature=cfg.eval_temperature, top_p=1.0, top_k=0,
+                                           max_new_tokens=cfg.max_new_tokens)
+        return cls(prompts, prefix=f"{run_id}-e", every=cfg.eval_every, sampling=sampling,
+                   lease_timeout_s=cfg.lease_timeout_s, correct_threshold=cfg.eval_correct_threshold,
+                   **kwargs)
+
+    # ---- rounds --------------------------------------------------------------------------------
+    def maybe_start(self, version: int) -> bool:
+        """Start a round at ``version`` if one is due; True if it started."""
+        if not self.every or version % self.every:
+            return False
+        if self.round is not None:
+            self.metrics.eval_rounds.labels(outcome="skipped").inc()
+            self.log("eval_skipped", level="warning", eval_version=version,
+                     open_round_version=self.round.version, waiting=len(self.round.leases),
+                     hint="the previous evaluation is still running: raise eval_every or add servers")
+            return False
+        self.rounds += 1
+        r = self.round = EvalRound(self.rounds, version, self.clock())
+        for k, p in enumerate(self.prompts):
+            aid = f"{self.prefix}{r.number}.{k}"
+            r.leases[aid] = EvalLease(aid, p)
+            r.waiting.append(aid)
+        self.idle.clear()
+        self.log("eval_started", eval_version=version, prompts=len(self.prompts))
+        return True
+
+    def owns(self, assignment_id: str) -> bool:
+        return assignment_id.startswith(self.prefix)
+
+    def outstanding(self, server_id: str) -> int:
+        """Eval samples ``server_id`` holds (one per held assignment)."""
+        return self._held[server_id]
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the open round to finish; True if none is open."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            pass
+        return self.idle.is_set()
+
+    # ---- dispatch (called by Admission.dispatch) ----------------------------------------------
+    async def dispatch(self, admission) -> None:
+        """Hand waiting eval assignments to eligible servers with a free credit (fewest held first)."""
+        r = self.round
+        if getattr(admission, "paused", False):
+            return                           # ctl pause holds evaluation work too
+        while r is not None and r is self.round and r.waiting:
+            ready = [s for s in admission.servers.values()
+                     if s.credits >= 1 and admission.eligible(s) and s.version >= r.version]
+            if not ready:
+                return
+            srv = min(ready, key=lambda s: self.outstanding(s.server_id))
+            lease = r.leases.get(r.waiting.popleft())
+            if lease is None or lease.holder:
+                continue                     # finished meanwhile by an earlier holder
+            lease.holder, lease.attempt = srv.server_id, lease.attempt + 1
+            self._held[srv.server_id] += 1
+            lease.deadline_s = self.clock() + self.lease_timeout_s
+            srv.credits -= 1
+            await admission._send(srv, self._assignment(lease))   # not queued: srv lost, re-issued
+
+    def _assignment(self, lease: EvalLease) -> protocol.Assignment:
+        p = lease.prompt
+        return protocol.Assignment(
+            assignment_id=lease.assignment_id, prompt_id=p["prompt_id"],
+            prompt_token_ids=p["prompt_token_ids"], group_size=1, version=self.version(),
+            prompt_text=p["prompt"], sampling=self.sampling,
+            metadata={"answer": p["answer"], **p.get("metadata", {})},
+            deadline_s=self.lease_timeout_s, attempt=lease.attempt)
+
+    # ---- losing leases (called by Admission) -----------------------------------------------------
+    def _release(self, lease: EvalLease) -> None:
+        if lease.holder:
+            self._held[lease.holder] -= 1
+            if self._held[lease.holder] <= 0:
+                del self._held[lease.holder]
+            lease.holder = ""
+
+    def _lose(self, lease: EvalLease, reason: str) -> None:
+        r = self.round
+        self._release(lease)
+        if lease.attempt >= self.max_attempts:
+            del r.leases[lease.assignment_id]
+            r.dropped += 1
+            self.log("eval_dropped", assignment_id=lease.assignment_id, reason=reason,
+                     attempts=lease.attempt)
+            self._maybe_finish()
+        else:
+            r.waiting.appendleft(lease.assignment_id)
+
+    def release_holder(self, server_id: str) -> None:
+        """``server_id`` is gone: its eval assignments are re-issued (or dropped when out of attempts)."""
+        r = self.round
+        if r is not None:
+            for lease in [le for le in r.leases.values() if le.holder == server_id]:
+                self._lose(lease, "server_lost")
+
+    def refused(self, server_id: str, assignment_id: str) -> None:
+        r = self.round
+        lease = r.leases.get(assignment_id) if r is not None else None
+        if lease is not None and lease.holder == server_id:
+            self._lose(lease, "refused")
+
+    def expire(self) -> None:
+        r = self.round
+        if r is not None:
+            now = self.clock()
+            for lease in [le for le in r.leases.values() if le.holder and le.deadline_s <= now]:
+                self._lose(lease, "expired")
+
+    # ---- results -------------------------------------------------------------------------------
+    async def receive(self, msg: protocol.RolloutResult,
+                      train: Callable[[protocol.RolloutResult], Awaitable[protocol.Ack]]) -> protocol.Ack:
+        """The Ack for ``msg``: eval samples are taken here, the rest go to ``train`` (Intake)."""
+        if not any(self.owns(s.assignment_id) for s in msg.samples):
+            return await train(msg)
+        rest = [s for s in msg.samples if not self.owns(s.assignment_id)]
+        by_id: dict[str, str] = {}
+        if rest:
+            ack = await train(protocol.RolloutResult(server_id=msg.server_id, samples=rest))
+            by_id = dict(zip(ack.sample_ids, ack.statuses))
+        statuses = []
+        for s in msg.samples:
+            if self.owns(s.assignment_id):
+                status = self._take(s)
+                self.metrics.eval_samples.labels(status=status).inc()
+            else:
+                status = by_id[s.sample_id]
+            statuses.append(status)
+        self._maybe_finish()
+        return protocol.Ack(sample_ids=[s.sample_id for s in msg.samples], statuses=statuses)
+
+    def _take(self, s: protocol.Sample) -> str:
+        r = self.round
+        lease = r.leases.get(s.assignment_id) if r is not None else None
+        if lease is None:
+            if r is not None and s.assignment_id.startswith(f"{self.prefix}{r.number}."):
+                return "duplicate"             # this round's, already answered (or dropped)
+            closed = any(s.assignment_id.startswith(p) for p in self._recent)
+            return "duplicate" if closed else "stale"
+        n = len(s.completion_token_ids)
+        if (s.sample_id != protocol.sample_id(s.assignment_id, 0) or s.group_size != 1
+                or n > self.sampling.max_new_tokens
+                or (n and int(np.max(s.token_versions)) > self.version())
+                or not np.array_equal(s.prompt_token_ids, lease.prompt["prompt_token_ids"])):
+            self.log("eval_sample_invalid", sample_id=s.sample_id[:200])
+            return "invalid"                   # the lease stays: it expires and is re-issued
+        self._release(lease)
+        del r.leases[s.assignment_id]
+        if s.failed:
+            r.failed += 1
+        else:
+            r.rewards.append(float(s.reward))
+        if n:
+            r.token_versions += [int(np.min(s.token_versions)), int(np.max(s.token_versions))]
+        return "accepted"
+
+    def _maybe_finish(self) -> None:
+        r = self.round
+        if r is None or r.open:
+            return
+        self.round = None
+        self._recent.append(f"{self.prefix}{r.number}.")
+        rewards = r.rewards
+        nan = float("nan")
+        mean = sum(rewards) / len(rewards) if rewards else nan
+        accuracy = (sum(1 for x in rewards if x >= self.correct_threshold) / len(rewards)) if rewards else nan
+        row = {"eval_version": r.version, "eval_reward_mean": mean, "eval_accuracy": accuracy,
+               "eval_samples": len(rewards), "eval_failed": r.failed, "eval_dropped": r.dropped,
+               "eval_token_version_min": min(r.token_versions, default=-1),
+               "eval_token_version_max": max(r.token_versions, default=-1),
+               "eval_seconds": self.clock() - r.started_s}
+        self.last = row
+        m = self.metrics
+        m.eval_reward_mean.set(mean)
+        m.eval_accuracy.set(accuracy)
+        m.eval_version.set(r.version)
+        m.eval_rounds.labels(outcome="complete").inc()
+        self.record(row)
+        self.log("eval", **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v)
+                            for k, v in row.items()})
+        self.idle.set()
+
+    def status(self) -> dict:
+        r = self.round
+        return {"rounds": self.rounds, "last": self.last,
+                "open": None if r is None else {"version": r.version, "waiting": len(r.waiting),
+                                                "open": len(r.leases)}}

@@ -1,0 +1,425 @@
+"""Admission: which rollout server gets which work, and when (docs/design.md §3, §6).
+
+Servers. A server joins with ``Hello`` (declaring ``max_concurrency``, the samples it can generate
+at once) and is known by its ZeroMQ identity from then on. Hello is idempotent: a known server
+saying Hello again (a reconnect, or one Hello per queued heartbeat after an ``unknown_server``)
+keeps its state — credits, leases — and is welcomed again; nothing is added. A server is lost when
+nothing arrived from it for ``server_timeout_s``, or when a message to it cannot be queued (it is
+gone, or so slow that its queue is full: the learner never waits on one server, see
+:mod:`learner.serve.router`). A lost server's leases are re-issued; if it was alive after all, its next
+heartbeat is answered ``unknown_server`` and it says Hello again.
+
+Credits. ``WorkRequest(credits)`` says "I can take this many more samples". A server's credits
+are capped at what it declared::
+
+    credits + outstanding <= max_concurrency     outstanding = samples of the leases it holds
+
+so a request for 10¹² credits, or the same request repeated after every Hello, adds at most what
+the server can really take; the rest is refused and counted (``slipstream_credits_refused_total``).
+
+Dispatch. Credits become assignments (one group of ``group_size`` samples each) in round-robin
+order — the server given work least recently (or never) goes first — while:
+
+- the server has ``group_size`` credits left;
+- the server is not lagging: ``learner_version − server_version <= max_staleness``. What a
+  lagging server would generate is over the staleness limit before it is sent, so it gets no new
+  work until it applies newer weights (``WeightsApplied`` or a heartbeat with its new version);
+- for new work, the buffer's staleness gate has room for a whole group (``capacity(v) >=
+  group_size``). Leases waiting for re-issue go first, and need no room: their samples are still
+  counted in flight.
+
+Restarts. A server puts a per-process ``session`` in its Hello's metadata. A Hello from a known
+identity with another session is a restarted process (same ``server_id``): its old leases are
+released for re-issue at once and it joins as new capacity, instead of its work waiting for the
+leases to expire.
+
+Runs. A server that says Hello with a version above the learner's comes from another run (this
+learner was started without ``--resume``): the mismatch is logged, the server gets no work while
+its version is above the learner's (its tokens would be refused), and the newest manifest is
+announced to it (the learner publishes version 0 at start, so there is always one); the server
+fetches it, re-tags, and works from then on.
+
+Circuit breaker. A server reporting ``Error(code="weights_failed")`` ``weights_failure_limit``
+times in a row (fetch or update failed, manifest refused) is dropped from dispatch with a
+``server_dropped`` event: it would otherwise keep generating with weights ever more stale. It
+keeps its connection and its leases, gets the manifest re-announced, and re-joins dispatch
+(``server_readmitted``) once it applies a published version.
+
+Re-issue. Leases that expire (``RolloutBuffer.expire``, checked by :meth:`Admission.tick`) or whose
+holder was lost go to the next eligible server, same assignment id, attempt + 1, stamped with the
+current version. The buffer keeps the first copy of every sample and answers later ones
+``duplicate``: nothing lost, nothing trained twice.
+
+Refusals. A server that cannot take an assignment (its limits: prompt length, vocabulary,
+group size) answers ``Error(code="assignment_refused", ref_id=assignment_id)``; the lease is
+released at once (:meth:`Admission.refused`) and re-issued, at most ``max_attempts`` times in all.
+
+Weights. :meth:`Admission.announce` sends each new manifest to every server; a server that
+rejoins, or is still behind the newest version ``reannounce_s`` after it was announced to it,
+gets it again (with its next heartbeat).
+
+Evaluation. ``side_work`` (a :class:`learner.data.evaluation.Evaluation`) is work outside the gate:
+its assignments have their own ids and leases, but take server credits, so :meth:`outstanding`
+counts them and :meth:`dispatch` hands them out first; refusals, lost servers and expiry reach it.
+
+Everything here is driven by calls — no socket, no task, no clock of its own: it is handed a
+``send(identity, message) -> bool`` coroutine, a clock, and a factory of new assignments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import protocol
+from buffer import Lease, LeaseState, RolloutBuffer
+from learner.metrics import LearnerMetrics
+
+Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
+KEEP_CHECKSUMS = 8        # checksums of recent versions kept to check WeightsApplied against
+
+
+@dataclass
+class ServerState:
+    """What the learner knows about one connected rollout server."""
+
+    server_id: str
+    identity: bytes
+    max_concurrency: int
+    version: int = 0                   # weights version the server reports as applied
+    credits: int = 0                   # samples it asked for and has not been given yet
+    last_seen: float = 0.0
+    announced: int = -1                # newest manifest version queued to it
+    announced_at: float = float("-inf")
+    served: int = -1                   # dispatch sequence number of its last assignment
+    session: str = ""                  # per-process id from its Hello (a restart changes it)
+    weights_failures: int = 0          # weights_failed reports in a row
+    dropped: bool = False              # circuit breaker open: no dispatch until it applies weights
+    idle_ratio: float = math.nan       # its engine's idle fraction, from its last Heartbeat (none yet: NaN)
+
+
+class Admission:
+    """Servers, credits, dispatch, re-issue, expiry and the lag rule (see the module docstring).
+
+    Args:
+        buffer: the run's RolloutBuffer (the gate, the leases).
+        send: ``await send(identity, message)`` -> False if the message could not be queued.
+        new_assignment: returns the next fresh ``Assignment`` (next prompt, new id, current version),
+            or None when the prompts are used up.
+        version: the learner's policy version now.
+        welcome: the ``Welcome`` to answer a Hello with.
+        server_timeout_s: silence after which a server is lost.
+        reannounce_s: see the module docstring.
+        clock: monotonic seconds (tests pass a fake one; give the buffer the same one).
+    """
+
+    def __init__(self, buffer: RolloutBuffer, send: Send, new_assignment: Callable[[], protocol.Assignment | None],
+                 *, version: Callable[[], int], welcome: Callable[[], protocol.Welcome],
+                 metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
+                 server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
+                 weights_failure_limit: int = 3, max_inflight: Callable[[], int] = lambda: 0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
+        self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
+        self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
+        self.weights_failure_limit = weights_failure_limit
+        self.max_inflight = max_inflight          # the operator's cap on a server's samples (0 = none)
+        self.paused = False                       # ctl pause: no new or re-issued work until resume
+        self.servers: dict[bytes, ServerState] = {}
+        self._dispatched = 0
+        self.reissue: deque[Lease] = deque()
+        self.latest: protocol.WeightsAvailable | None = None
+        self._checksums: OrderedDict[int, str] = OrderedDict()
+        self.closed = False
+        self.versions_changed = asyncio.Event()   # set whenever a server's version changes or it leaves
+        # Work outside the staleness gate (learner.data.evaluation): its own leases and namespace, but
+        # it takes server credits, so it is counted in outstanding() and dispatched first.
+        self.side_work: Any = None
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def outstanding(self, srv: ServerState) -> int:
+        """Samples of the leases ``srv`` holds (it was asked to generate them and has not finished)."""
+        held = sum(lease.n_samples for lease in self.buffer.leases.held_by(srv.server_id))
+        return held + (self.side_work.outstanding(srv.server_id) if self.side_work is not None else 0)
+
+    def rollout_idle_ratio(self) -> float:
+        """Mean idle ratio the connected servers last reported; NaN while none has reported (a
+        server that has sent no Heartbeat yet is left out: it is unknown, not busy)."""
+        ratios = [s.idle_ratio for s in self.servers.values() if not math.isnan(s.idle_ratio)]
+        return sum(ratios) / len(ratios) if ratios else math.nan
+
+    def lagging(self, srv: ServerState) -> bool:
+        """The lag rule: more than ``max_staleness`` versions behind gets no new work."""
+        return self.version() - srv.version > self.buffer.max_staleness
+
+    def eligible(self, srv: ServerState) -> bool:
+        """May get new work: not lagging, not ahead of the learner (another run's weights), its
+        circuit breaker closed, and under the operator's ``max_inflight_per_server`` cap."""
+        cap = self.max_inflight()
+        if cap and self.outstanding(srv) + self.buffer.group_size > cap:
+            return False
+        return not srv.dropped and not self.lagging(srv) and srv.version <= self.version()
+
+    def touch(self, identity: bytes) -> ServerState | None:
+        """The server behind ``identity``, marked alive now; None if it has not said Hello."""
+        srv = self.servers.get(identity)
+        if srv is not None:
+            srv.last_seen = self.clock()
+        return srv
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        return {s.server_id: {"version": s.version, "credits": s.credits,
+                              "outstanding": self.outstanding(s), "max_concurrency": s.max_concurrency,
+                              "lagging": self.lagging(s), "dropped": s.dropped,
+                              "weights_failures": s.weights_failures}
+                for s in self.servers.values()}
+
+    def all_at(self, version: int) -> bool:
+        """True when every connected server reports ``version`` or newer."""
+        return all(s.version >= version for s in self.servers.values())
+
+    # -- messages from servers --------------------------------------------------------------------
+
+    async def hello(self, identity: bytes, msg: protocol.Hello) -> None:
+        """Join, or rejoin without change (idempotent); answer Welcome (+ the newest manifest)."""
+        now = self.clock()
+        taken = next((s for s in self.servers.values()
+                      if s.server_id == msg.server_id and s.identity != identity), None)
+        if taken is not None:
+            self.log("server_refused", server=msg.server_id, reason="server_id in use")
+            await self.send(identity, protocol.Error(
+                code="duplicate_server_id",
+                message=f"server_id {msg.server_id!r} is connected from another socket; give each "
+                        "rollout server its own server_id"))
+            return
+        srv = self.servers.get(identity)
+        session = msg.metadata.get("session")
+        session = session if isinstance(session, str) else ""
+        if srv is not None and session and srv.session and session != srv.session:
+            self.lose(srv, "restarted")           # its leases are re-issued now, not at expiry
+            srv = None
+        if srv is None:
+            srv = self.servers[identity] = ServerState(msg.server_id, identity, msg.max_concurrency,
+                                                       session=session)
+            self.metrics.servers.set(len(self.servers))
+            self.log("server_joined", server=msg.server_id, server_version=msg.version,
+                     max_concurrency=msg.max_concurrency)
+            if msg.max_concurrency < self.buffer.group_size:
+                self.log("server_too_small", server=msg.server_id, max_concurrency=msg.max_concurrency,
+                         group_size=self.buffer.group_size,
+                         hint="a server gets whole groups: raise its max_concurrency to >= group_size")
+        else:
+            # A server grants all its free slots after every Welcome: credits carried over from
+            # before the Hello would be counted twice.
+            srv.max_concurrency = msg.max_concurrency
+            srv.credits = 0
+            self.log("server_rejoined", server=msg.server_id, server_version=msg.version,
+                     credits=srv.credits)
+        srv.last_seen = now
+        srv.announced = -1            # it may have missed a manifest while away
+        self._set_version(srv, msg.version, force=True)
+        if msg.version > self.version():
+            self.log("server_version_mismatch", level="warning", server=msg.server_id,
+                     server_version=msg.version, learner_version=self.version(),
+                     hint="the server holds weights of another run, or of steps after the checkpoint "
+                          "this learner resumed from: no work until it applies this run's weights")
+        if not await self._send(srv, self.welcome()):
+            return
+        if self.latest is not None and self.latest.version != srv.version:
+            if not await self._announce_to(srv, self.latest):
+                return
+        await self.dispatch()
+
+    async def work_request(self, srv: ServerState, msg: protocol.WorkRequest) -> None:
+        room = max(0, srv.max_concurrency - self.outstanding(srv) - srv.credits)
+        granted = min(msg.credits, room)
+        if granted < msg.credits:
+            self.metrics.credits_refused.inc(msg.credits - granted)
+        srv.credits += granted
+        await self.dispatch()
+
+    async def heartbeat(self, srv: ServerState, msg: protocol.Heartbeat) -> None:
+        srv.idle_ratio = msg.idle_ratio
+        changed = self._set_version(srv, msg.version)
+        latest = self.latest
+        if (latest is not None and srv.version != latest.version
+                and (srv.announced < latest.version or self.clock() - srv.announced_at >= self.reannounce_s)):
+            if not await self._announce_to(srv, latest):
+                return
+        if changed:
+            await self.dispatch()
+
+    async def weights_applied(self, srv: ServerState, msg: protocol.WeightsApplied) -> bool:
+        """Record the server's new version; False if its checksum is not the published one."""
+        self._set_version(srv, msg.version)
+        expected = self._checksums.get(msg.version)
+        ok = expected is None or expected == msg.checksum
+        if not ok:
+            self.log("checksum_mismatch", server=srv.server_id, server_version=msg.version,
+                     checksum=msg.checksum, expected=expected)
+        else:
+            srv.weights_failures = 0
+            if srv.dropped:
+                srv.dropped = False
+                self.log("server_readmitted", server=srv.server_id, server_version=msg.version)
+        await self.dispatch()
+        return ok
+
+    async def weights_failed(self, srv: ServerState, message: str) -> None:
+        """``srv`` could not fetch or apply announced weights; the circuit breaker counts it."""
+        srv.weights_failures += 1
+        if srv.weights_failures >= self.weights_failure_limit and not srv.dropped:
+            srv.dropped = True
+            self.metrics.servers_dropped.inc()
+            self.log("server_dropped", level="warning", server=srv.server_id, reason="weights",
+                     failures=srv.weights_failures, last_error=message[:500],
+                     hint="no new work until it applies a published version")
+
+    async def refused(self, srv: ServerState, assignment_id: str, reason: str) -> None:
+        """``srv`` refused an assignment (``Error(code="assignment_refused")``): its lease goes back
+        for re-issue at once instead of waiting for its deadline (after ``max_attempts`` refusals
+        the assignment is given up and counted failed); the credits it used are not returned."""
+        if self.side_work is not None and self.side_work.owns(assignment_id):
+            self.side_work.refused(srv.server_id, assignment_id)
+            self.log("assignment_refused", server=srv.server_id, assignment_id=assignment_id[:200],
+                     reason=reason[:500], reissued=True)
+            await self.dispatch()
+            return
+        released = self.buffer.release(assignment_id, srv.server_id)
+        self.reissue.extend(released)
+        self.log("assignment_refused", server=srv.server_id, assignment_id=assignment_id[:200],
+                 reason=reason[:500], reissued=bool(released))
+        await self.dispatch()
+
+    def _set_version(self, srv: ServerState, version: int, force: bool = False) -> bool:
+        changed = version != srv.version
+        srv.version = version
+        if changed or force:
+            self.metrics.server_version.labels(server=srv.server_id).set(version)
+            self.versions_changed.set()
+        return changed
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    async def announce(self, manifest: protocol.WeightsAvailable) -> None:
+        """A new version is published: tell every server."""
+        self.latest = manifest
+        self._checksums[manifest.version] = manifest.checksum
+        while len(self._checksums) > KEEP_CHECKSUMS:
+            self._checksums.popitem(last=False)
+        for srv in list(self.servers.values()):
+            if srv.identity in self.servers:
+                await self._announce_to(srv, manifest)
+
+    async def _announce_to(self, srv: ServerState, manifest: protocol.WeightsAvailable) -> bool:
+        if not await self._send(srv, manifest):
+            return False
+        srv.announced, srv.announced_at = manifest.version, self.clock()
+        return True
+
+    async def broadcast(self, message: protocol.Message) -> None:
+        """Send ``message`` to every server (failures lose the server, as any send)."""
+        for srv in list(self.servers.values()):
+            if srv.identity in self.servers:
+                await self._send(srv, message)
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    async def dispatch(self) -> None:
+        """Turn credits into assignments while the rules above allow (see the module docstring)."""
+        if self.side_work is not None:
+            await self.side_work.dispatch(self)
+        g = self.buffer.group_size
+        planned: list[tuple[ServerState, protocol.Assignment]] = []
+        while True:
+            eligible = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
+            if not eligible:
+                break
+            srv = min(eligible, key=lambda s: s.served)
+            assignment = self._next_work(srv)
+            if assignment is None:
+                break
+            srv.credits -= g
+            self._dispatched += 1
+            srv.served = self._dispatched
+            planned.append((srv, assignment))
+        # Each server hears how many more of this burst follow (Assignment.burst_left), so it
+        # starts generating on the last one instead of waiting out its batch window (5 ms a
+        # cycle at max_staleness 0, where every batch is dispatched at once).
+        left = collections.Counter(srv.identity for srv, _ in planned)
+        for srv, assignment in planned:
+            left[srv.identity] -= 1
+            if self.servers.get(srv.identity) is not srv:
+                continue                          # lost by an earlier send: its leases re-issue
+            assignment.burst_left = left[srv.identity]
+            await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
+
+    def _next_work(self, srv: ServerState) -> protocol.Assignment | None:
+        if self.closed or self.paused:
+            return None
+        while self.reissue and not self._reissuable(self.reissue[0]):
+            self.reissue.popleft()               # finished meanwhile by its first holder
+        if self.reissue:
+            lease = self.buffer.reissue(self.reissue.popleft(), srv.server_id)
+            return dataclasses.replace(lease.payload, version=self.version(), attempt=lease.attempt)
+        if self.buffer.capacity(self.version()) < self.buffer.group_size:
+            return None
+        assignment = self.new_assignment()
+        if assignment is None:
+            return None                          # the prompts are used up (a finite dataset)
+        self.buffer.issue(assignment.assignment_id, srv.server_id, self.buffer.group_size,
+                          payload=assignment)
+        return assignment
+
+    def _reissuable(self, lease: Lease) -> bool:
+        return self.buffer.leases.get(lease.assignment_id) is lease and lease.state is LeaseState.EXPIRED
+
+    def close(self) -> None:
+        """The run is over: no new work, no re-issue (servers stay known, for the final sync)."""
+        self.closed = True
+
+    # -- time -------------------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        """Lose silent servers, expire overdue leases, and hand out what that freed."""
+        now = self.clock()
+        for srv in list(self.servers.values()):
+            if now - srv.last_seen > self.server_timeout_s:
+                self.lose(srv, "timeout")
+        self.reissue.extend(self.buffer.expire())
+        if self.side_work is not None:
+            self.side_work.expire()
+        await self.dispatch()
+
+    def lose(self, srv: ServerState, reason: str) -> None:
+        """Forget ``srv``; its leases wait for re-issue (to any server, itself after a new Hello)."""
+        if self.servers.get(srv.identity) is not srv:
+            return
+        del self.servers[srv.identity]
+        released = self.buffer.release_holder(srv.server_id)
+        self.reissue.extend(released)
+        if self.side_work is not None:
+            self.side_work.release_holder(srv.server_id)
+        try:
+            self.metrics.server_version.remove(srv.server_id)
+        except KeyError:
+            pass
+        self.metrics.servers.set(len(self.servers))
+        self.metrics.servers_lost.labels(reason=reason).inc()
+        self.versions_changed.set()
+        self.log("server_lost", server=srv.server_id, reason=reason,
+                 released_assignments=len(released))
+
+    async def _send(self, srv: ServerState, message: protocol.Message) -> bool:
+        if await self.send(srv.identity, message):
+            return True
+        self.lose(srv, "unreachable")
+        return False

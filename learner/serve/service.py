@@ -1,0 +1,709 @@
+"""The learner process: the socket loops and the train loop; the work lives in components.
+
+Sockets (all ROUTER, docs/design.md §6), each served by one :class:`learner.serve.router.RouterSocket` loop:
+
+    rollout   Hello / WorkRequest / RolloutResult / Heartbeat / WeightsApplied /
+              Error (assignment_refused) in; Welcome / Assignment / Ack / WeightsAvailable /
+              Heartbeat (each one echoed) / Error out
+    weights   WeightChunkRequest in, WeightChunk (zero-copy) out
+    control   ControlRequest in, ControlReply out (``slipstream ctl``)
+
+plus HTTP ``/metrics`` and ``/healthz``. The run directory gets ``learner.json`` (endpoints, and
+the CURVE public key), ``metrics.jsonl`` (one row per step) and ``trained_ids.jsonl`` (the sample
+ids of every applied step: an audit that nothing was trained twice). Every socket has ``ZMQ_MAXMSGSIZE`` set (a larger frame
+disconnects its sender before it is buffered) and sends never wait (:mod:`learner.serve.router`).
+Everything runs on one asyncio loop; the policy step and the weight snapshot run in a worker
+thread, so the sockets stay responsive during training.
+
+Components, each unit-tested without sockets or a model:
+
+    Admission      servers, credits, dispatch, re-issue, expiry, the lag rule (learner.serve.admission)
+    Intake         checks every sample against the run before the buffer sees it (learner.serve.intake)
+    WeightsServer  versions published, chunks served (learner.serve.weights_server)
+    Control        ctl commands and their validation (learner.serve.control)
+
+Delivery, the argument in one place (docs/design.md §3, §6): work goes out only as leases from the
+buffer's staleness gate, so generation runs at most ``max_staleness`` + 1 batches ahead of
+training, and never to a server more than ``max_staleness`` versions behind. Every result is
+checked, then acknowledged with a final status; the buffer keeps the first copy of every sample
+and calls later ones duplicates; a lease whose server died, went silent or cannot be reached is
+re-issued. A message to a rollout server that cannot be queued (the peer is gone or not
+reading) loses that server, whose leases are then re-issued and whose unacknowledged results
+come again after its next Hello; a weights fetch missing a chunk fails on the server and is
+repeated when the version is re-announced. So nothing is lost and nothing is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+import protocol
+from buffer import Batch, RolloutBuffer
+from learner.config import LearnerConfig
+from learner.data.evaluation import Evaluation
+from learner.data.prompts import PromptSource
+from learner.metrics import JsonlLog, LearnerMetrics
+from learner.serve.admission import Admission
+from learner.serve.control import Control, control_error_reply
+from learner.serve.intake import Intake
+from learner.serve.router import PendingAcks, RouterSocket
+from learner.serve.security import LearnerCurve
+from learner.serve.sinks import open_sinks
+from learner.serve.staleness import StalenessController
+from learner.serve.weights_server import Publisher, WeightsServer
+from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, LearnerCheckpoints, warm_save_imports
+from learner.state.rollout_log import LearnerRolloutLog, RolloutLogFailed
+from learner.train.distributed import make_trainer
+from learner.train.trainer import SkippedStep
+from protocol.http import HttpEndpoint
+from protocol.process import EventLog, cancel_all, supervise, trace
+from protocol.sockets import advertised_host, bind, make_socket
+
+
+def vocab_size(trainer) -> int:
+    """Rows of the policy's input embedding (``Trainer.vocab_size``, or read from the model)."""
+    size = getattr(trainer, "vocab_size", None)
+    return int(size) if size is not None else int(trainer.model.get_input_embeddings().num_embeddings)
+
+
+CLOSE_LINGER_MS = 1000
+"""At exit, how long queued messages to rollout servers may still take to leave."""
+
+SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
+"""Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
+
+
+# The most samples of one server's consecutive results received as one (LearnerService.receive_held)
+MERGE_SAMPLES = 256
+
+
+class LearnerService:
+    """One learner process. ``await run()`` serves until the last step (or ``stop``); returns the
+    exit code. ``ready`` is set once every socket is bound and the model is loaded."""
+
+    def __init__(self, cfg: LearnerConfig, model_path: str, run_id: str | None = None,
+                 resume: str | None = None):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.resume = resume                  # --resume: "latest" or a checkpoint directory
+        self.run_id = run_id or f"{Path(cfg.run_dir).name}-{uuid.uuid4().hex[:6]}"
+        self.run_dir = Path(cfg.run_dir)
+        self.version = 0
+        self.log = EventLog("learner", run_id=lambda: self.run_id, version=lambda: self.version)
+        self.metrics = LearnerMetrics()
+        # The model's load, every step, the checkpoints' tensor copies and the final save on one
+        # thread: torch's OpenMP pool belongs to the thread that calls into it, and a second
+        # team (steps hopping between the default executor's threads, or the model loaded on the
+        # event loop's thread) slowed every step at learner.threads 2 to 2.2x (0.181 against
+        # 0.083 s at eta 0 on 2 cores). At one thread there is no pool and no difference.
+        self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-train")
+        self.checkpoints = LearnerCheckpoints(self)
+        self.rollout_log = LearnerRolloutLog(self, cfg.rollout_log) if cfg.rollout_log else None
+        self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
+                                    max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy,
+                                    lease_timeout_s=cfg.lease_timeout_s)
+        # Read at each scrape, not set after every result (two locked sets per message).
+        self.metrics.buffered.set_function(lambda: self.buffer.pending_samples)
+        self.metrics.inflight.set_function(lambda: self.buffer.inflight_samples)
+        self.prompts: PromptSource | None = None      # built in _load: it needs the tokenizer
+        self.evaluation: Evaluation | None = None     # eval_every > 0 (learner.data.evaluation)
+        self.data_done = asyncio.Event()              # a finite dataset is used up (next_batch)
+        self.weights = WeightsServer(cfg.weights_chunk_bytes)
+        self.publisher = Publisher(   # checksums, install and announcement beside the next step
+            self.weights, lambda m: self.admission.announce(m), stopped=lambda: self.stopping.is_set(),
+            observe_wait=self.metrics.publish_wait_seconds.observe,
+            observe_latency=self.metrics.publish_seconds.observe, on_superseded=self._superseded)
+        self.trainer = None
+        self.intake: Intake | None = None
+        self.assignment_counter = 0
+        self.train_busy = False               # a step (and its publish) is running
+        self._stat_children: dict[str, object] = {}   # slipstream_train_stat{name} children
+        self.sinks: list = []                 # metrics sinks besides metrics.jsonl (learner.serve.sinks)
+        self.staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
+            min_staleness=cfg.min_staleness, ess_min=cfg.staleness_ess_min,
+            mismatch_kl_max=cfg.staleness_mismatch_kl_max, ess_recover=cfg.staleness_ess_recover,
+            mismatch_kl_recover=cfg.staleness_mismatch_kl_recover,
+            recover_steps=cfg.staleness_recover_steps)
+        self.stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.finished = False
+        self.endpoints: dict[str, str] = {}
+        self.http = HttpEndpoint(self.metrics.render, self.health, on_error=lambda status: (
+            self.metrics.protocol_errors.labels(socket="http").inc()))
+        self.ctx: zmq.asyncio.Context | None = None
+        self.curve: LearnerCurve | None = None
+        self.sockets: dict[str, RouterSocket] = {}
+        self.pending_acks = PendingAcks()     # a burst's Acks, sent when the loop stops reading
+        # A burst's results, received together when the loop stops reading (flush_acks)
+        self.held_results: list[tuple[bytes, object, protocol.RolloutResult]] = []
+        self.admission = Admission(
+            self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
+            welcome=self._welcome, metrics=self.metrics, log=self.log,
+            server_timeout_s=cfg.server_timeout_s, reannounce_s=cfg.reannounce_s,
+            weights_failure_limit=cfg.weights_failure_limit,
+            max_inflight=lambda: self.cfg.max_inflight_per_server)
+        self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
+                               stop=self.stopping.set, after_set=self.admission.dispatch,
+                               pause=lambda paused: setattr(self.admission, "paused", paused),
+                               has_reference=lambda: getattr(self.trainer, "reference", None) is not None,
+                               checkpoint=self.checkpoints.request, log=self.log)
+
+    # ---- main ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        tasks: list[asyncio.Task] = []
+        jsonl = trained = None
+        try:
+            self._open()                      # ports first: a taken port fails before the model loads
+            # On the train thread, like every step: the process's torch work on one thread (see
+            # train_thread).
+            await self.on_train_thread(self._load)
+            # Version 0 is published too: a server still holding another run's weights (this
+            # learner started without --resume) must find something to fetch (learner.serve.admission).
+            await self.publish()
+            jsonl = self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
+            self.sinks = open_sinks(self.cfg.metrics_sinks, self.run_dir, self.run_id)
+            trained = self.trained_ids = JsonlLog(self.run_dir / "trained_ids.jsonl")
+            self.checkpoints.mark_resumed(trained)
+            if self.rollout_log is not None:      # after a resume: untrained samples come back
+                await self.rollout_log.open()
+            (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
+            rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
+            train = asyncio.create_task(self.train_loop(), name="train")
+            tasks = [train,
+                     asyncio.create_task(rollout.serve(self.on_rollout, idle=self.flush_acks),
+                                         name="rollout"),
+                     asyncio.create_task(weights.serve(self.weights.handle), name="weights"),
+                     asyncio.create_task(control.serve(self.control.handle, control_error_reply),
+                                         name="control"),
+                     asyncio.create_task(self.expiry_loop(), name="expiry")]
+            self.ready.set()
+            self.log("ready", **self.endpoint_file())
+            done, error = await supervise(tasks, self.stopping, self.log)
+            code = 1 if error is not None else 0
+            if train in done and error is None:
+                await self.finish()
+                code = EXIT_CHECKPOINT_FAILED if self.checkpoints.failed_stop else code
+                if not self.cfg.exit_on_finish:
+                    self.log("idle", reason="finished; serving metrics and control until stopped")
+                    await self.stopping.wait()
+            elif error is None:               # stopped: the step in progress ends, then a checkpoint
+                code = await self.checkpoints.on_stop(train)
+                # Servers stop generating for this run at once (nothing more will be trained);
+                # they stay up and re-join when the learner comes back with --resume.
+                await self.admission.broadcast(protocol.Error(
+                    code="learner_stopping", message=f"run {self.run_id} stopped at version "
+                    f"{self.version}; resumable from its latest checkpoint"))
+        finally:
+            self.stopping.set()
+            await cancel_all(tasks)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            self._close()
+            if jsonl is not None:
+                jsonl.close()
+            for sink in self.sinks:
+                sink.close()
+            if trained is not None:
+                trained.close()
+            if self.rollout_log is not None:
+                self.rollout_log.close()
+        self.log("stopped", exit_code=code)
+        return code
+
+    def _open(self) -> None:
+        cfg = self.cfg
+        self.ctx = zmq.asyncio.Context()
+        if cfg.security.curve:     # the ZAP handler runs before any socket binds
+            self.curve = LearnerCurve(cfg.security, self.ctx,
+                                      on_denied=lambda s: self.metrics.auth_denied.labels(socket=s).inc())
+        specs = (("rollout", cfg.rollout_port, cfg.max_message_bytes, cfg.send_hwm),
+                 ("weights", cfg.weights_port, cfg.weights_max_message_bytes, cfg.weights_send_hwm),
+                 ("control", cfg.control_port, cfg.control_max_message_bytes, cfg.send_hwm))
+        host = advertised_host(cfg.bind_host)
+        for name, port, max_bytes, hwm in specs:
+            sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=max_bytes, hwm=hwm,
+                               curve=self.curve.server(name) if self.curve else None)
+            if name == "rollout":
+                # A restarted server (same server_id, so the same identity) takes over at once,
+                # even while the dead process's connection has not timed out yet.
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self.sockets[name] = RouterSocket(sock, name, self.metrics, self.log)
+            port = bind(sock, cfg.bind_host, port, f"learner.{name}_port")
+            self.endpoints[name] = f"tcp://{host}:{port}"
+        http_port = self.http.serve(cfg.metrics_host, cfg.metrics_port, "learner.metrics_port")
+        base = f"http://{cfg.metrics_host}:{http_port}"
+        self.endpoints.update(metrics=f"{base}/metrics", healthz=f"{base}/healthz")
+
+    async def on_train_thread(self, fn, *args):
+        """``fn(*args)`` on :attr:`train_thread`, where all of this process's torch work runs."""
+        return await asyncio.get_running_loop().run_in_executor(self.train_thread, fn, *args)
+
+    def _load(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
+        # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
+        # trainer's copy between steps (Control.before_step), so a step never sees half a change.
+        self.trainer = make_trainer(self.cfg.model_copy(deep=True), self.model_path)   # DeepSpeed or not
+        self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
+        self.weights.metadata = dict(self.trainer.publish_metadata())
+        self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
+                             max_new_tokens=lambda: self.cfg.max_new_tokens,
+                             max_abs_reward=lambda: self.cfg.max_abs_reward,
+                             version=lambda: self.version, metrics=self.metrics, log=self.log)
+        self._load_prompts()
+        warm_save_imports()
+        if resumed is not None:
+            self.checkpoints.apply(resumed)
+
+    def _load_prompts(self) -> None:
+        """The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
+        tokenizer (learner.data.prompts); eval work joins dispatch through Admission.side_work."""
+        tok, encode = self.trainer.tokenizer, self.trainer.encode_prompt
+        self.prompts = PromptSource.from_config(self.cfg, tokenizer=tok, encode=encode, on_skip=(
+            lambda reason, n: self.metrics.prompts_skipped.labels(reason=reason).inc(n)))
+        if self.cfg.eval_every:
+            self.evaluation = Evaluation.from_config(
+                self.cfg, tokenizer=tok, encode=encode, run_id=self.run_id, version=lambda: self.version,
+                metrics=self.metrics, record=self.record_eval, log=self.log)
+            self.admission.side_work = self.evaluation
+        if self.prompts.finite:
+            self.log("prompts", **self.prompts.status())
+
+    def _close(self) -> None:
+        close = getattr(self.trainer, "close", None)      # DeepSpeed: the other ranks exit
+        if close is not None:
+            close()
+        self.train_thread.shutdown(wait=False)
+        self.http.close()
+        for name, s in self.sockets.items():
+            # The last words to the servers (learner_finished / learner_stopping) get a moment
+            # to leave; everything else is dropped at once.
+            s.close(linger_ms=CLOSE_LINGER_MS if name == "rollout" else 0)
+        self.sockets = {}
+        if self.curve is not None:
+            self.curve.close()
+            self.curve = None
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    def endpoint_file(self) -> dict:
+        """learner.json: run id, endpoints, and (with CURVE) the learner's public key, which
+        `slipstream ctl` and rollout servers need to connect (it is not a secret)."""
+        info = {"run_id": self.run_id, **self.endpoints}
+        if self.curve is not None:
+            info["curve_public_key"] = self.curve.public_key.decode()
+        return info
+
+    def health(self) -> tuple[bool, dict]:
+        """/healthz: ok while serving (ready and not stopping)."""
+        serving = self.ready.is_set() and not self.stopping.is_set()
+        return serving, {"run_id": self.run_id, "version": self.version,
+                         "servers": len(self.admission.servers), "stopping": self.stopping.is_set(),
+                         "finished": self.finished}
+
+    async def finish(self) -> None:
+        """After the last step: save, let servers fetch the last version, tell them the run ended."""
+        await self.checkpoints.at_end()
+        self.admission.close()
+        out = self.run_dir / "final"
+        await self.on_train_thread(self.trainer.save_policy, out)   # the model, or the PEFT adapter
+        deadline = time.monotonic() + self.cfg.final_sync_s
+        while not self.admission.all_at(self.version) and time.monotonic() < deadline:
+            self.admission.versions_changed.clear()
+            try:
+                await asyncio.wait_for(self.admission.versions_changed.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        if self.evaluation is not None:       # the last version's evaluation, if one is open
+            await self.evaluation.wait_idle(deadline - time.monotonic())
+        await self.admission.broadcast(protocol.Error(code="learner_finished",
+                                                      message=f"run {self.run_id} finished"))
+        self.finished = True
+        self.log("finished", checkpoint=str(out), counters=self.buffer.counters,
+                 pending_samples=self.buffer.pending_samples,
+                 inflight_samples=self.buffer.inflight_samples, gate=self.buffer.gate.state_dict())
+
+    # ---- training --------------------------------------------------------------------------
+    async def train_loop(self) -> None:
+        self.maybe_evaluate()
+        while self.version < self.cfg.total_steps:
+            self.train_busy = False                  # waiting for a batch (or paused), not stepping
+            cycle_start = time.monotonic()
+            batch = await self.next_batch()
+            if batch is None:
+                self.log("data_exhausted", steps=self.version, prompts=self.prompts.status(),
+                         pending_samples=self.buffer.pending_samples)
+                break
+            trace("learner.batch")
+            await self.control.resumed.wait()        # ctl pause: no step until resume
+            self.control.before_step(self.trainer)   # ctl set of step settings lands here
+            self.train_busy = True
+            idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
+            try:
+                stats = await self.on_train_thread(self.trainer.step, batch)
+            except SkippedStep as skip:
+                self.skip_step(batch, skip)
+                await self.admission.dispatch()
+                continue
+            trace("learner.step_end")
+            stats.update(self.batch_versions(batch))
+            self.record_trained(batch)
+            if self.rollout_log is not None:
+                await self.rollout_log.after_step()    # fsync: step
+            self.version += 1                 # before the publish: tokens of v+1 must be acceptable
+            stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
+            trace("learner.published")
+            stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
+            self.record_step(stats)
+            self.maybe_evaluate()
+            await self.admission.dispatch()
+            trace("learner.dispatched")
+        await self.publisher.drain()          # the last version is announced before finish waits
+
+    async def next_batch(self) -> Batch | None:
+        """The next batch (checkpoints happen between steps); None once a finite dataset is used
+        up: every prompt drawn, nothing in flight, less than a batch ready (``data_done``, set by
+        :meth:`update_gauges`)."""
+        if not self.prompts.finite:
+            return await self.checkpoints.next_batch()
+        self.update_gauges()
+        get = asyncio.ensure_future(self.checkpoints.next_batch())
+        done = asyncio.ensure_future(self.data_done.wait())
+        try:
+            await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():                # cancel it only where it waits in the buffer (no save)
+                await self.checkpoints.idle.wait()
+        finally:
+            done.cancel()
+            get.cancel()                      # next_batch is cancellation-safe: it takes nothing
+        return get.result() if get.done() and not get.cancelled() else None
+
+    def maybe_evaluate(self) -> None:
+        if self.evaluation is not None and self.evaluation.maybe_start(self.version):
+            self.update_gauges()
+
+    def record_eval(self, row: dict) -> None:
+        """One metrics.jsonl row per complete evaluation round (learner.data.evaluation)."""
+        self.jsonl.write({"run_id": self.run_id, "kind": "eval", "step": row["eval_version"],
+                          "version": row["eval_version"], "time": time.time(), **row})
+
+    def idle_stats(self, idle_s: float, cycle_s: float) -> dict[str, float]:
+        """Where the time went (verl's fully-async idle ratios): the fraction of this step's cycle
+        (batch wait + step + publish wait) the train loop waited for samples, and the mean of the
+        servers' engine idle fractions from their last heartbeats (waiting for work or weights)."""
+        ratio = idle_s / cycle_s if cycle_s > 0 else 0.0
+        self.metrics.learner_idle_ratio.set(ratio)
+        return {"learner_idle_s": idle_s, "learner_idle_ratio": ratio,
+                "rollout_idle_ratio": self.admission.rollout_idle_ratio()}
+
+    def skip_step(self, batch: Batch, skip: SkippedStep) -> None:
+        """A step that applied nothing (a non-finite loss or gradient): the version stays, nothing
+        is published; the step is counted and its samples named in the event log. The samples were
+        taken from the buffer but not trained, so their capacity goes back to the staleness gate,
+        as dropped work's does (else, with max_staleness 0, the gate would never open again).
+        """
+        n = len(batch.samples)
+        self.buffer.untrained(batch)
+        self.metrics.skipped_steps.inc()
+        self.log("step_skipped", reason=skip.reason, trained_on_version=self.version, samples=n,
+                 sample_ids=[s.sample_id for s in batch.samples])
+
+    def record_trained(self, batch: Batch) -> None:
+        """trained_ids.jsonl: the sample ids of every applied step, one line per step (an audit
+        that nothing was trained twice; a few KiB per step)."""
+        self.trained_ids.write({"run_id": self.run_id, "trained_on_version": self.version,
+                                "sample_ids": [s.sample_id for s in batch.samples]})
+
+    def batch_versions(self, batch: Batch) -> dict[str, float]:
+        """The version trained on and the oldest and newest token version in ``batch`` (a
+        sample without tokens counts as -1 for the oldest, 0 for the newest). One concatenation
+        and two reductions: two reductions per sample were 0.6 ms of each step's bookkeeping."""
+        versions = [s.token_versions for s in batch.samples]
+        every = np.concatenate(versions) if versions else np.zeros(0, np.int32)
+        empty = any(len(v) == 0 for v in versions)
+        oldest = -1 if empty or not len(every) else int(every.min())
+        return {"trained_on_version": float(self.version),
+                "token_version_min": float(oldest),
+                "token_version_max": float(every.max(initial=0))}
+
+    async def publish(self) -> float:
+        """Publish the current version; returns the seconds the caller waited: the snapshot copy
+        only (learner.serve.weights_server.Publisher: checksums, install and the announcement run
+        beside the next step). The process's first version is awaited until announced, so a
+        server that connects finds something to fetch."""
+        wait = await self.publisher.publish(self.version, self.trainer.named_tensors)
+        if self.weights.latest is None:
+            await self.publisher.drain()
+        return wait
+
+    def _superseded(self, version: int, by: int) -> None:
+        self.metrics.publish_superseded.inc()
+        self.log("weights_superseded", weights_version=version, by=by,
+                 hint="steps finish faster than a publish is prepared; servers get the newer one")
+
+    def record_step(self, stats: dict[str, float]) -> None:
+        m = self.metrics
+        m.policy_version.set(self.version)
+        m.step_seconds.observe(stats["step_s"])
+        m.reward_mean.set(stats["reward_mean"])
+        m.staleness_mean.set(stats["staleness_mean"])
+        children = self._stat_children        # labels() takes a lock and builds a key per call
+        for k, v in stats.items():
+            child = children.get(k)
+            if child is None:
+                child = children[k] = m.step_stats.labels(name=k)
+            child.set(v)
+        self.record_sanity(stats)
+        self.adapt_staleness(stats)
+        self.update_gauges()
+        record = {"run_id": self.run_id, "step": self.version, "version": self.version,
+                  "time": time.time(), **stats,
+                  "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
+        self.jsonl.write(record)
+        for sink in self.sinks:
+            sink.write(record)
+        self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
+                            if k not in ("version", "time")})
+
+    def adapt_staleness(self, stats: dict[str, float]) -> None:
+        """``staleness_controller: adaptive`` (learner.serve.staleness): the step's importance statistics
+        may move η; the buffer's gate takes it at once, with an event and a metric."""
+        if self.staleness is None:
+            return
+        eta = self.buffer.max_staleness
+        decision = self.staleness.update(eta, self.cfg.max_staleness, stats)
+        if decision is None or decision.eta == eta:
+            return
+        self.buffer.set_max_staleness(decision.eta)
+        self.metrics.max_staleness.set(decision.eta)
+        self.metrics.staleness_changes.labels(reason=decision.reason).inc()
+        self.log("staleness_changed", previous=eta, value=decision.eta, reason=decision.reason,
+                 is_ess_ratio=stats.get("is_ess_ratio"), mismatch_kl=stats.get("mismatch_kl"),
+                 bound=self.cfg.max_staleness)
+
+    def record_sanity(self, stats: dict[str, float]) -> None:
+        """The seeds' sanity check (learner.train.trainer): gauges (NaN when not applicable this step) and
+        a warning event when it failed."""
+        m = self.metrics
+        applicable = bool(stats.get("sanity_applicable")) and "sanity_ratio_dev_max" in stats
+        nan = float("nan")
+        m.sanity_ratio_dev_mean.set(stats["sanity_ratio_dev_mean"] if applicable else nan)
+        m.sanity_ratio_dev_max.set(stats["sanity_ratio_dev_max"] if applicable else nan)
+        m.sanity_kl.set(stats["sanity_kl"] if applicable else nan)
+        if applicable and stats.get("sanity_failed"):
+            m.sanity_failures.inc()
+            self.log("sanity_check_failed", level="warning",
+                     ratio_dev_max=stats["sanity_ratio_dev_max"],
+                     ratio_dev_mean=stats["sanity_ratio_dev_mean"], kl=stats["sanity_kl"],
+                     ratio_tolerance=self.cfg.sanity_ratio_tolerance,
+                     kl_tolerance=self.cfg.sanity_kl_tolerance,
+                     hint="the proximal pass and the gradient forward differ: dropout on, or "
+                          "padding handled differently")
+
+    def update_gauges(self) -> None:
+        p = self.prompts
+        if (p is not None and p.exhausted and not self.buffer.inflight_samples
+                and self.buffer.ready_samples < self.cfg.batch_samples):
+            self.data_done.set()
+
+    # ---- admission plumbing ----------------------------------------------------------------
+    async def _send_rollout(self, identity: bytes, message: protocol.Message) -> bool:
+        return await self.sockets["rollout"].send(identity, message)
+
+    def _welcome(self) -> protocol.Welcome:
+        return protocol.Welcome(learner_id=self.learner_id, run_id=self.run_id,
+                                version=self.version, weights_endpoint=self.endpoints["weights"],
+                                weights_kind=self.weights.kind)
+
+    @property
+    def learner_id(self) -> str:
+        return f"learner-{os.getpid()}"
+
+    def sampling(self) -> protocol.SamplingParams:
+        cfg = self.cfg
+        return protocol.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+                                       max_new_tokens=cfg.max_new_tokens)
+
+    def _new_assignment(self) -> protocol.Assignment | None:
+        p = next(self.prompts, None)
+        while self.rollout_log is not None and p is not None:   # ids (and prompts) restored
+            skip_id, skip_prompt = self.rollout_log.passed_over(
+                f"{self.run_id}-a{self.assignment_counter + 1}", p["prompt_token_ids"])
+            if not skip_id:
+                break
+            self.assignment_counter += 1
+            if skip_prompt:
+                p = next(self.prompts, None)
+        if p is None:
+            return None                       # a finite dataset is used up (learner.data.prompts)
+        self.assignment_counter += 1
+        return protocol.Assignment(
+            assignment_id=f"{self.run_id}-a{self.assignment_counter}", prompt_id=p["prompt_id"],
+            prompt_token_ids=p["prompt_token_ids"], group_size=self.cfg.group_size,
+            version=self.version, prompt_text=p["prompt"], sampling=self.sampling(),
+            metadata={"answer": p["answer"], **p.get("metadata", {})},
+            deadline_s=self.cfg.lease_timeout_s)
+
+    async def expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.expiry_interval_s)
+            await self.admission.tick()
+            self.update_gauges()
+
+    # ---- rollout socket --------------------------------------------------------------------
+    async def on_rollout(self, identity: bytes, msg: protocol.Message) -> protocol.Message | None:
+        """Route one rollout-socket message to its component; the reply, if any. A result is
+        held (``held_results``) and its Ack too (``pending_acks``) until the loop stops reading:
+        :meth:`flush_acks`."""
+        a = self.admission
+        if (self.pending_acks or self.held_results) and type(msg) is not protocol.RolloutResult:
+            await self.flush_acks()               # the held results and Acks go first
+        if isinstance(msg, protocol.Hello):
+            await a.hello(identity, msg)
+            return None
+        srv = a.touch(identity)
+        if isinstance(msg, (protocol.WorkRequest, protocol.RolloutResult, protocol.Heartbeat,
+                            protocol.WeightsApplied, protocol.Error)):
+            if srv is None:
+                return protocol.Error(code="unknown_server", message="say Hello first")
+        else:
+            raise protocol.ProtocolError(f"rollout socket: {type(msg).TYPE} is not sent to a learner")
+        if isinstance(msg, protocol.RolloutResult):
+            if self.rollout_log is None and len(msg.samples) < self.cfg.group_size:
+                self.held_results.append((identity, srv, msg))      # part of a group: merged
+                return None
+            if self.held_results:
+                await self.receive_held()         # in arrival order
+            await self._receive(identity, srv, msg)
+            self.update_gauges()
+        elif isinstance(msg, protocol.WorkRequest):
+            await a.work_request(srv, msg)
+            self.update_gauges()
+        elif isinstance(msg, protocol.Heartbeat):
+            await a.heartbeat(srv, msg)
+            # Echoed, so a server can tell a live learner from a hung one (its /healthz).
+            return protocol.Heartbeat(sender_id=self.learner_id, version=self.version)
+        elif isinstance(msg, protocol.Error):
+            code = msg.code if msg.code in SERVER_ERROR_CODES else "other"
+            self.metrics.server_errors.labels(code=code).inc()
+            if msg.code == "assignment_refused":
+                await a.refused(srv, msg.ref_id, msg.message)
+            else:
+                self.log("server_error", server=srv.server_id, code=msg.code[:100],
+                         message=msg.message[:500])
+                if msg.code == "weights_failed":
+                    await a.weights_failed(srv, msg.message)
+        else:
+            await a.weights_applied(srv, msg)
+        return None
+
+    async def _receive(self, identity: bytes, srv, msg: protocol.RolloutResult) -> None:
+        """Intake (and evaluation) of one result; its Ack held for the burst (none when the
+        rollout log could not write it: the server keeps the result)."""
+        try:
+            ack = await (self.evaluation.receive(msg, self.receive_result) if self.evaluation
+                         else self.receive_result(msg))
+        except RolloutLogFailed:
+            return
+        self.pending_acks.add(identity, srv, ack)
+
+    async def receive_held(self) -> None:
+        """The results held during a burst, received: the consecutive results of one server
+        (one identity, server and ``server_id``) merged into one, up to MERGE_SAMPLES samples,
+        so that the checks of their arrays, the counters and the Ack are made once for all of
+        them, and the single samples of one group, streamed one result each, go into the buffer
+        as that group at once (``Intake.receive``). The outcome is that of receiving them one
+        by one in the same order: samples are checked and put one assignment at a time either
+        way, and a server matches its Acks by sample id.
+
+        Held: results of fewer samples than a group, without a rollout log (with one, each
+        result is written and acknowledged as it arrives). A result of a whole group (what
+        rollout_server sends) is received at once, after what is held: it gains nothing from
+        a merge, and its arrays are still in the cache from its decode."""
+        held, self.held_results = self.held_results, []
+        i = 0
+        while i < len(held):
+            identity, srv, msg = held[i]
+            j, n = i + 1, len(msg.samples)
+            while (j < len(held) and held[j][0] == identity and held[j][1] is srv
+                   and held[j][2].server_id == msg.server_id
+                   and n + len(held[j][2].samples) <= MERGE_SAMPLES):
+                n += len(held[j][2].samples)
+                j += 1
+            if j > i + 1:
+                msg = protocol.RolloutResult(server_id=msg.server_id,
+                                             samples=[x for h in held[i:j] for x in h[2].samples])
+            await self._receive(identity, srv, msg)
+            i = j
+        self.update_gauges()
+
+    async def flush_acks(self) -> None:
+        """Receive the held results (:meth:`receive_held`); send the held Acks, one per server
+        (learner.serve.router.PendingAcks); a server whose Ack cannot be queued is lost; then dispatch
+        once, as after each result before."""
+        if self.held_results:
+            await self.receive_held()
+        if not self.pending_acks:
+            return
+        sent = False
+        for identity, srv, ack in self.pending_acks.take():
+            if await self._send_rollout(identity, ack):
+                sent = True
+            else:
+                self.admission.lose(srv, "unreachable")
+        if sent:
+            await self.admission.dispatch()
+
+    async def receive_result(self, msg: protocol.RolloutResult) -> protocol.Ack:
+        """Intake, then (``rollout_log``) the accepted samples on disk before the Ack may leave;
+        RolloutLogFailed when that write failed."""
+        trace("learner.result")
+        ack = await self.intake.receive(msg)
+        if self.rollout_log is not None and not await self.rollout_log.receive(msg, ack):
+            raise RolloutLogFailed(msg.server_id)
+        return ack
+
+    # ---- control ---------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {"run_id": self.run_id, "version": self.version, "total_steps": self.cfg.total_steps,
+                "training": self.train_busy,
+                "buffered_samples": self.buffer.pending_samples,
+                "inflight_samples": self.buffer.inflight_samples,
+                "servers": self.admission.status(),
+                "weights_versions": self.weights.versions,
+                "counters": dict(self.buffer.counters),
+                "invalid_samples": dict(self.intake.invalid) if self.intake else {},
+                "prompts": self.prompts.status() if self.prompts else None,
+                "evaluation": self.evaluation.status() if self.evaluation else None}
+
+
+def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int:
+    if cfg.deepspeed is None:
+        return asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
+    # Several ranks: only rank 0 is the service. The groups are left only after a clean end: a
+    # failed run may have a thread stuck in a collective, and its exit code is what matters.
+    from learner.train.distributed import join_group, leave_group, worker_main
+
+    group = join_group(cfg.deepspeed)
+    if group.rank != 0:
+        code = worker_main(cfg, model_path, group)
+    else:
+        code = asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
+    if code == 0:
+        leave_group()
+    return code

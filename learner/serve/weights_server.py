@@ -1,0 +1,337 @@
+"""The weights server: one snapshot per published version, announced by manifest, served in chunks.
+
+Publishing a version (docs/design.md §5) copies the tensors into one flat host buffer in the layout of
+:func:`learner.train.weights.layout` — a snapshot, so the next policy step may change the parameters
+while servers are still fetching — and cuts it into ``chunk_bytes`` chunks with a checksum each
+(:mod:`protocol.weights`). Chunks go out as zero-copy views of the snapshot; every server fetching
+a version reads the same snapshot, so N servers cost one copy, not N.
+
+Off the train loop's critical path, in three steps:
+
+``snapshot`` (the only step the train loop waits for)
+    one copy per tensor into a reused host buffer (:class:`HostBuffers`). From CUDA the buffer
+    is pinned and the copies are asynchronous on the current stream, with an event recorded
+    after them: the train loop waits only for the copies to be queued, and the next optimizer
+    step, queued after them on the same stream, cannot change what they read.
+``prepare`` (a worker thread, while step v + 1 runs)
+    waits for the event, cuts the chunks and checksums them: the manifest.
+``install`` (on the loop)
+    serves the snapshot from then on; the caller announces the manifest.
+
+:class:`Publisher` runs the last two in version order in one background task. Versions are
+announced in order; a snapshot still waiting for the task when a newer one arrives is superseded
+(dropped, counted, never announced): a server wants the newest weights, and announcing a
+version already older than the next one only makes it fetch twice. The one being prepared is
+never interrupted, so some version is announced after every prepare.
+
+The newest ``keep`` versions stay: a server still fetching version v when v + 1 is published can
+finish. An older snapshot is dropped from the table at once; its buffer goes back to the pool as
+soon as nothing refers to it any more — no chunk of it is still queued in ZeroMQ (a queued
+zero-copy frame holds a reference to its bytes, released by pyzmq once libzmq has sent it) and
+nobody holds the snapshot. The pool sees that through a finalizer on the snapshot's numpy view of
+the buffer, which every chunk view (and so every queued frame) keeps alive. Memory is then about
+``keep`` + 2 buffers of one publish: the versions kept, one being prepared, one waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import torch
+
+import protocol
+from learner.train.weights import copy_into, layout
+from protocol.process import trace
+from protocol.weights import chunk_checksum, combine_checksums, split_chunks
+
+
+class HostBuffers:
+    """Flat uint8 host buffers, reused: allocating (and, from CUDA, pinning) hundreds of MiB per
+    publish costs more than the copy (first-touch page faults; ``cudaHostAlloc``).
+
+    ``take`` returns a free buffer of exactly the size asked for, else a new one; ``give`` (any
+    thread: pyzmq releases zero-copy frames on its own thread) returns one. At most ``spare``
+    free buffers are kept; beyond that they are freed.
+    """
+
+    def __init__(self, spare: int = 2):
+        self.spare = spare
+        self.allocated = 0                 # buffers allocated so far (a reuse allocates nothing)
+        self._free: list[torch.Tensor] = []
+        # give() only appends here (atomic, no lock): it runs from finalizers, which may fire
+        # on any thread and at any allocation, even inside take().
+        self._returned: deque[torch.Tensor] = deque()
+        self._lock = threading.Lock()
+
+    def _collect(self) -> None:
+        while self._returned:
+            self._free.append(self._returned.popleft())
+        del self._free[:max(0, len(self._free) - self.spare)]      # keep the newest ``spare``
+
+    def take(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        with self._lock:
+            self._collect()
+            for i, buf in enumerate(self._free):
+                if buf.numel() == nbytes and buf.is_pinned() == pin:
+                    return self._free.pop(i)
+            self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._returned.append(buf)
+
+    @property
+    def free(self) -> int:
+        """Buffers waiting to be reused."""
+        with self._lock:
+            self._collect()
+            return len(self._free)
+
+
+class Snapshot:
+    """One version's bytes (``flat``, in the manifest's layout) and, once prepared, its manifest
+    and the chunk views of those bytes. ``started`` is when the train loop asked for it."""
+
+    def __init__(self, version: int, specs: list[protocol.TensorSpec], flat: torch.Tensor,
+                 events: list, buffers: HostBuffers | None, started: float):
+        self.version = version
+        self.specs = specs
+        self.flat = flat                   # uint8 [total_bytes]; back to ``buffers`` when unused
+        self.events = events               # CUDA events after the copies (empty on the CPU)
+        self.started = started
+        self.manifest: protocol.WeightsAvailable | None = None
+        self.chunks: list[memoryview] = []
+        # Every chunk view is a view of this array, so it lives as long as any chunk (or a
+        # zero-copy frame made from one) does; its finalizer returns the buffer.
+        self.array = flat.numpy()
+        if buffers is not None:
+            weakref.finalize(self.array, buffers.give, flat)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+
+class WeightsServer:
+    """Published versions (newest ``keep``) and the answer to every ``WeightChunkRequest``."""
+
+    def __init__(self, chunk_bytes: int, kind: str = "full", keep: int = 2,
+                 metadata: dict[str, Any] | None = None, buffers: HostBuffers | None = None):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep!r}")
+        self.chunk_bytes = chunk_bytes
+        self.kind = kind
+        self.keep = keep
+        self.metadata = dict(metadata or {})
+        self.buffers = buffers if buffers is not None else HostBuffers()
+        self._versions: OrderedDict[int, Snapshot] = OrderedDict()
+
+    # ---- the three steps --------------------------------------------------------------------
+    def snapshot(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Snapshot:
+        """Copy the tensors into a (reused) buffer: what the train loop waits for (thread-safe).
+
+        Raises ``ValueError`` for a dtype that cannot be published. From CUDA the copies are only
+        queued (see the module docstring); :meth:`prepare` waits for them.
+        """
+        started = time.monotonic()
+        tensors, specs = layout(named_tensors)
+        devices = {t.device for t in tensors if t.is_cuda}
+        flat = self.buffers.take(sum(s.nbytes for s in specs), pin=bool(devices))
+        copy_into(tensors, specs, flat, non_blocking=bool(devices))
+        events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return Snapshot(version, specs, flat, events, self.buffers, started)
+
+    def prepare(self, snap: Snapshot) -> Snapshot:
+        """Chunks, checksums and the manifest of ``snap`` (a worker thread; touches no state)."""
+        for event in snap.events:
+            event.synchronize()
+        chunks = split_chunks(memoryview(snap.array), self.chunk_bytes)
+        sums = [chunk_checksum(c) for c in chunks]
+        snap.manifest = protocol.WeightsAvailable(
+            version=snap.version, kind=self.kind, tensors=snap.specs, total_bytes=snap.nbytes,
+            chunk_bytes=self.chunk_bytes, num_chunks=len(chunks), checksum=combine_checksums(sums),
+            chunk_checksums=sums, metadata=dict(self.metadata))
+        snap.chunks = chunks
+        return snap
+
+    def install(self, snap: Snapshot) -> protocol.WeightsAvailable:
+        """Serve ``snap`` from now on (versions only grow); forget versions beyond ``keep``."""
+        if snap.manifest is None:
+            raise ValueError(f"weights version {snap.version}: install before prepare")
+        version = snap.version
+        if self._versions and version <= next(reversed(self._versions)):
+            raise ValueError(f"weights version {version} published after "
+                             f"{next(reversed(self._versions))}: versions only grow")
+        self._versions[version] = snap
+        while len(self._versions) > self.keep:
+            self._versions.popitem(last=False)
+        return snap.manifest
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> protocol.WeightsAvailable:
+        """The three steps in one call (on the loop; for tests and small models)."""
+        return self.install(self.prepare(self.snapshot(version, named_tensors)))
+
+    # ---- serving ----------------------------------------------------------------------------
+    @property
+    def versions(self) -> list[int]:
+        """Versions being served, oldest first."""
+        return list(self._versions)
+
+    @property
+    def latest(self) -> protocol.WeightsAvailable | None:
+        return self._versions[next(reversed(self._versions))].manifest if self._versions else None
+
+    def manifest(self, version: int) -> protocol.WeightsAvailable | None:
+        snap = self._versions.get(version)
+        return snap.manifest if snap is not None else None
+
+    def chunk(self, version: int, index: int) -> protocol.WeightChunk | protocol.Error:
+        """Chunk ``index`` of ``version``, or an ``Error`` saying why there is none.
+
+        An unknown (or no longer kept) version and an index past the last chunk are answers, not
+        protocol errors: a slow server asking for a version just dropped is normal, and it should
+        hear why (it fetches the newest version instead).
+        """
+        snap = self._versions.get(version)
+        if snap is None:
+            kept = ", ".join(map(str, self._versions)) or "none yet"
+            return protocol.Error(code="unknown_version",
+                                  message=f"version {version} is not (or no longer) published; "
+                                          f"serving: {kept}")
+        n = len(snap.chunks)
+        if not 0 <= index < n:
+            return protocol.Error(code="bad_chunk",
+                                  message=f"version {version} has chunks 0..{n - 1}, not {index}")
+        return protocol.WeightChunk(version=version, index=index,
+                                    checksum=snap.manifest.chunk_checksums[index], data=snap.chunks[index])
+
+    async def handle(self, identity: bytes, msg: protocol.Message) -> protocol.Message:
+        """The weights socket's handler: a ``WeightChunkRequest`` in, a chunk or an Error out."""
+        if not isinstance(msg, protocol.WeightChunkRequest):
+            raise protocol.ProtocolError(f"weights socket: {type(msg).TYPE} is not a "
+                                         f"{protocol.WeightChunkRequest.TYPE}")
+        trace("learner.chunk")
+        return self.chunk(msg.version, msg.index)
+
+
+INLINE_SNAPSHOT_BYTES = 16 << 20
+"""A CPU snapshot up to this size is copied on the event loop (a few ms at most): handing it to a
+worker thread and back costs more than the copy on a loaded machine. A larger one is copied in a
+thread, so the sockets stay served. From CUDA the copies are only queued: always inline."""
+
+
+def inline_snapshot(named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    return all(t.is_cuda for _, t in named_tensors) or (
+        sum(t.numel() * t.element_size() for _, t in named_tensors) <= INLINE_SNAPSHOT_BYTES)
+
+
+class Publisher:
+    """The train loop's side of publishing: ``await publish(...)`` returns once the snapshot is
+    taken (the seconds it waited); preparing, installing and announcing run in one background
+    task, in version order (see the module docstring for superseding).
+
+    ``announce(manifest)`` is awaited once per installed version; once ``stopped()`` (the process
+    is shutting down, its sockets closing) nothing more is installed or announced.
+    ``observe_wait(s)`` and
+    ``observe_latency(s)`` receive the train loop's wait and the seconds from the snapshot to the
+    announcement; ``on_superseded(version, by)`` hears of a version dropped unannounced. A failure
+    of the background task (a prepare that raised) is raised by the next ``publish`` or
+    ``drain``, so it stops the train loop as it did when publishing ran inside it.
+    """
+
+    def __init__(self, weights: WeightsServer,
+                 announce: Callable[[protocol.WeightsAvailable], Awaitable[None]], *,
+                 stopped: Callable[[], bool] = lambda: False,
+                 observe_wait: Callable[[float], None] = lambda s: None,
+                 observe_latency: Callable[[float], None] = lambda s: None,
+                 on_superseded: Callable[[int, int], None] = lambda v, by: None):
+        self.weights = weights
+        self.announce = announce
+        self.stopped = stopped
+        self.observe_wait, self.observe_latency = observe_wait, observe_latency
+        self.on_superseded = on_superseded
+        self.superseded = 0
+        self.preparing: int | None = None          # the version being prepared, if any
+        self._waiting: Snapshot | None = None
+        self._task: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+
+    @property
+    def waiting(self) -> int | None:
+        """The version waiting for the background task, if any."""
+        return self._waiting.version if self._waiting is not None else None
+
+    async def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                      | Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> float:
+        """Snapshot ``version`` and hand it to the background task; returns the seconds waited.
+
+        ``named_tensors`` may be a callable (``Trainer.named_tensors``): then the wait includes
+        collecting them (for LoRA, PEFT's adapter state dict is most of it)."""
+        self._raise_failure()
+        start = time.monotonic()
+        named_tensors = list(named_tensors() if callable(named_tensors) else named_tensors)
+        if inline_snapshot(named_tensors):
+            snap = self.weights.snapshot(version, named_tensors)
+        else:
+            snap = await asyncio.to_thread(self.weights.snapshot, version, named_tensors)
+        snap.started = start
+        wait = time.monotonic() - start
+        self.observe_wait(wait)
+        old, self._waiting = self._waiting, snap
+        if old is not None:
+            self.superseded += 1
+            self.on_superseded(old.version, version)
+            del old                                 # its buffer goes back to the pool
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="publish")
+        return wait
+
+    async def drain(self) -> None:
+        """Wait until every snapshot taken has been announced (or superseded)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+        self._raise_failure()
+
+    def cancel(self) -> None:
+        """Stop the background task (a prepare already running in its thread finishes unseen)."""
+        if self._task is not None:
+            self._task.cancel()
+        self._waiting = None
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    async def _run(self) -> None:
+        while self._waiting is not None:
+            snap, self._waiting = self._waiting, None
+            self.preparing = snap.version
+            try:
+                await asyncio.to_thread(self.weights.prepare, snap)
+                trace("learner.prepared")
+                if self.stopped():
+                    self._waiting = None
+                    return
+                manifest = self.weights.install(snap)
+            except Exception as e:      # noqa: BLE001 - raised by the next publish() / drain()
+                self._failure = e
+                self._waiting = None
+                return
+            finally:
+                self.preparing = None
+            self.observe_latency(time.monotonic() - snap.started)
+            del snap
+            await self.announce(manifest)
+            trace("learner.announced")
+

@@ -1,0 +1,8 @@
+"""Training: from a batch of results to an updated policy.
+
+Owns the trainer (:mod:`.trainer`) and its step statistics (:mod:`.step`), micro-batch plans
+(:mod:`.batching`), advantages and returns (:mod:`.returns`), the reference model
+(:mod:`.reference`), the critic (:mod:`.critic`), learning-rate schedules, devices, dropout, the
+DeepSpeed strategy (:mod:`.distributed`, :mod:`.ds_config`) and the publish layout of weights
+(:mod:`.weights`). Never imports :mod:`learner.serve`: a trainer knows nothing of sockets.
+"""

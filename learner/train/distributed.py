@@ -1,0 +1,791 @@
+"""The learner on several processes: the policy (and critic) as DeepSpeed engines, data-parallel
+(issue 11; the section is ``learner.deepspeed``, learner/ds_config.py).
+
+Who does what. Rank 0 is the learner service: the sockets, the buffer, control, metrics and
+publishing, exactly as one process. Every other rank runs :func:`worker_main`: no sockets, no
+buffer; it waits for rank 0's next command on a gloo group and runs the same trainer method, so
+the collectives of the two sides always meet in the same order. Ranks never talk ZeroMQ.
+
+    command       rank 0 sends                 every rank runs
+    step          the live config, the batch   Trainer.step on the whole batch, training its share
+    gather        -                            ZeRO-3: the publish's parameters, bucket by bucket
+    save_policy   the directory                ZeRO-3: the gathered policy, written by rank 0
+    ping          -                            nothing (rank 0 is alive while it waits for rollouts)
+    stop          -                            the worker exits 0
+
+Data parallelism inside a step. Every rank gets the whole batch (token ids: small) and computes
+what is cheap and needs the whole batch on every rank identically (scores, advantages, importance
+weights, the plan). The passes over the model are shared out: the no-grad passes (reference,
+values, proximal) run over micro-batches ``rank, rank + N, ...`` and are summed into the full
+tensor; in each mini-batch every rank trains the micro-batches ``rank::N`` of the trainer's plan
+(one place decides micro-batches: :func:`learner.train.batching.plan_updates`). A rank with fewer of them
+runs a dummy micro-batch with a zero loss, so every rank makes the same passes (under ZeRO-3 each
+pass is collective). DeepSpeed averages gradients over ranks; each loss is multiplied by N before
+its backward, so the reduced gradient is the sum over the mini-batch's micro-batches, the number
+one process computes. What a mini-batch measured (losses, clip and importance statistics) is
+gathered from every rank before any decision (non-finite, ``target_kl``), so every rank decides
+the same. Hence the equivalence the tests check: two ranks give one process's losses and updated
+parameters to float rounding.
+
+Steps that apply nothing. DeepSpeed clips on the reduced gradients and skips an update whose norm
+is not finite (fp32, bf16 with ``check_grad_overflow``, fp16's loss scaler); the trainer reports a
+skipped step. Gradients that must be dropped without an update (a non-finite loss, ``target_kl``)
+are discarded through DeepSpeed's own overflow path; earlier updates of the step are rolled back
+(below).
+
+Checkpoints. learner.state.checkpoint writes them as for one process (atomically, with a manifest);
+the trainer adds ``engine/``: each trained parameter's float32 master weight and Adam moments,
+gathered whole from every rank's partitions and written by rank 0 as safetensors (no pickle,
+and a resume may use another number of ranks); resuming, every rank reads it and sets its own
+partitions. The policy directory is saved as well (plain HF, gathered under ZeRO-3).
+
+RNG states per rank. ``engine/`` also holds every rank's RNG states (torch CPU, every CUDA device
+the rank initialized, python, numpy: learner.state.checkpoint's :func:`rng_state`), gathered to rank 0
+(``rng.safetensors``, and ``rng`` in ``engine.json``). Resuming, rank r takes rank r's states back
+(rank 0's equal the checkpoint's top-level ones). With another number of ranks: a rank below the
+saved count takes its own; a rank at or beyond it (or every rank but 0, for an engine state
+saved without RNG states) is seeded from (``learner.seed``, rank) through numpy's SeedSequence
+(:func:`rank_seed`) — deterministic, and different on every rank and from any saved rank's.
+
+Rolling back a step. A step with several optimizer steps whose later update is skipped (a
+non-finite loss, or a non-finite reduced gradient that DeepSpeed declined to apply) restores, on
+every rank, what the step's earlier updates changed: this rank's float32 master partitions, its
+partitions (ZeRO-3) or copies (ZeRO-1/2) of the model's parameters, and the torch optimizer's
+state (Adam moments and step counts) — all local, no collective, each rank the part it holds
+(:meth:`DeepSpeedTrainer._snapshot`). Every rank takes the same decision (the losses are gathered,
+the norm is the reduced one), so every rank rolls back. The same copy guards a step of one update
+that trains both the policy and a critic: DeepSpeed knows a gradient norm only inside
+``engine.step()``, so the policy's update is undone when the critic's is then skipped. The cost
+is the plain path's: one copy of this rank's part of the weights and optimizer state per step of
+several updates (and, with a critic, of the policy's part per one-update step).
+
+Launchers. ``slipstream learner --nproc N`` (torchrun, :func:`launch_ranks`), ``torchrun ... -m
+deploy.cli learner ...``, or the deepspeed launcher with ``--no_local_rank --module deploy.cli
+learner ...`` (the ranks read ``LOCAL_RANK`` from the environment; the CLI takes no
+``--local_rank`` argument). On CPU the deepspeed launcher's ``--num_gpus N`` starts N ranks.
+
+Failure. Every process group has ``timeout_s``; rank 0 pings idle workers every ``heartbeat_s``.
+A rank that dies makes the collectives of the others fail (or time out), each raises and exits
+non-zero, and the launcher takes the group down.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from buffer import Batch
+from learner.config import DeepSpeedSettings, LearnerConfig
+from learner.train.batching import BatchTensors
+from learner.train.ds_config import engine_config
+from learner.train.step import MiniBatch, SkippedStep, StepData, UpdateLog
+from learner.train.trainer import Trainer
+from protocol.errors import StartupError
+from protocol.messages import Sample
+
+__all__ = ["DeepSpeedTrainer", "Group", "join_group", "launch_ranks", "leave_group", "make_trainer", "rank_seed",
+           "serve", "worker_main"]
+
+_GROUP: Group | None = None
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+ENGINE_TENSORS = "engine.safetensors"
+ENGINE_JSON = "engine.json"
+ENGINE_RNG = "rng.safetensors"
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of a rank that has no saved RNG states (module docstring): deterministic in
+    (seed, rank), a 63-bit integer torch, python and numpy all take."""
+    import numpy as np
+
+    entropy = [int(seed) & 0xFFFFFFFFFFFFFFFF, int(rank)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Seed torch (CPU and CUDA), python and numpy of this process from :func:`rank_seed`."""
+    import random
+
+    import numpy as np
+
+    value = rank_seed(seed, rank)
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % (1 << 32))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """This process's place in the group: rank, world size, device, and the gloo group that carries
+    rank 0's commands and the gathered statistics (the default group carries DeepSpeed's tensors)."""
+
+    def __init__(self, ds: DeepSpeedSettings):
+        import torch.distributed as dist
+
+        if "RANK" not in os.environ:        # one process, no launcher: a group of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        cuda = torch.cuda.is_available()
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.timeout = timedelta(seconds=ds.timeout_s)
+        if cuda:
+            torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=self.timeout,
+                                       auto_mpi_discovery=False, verbose=False)
+        self.ctl = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.device = f"cuda:{self.local_rank}" if cuda else "cpu"
+        self.lock = threading.RLock()       # one command (and its collectives) at a time on rank 0
+
+    # -- commands (rank 0 -> the others) and gathered statistics: msgpack, never pickle --
+    def send(self, name: str, *args) -> None:
+        if self.world > 1:
+            self._broadcast(_pack([name, list(args)]))
+
+    def receive(self) -> tuple[str, tuple]:
+        name, args = _unpack(self._broadcast(None))
+        return name, tuple(args)
+
+    def _broadcast(self, payload: bytes | None) -> bytes:
+        import torch.distributed as dist
+
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.ctl)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
+               else torch.empty(int(size), dtype=torch.uint8))
+        dist.broadcast(buf, src=0, group=self.ctl)
+        return payload if payload is not None else buf.numpy().tobytes()
+
+    def gather(self, obj) -> list:
+        """``obj`` (msgpack-able: numbers, strings, lists, dicts) of every rank, in rank order."""
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return [obj]
+        data = _pack(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=self.ctl)
+        longest = max(int(x) for x in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.zeros_like(buf) for _ in range(self.world)]
+        dist.all_gather(bufs, buf, group=self.ctl)
+        return [_unpack(b[:int(n)].numpy().tobytes()) for b, n in zip(bufs, sizes, strict=True)]
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks of a tensor every rank holds."""
+        import torch.distributed as dist
+
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+
+def join_group(ds: DeepSpeedSettings) -> Group:
+    """This process's :class:`Group`, made once (making one is collective: every rank, once)."""
+    global _GROUP
+    if _GROUP is None:
+        _GROUP = Group(ds)
+    return _GROUP
+
+
+def leave_group() -> None:
+    """After a clean end (rank 0 sent ``stop``; a worker received it): destroy this process's
+    process groups while every thread is idle. Left to the interpreter's exit, the gloo groups'
+    C++ threads can be destroyed still joinable, and a run that finished cleanly aborts
+    (``terminate called without an active exception``, exit -6) as it exits."""
+    global _GROUP
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUP = None
+
+
+def _plain(x):
+    """msgpack's fallback: numpy and torch scalars as Python numbers."""
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"cannot send a {type(x).__name__} between ranks")
+
+
+def _pack(obj) -> bytes:
+    import msgpack
+
+    return msgpack.packb(obj, default=_plain, use_bin_type=True)
+
+
+def _unpack(data: bytes):
+    import msgpack
+
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _batch_to_wire(batch: Batch) -> dict:
+    return {"samples": [s.to_wire() for s in batch.samples], "version": int(batch.version),
+            "staleness": list(batch.staleness), "needs_correction": list(batch.needs_correction),
+            "group_sizes": list(batch.group_sizes)}
+
+
+def _batch_from_wire(w: dict) -> Batch:
+    return Batch([Sample.from_wire(x, "batch") for x in w["samples"]], version=w["version"],
+                 staleness=w["staleness"], needs_correction=w["needs_correction"],
+                 group_sizes=w["group_sizes"])
+
+
+class _Heartbeat(threading.Thread):
+    """Rank 0: a no-op command every ``interval`` seconds when no other command is running."""
+
+    def __init__(self, group: Group, interval: float):
+        super().__init__(name="slipstream-ds-heartbeat", daemon=True)
+        self.group, self.interval = group, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            if self.group.lock.acquire(blocking=False):
+                try:
+                    if not self.stopped.is_set():
+                        self.group.send("ping")
+                finally:
+                    self.group.lock.release()
+
+
+def _check_precision(ds: DeepSpeedSettings) -> None:
+    """StartupError when this device's DeepSpeed accelerator cannot run the precision (its CPU
+    accelerator has no fp16: ``deepspeed.initialize`` would raise "Type fp16 is not supported")."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    ok = {"fp32": True, "bf16": acc.is_bf16_supported(), "fp16": acc.is_fp16_supported()}[ds.precision]
+    if not ok:
+        raise StartupError(f"learner.deepspeed.precision={ds.precision} is not supported by DeepSpeed's "
+                           f"{acc.device_name()} accelerator here: use "
+                           f"{' or '.join(p for p in ('bf16', 'fp32') if p != ds.precision)}")
+
+
+def _local_data(p: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor this rank holds of a parameter: the ZeRO-3 partition, else the whole tensor."""
+    return p.ds_tensor.data if hasattr(p, "ds_tensor") else p.data
+
+
+def _masters(engine) -> list[torch.Tensor]:
+    """This rank's float32 master partitions (ZeRO-1/2, ZeRO-3), flat."""
+    out = []
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        out += [t.data for t in (getattr(engine.optimizer, name, None) or []) if t.numel()]
+    return out
+
+
+def _discard_gradients(engine) -> None:
+    """Drop the gradients an engine accumulated, without an update: a step through DeepSpeed's
+    overflow path (which clears every gradient buffer, partitioned or not), made to see an
+    infinite norm. Collective, like any step."""
+    opt = engine.optimizer
+    name = "_get_norm_groups" if engine.zero_optimization_stage() == 3 else "scaled_global_norm"
+    inf = torch.tensor(float("inf"), device=engine.device)
+    setattr(opt, name, (lambda *a, **k: [inf]) if name == "_get_norm_groups" else (lambda *a, **k: inf))
+    try:
+        engine.step()
+    finally:
+        delattr(opt, name)
+
+
+class DeepSpeedTrainer(Trainer):
+    """:class:`learner.train.trainer.Trainer` with its models as DeepSpeed engines over a :class:`Group`
+    (module docstring). On rank 0 the service calls it as it calls a Trainer; the methods that are
+    collective send their command to the other ranks first."""
+
+    def __init__(self, cfg: LearnerConfig, model_path: str, group: Group | None = None):
+        import deepspeed
+
+        ds = cfg.deepspeed
+        if ds is None:
+            raise StartupError("DeepSpeedTrainer needs a learner.deepspeed section")
+        if cfg.dtype not in ("auto", "float32"):
+            raise StartupError(f"learner.dtype={cfg.dtype} with learner.deepspeed: load in float32 "
+                               "(dtype: auto or float32) and set learner.deepspeed.precision "
+                               "(bf16 / fp16) for the engines' precision")
+        self.group = group or join_group(ds)
+        self.ds = ds
+        _check_precision(ds)
+        # The engines decide the device (one per rank) and cast to their precision themselves.
+        super().__init__(cfg.model_copy(update={"device": self.group.device, "dtype": "float32"}),
+                         model_path)
+        world = self.group.world
+        self.engine, *_ = deepspeed.initialize(
+            model=self.model, optimizer=self.optimizer, dist_init_required=False,
+            config=engine_config(ds, cfg.max_grad_norm, world))
+        self.critic_engine = None
+        if self.critic is not None:
+            self.critic_engine, *_ = deepspeed.initialize(
+                model=self.critic, optimizer=self.critic_optimizer, dist_init_required=False,
+                config=engine_config(ds, cfg.critic_max_grad_norm, world))
+        # Every pass goes through the engine's forward (it starts DeepSpeed's per-micro-batch
+        # bookkeeping: without it ZeRO-3 keeps only the last micro-batch's gradients).
+        self.forward.model = self.engine
+        if self.critic_engine is not None:
+            self.critic = self.critic_engine
+        if ds.zero_stage == 3:
+            # The hidden-state path multiplies by the head's weight outside the head's forward,
+            # where ZeRO-3 holds only this rank's partition of it: the logits path instead.
+            self.forward.uses_hidden = False
+            if self.reference is not None and not self.reference.owns_weights:
+                self.reference.forward.uses_hidden = False
+        self._dirty: set[str] = set()          # engines with gradients not yet stepped
+        self._dummy_rows: torch.Tensor | None = None
+        self._dummies = 0
+        self.last_gather: dict[str, float] = {}
+        self._heartbeat = None
+        self._closed = False
+        if self.group.rank == 0 and world > 1:
+            self._heartbeat = _Heartbeat(self.group, ds.heartbeat_s)
+            self._heartbeat.start()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    # ---- commands ----------------------------------------------------------------------------
+    def _command(self, name: str, *args):
+        """Rank 0: send the command, then run it here (its collectives meet the others')."""
+        with self.group.lock:
+            self.group.send(name, *args)
+            return getattr(self, f"_do_{name}")(*args)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        with self.group.lock:
+            self.group.send("step", self.cfg.model_dump(mode="json"), _batch_to_wire(batch))
+            return Trainer.step(self, batch)
+
+    def _do_step(self, cfg: dict, batch: dict) -> dict[str, float]:
+        """A worker: rank 0's live config (``ctl set`` changes it between steps), then the step."""
+        self.cfg = LearnerConfig(**{**cfg, "device": self.group.device, "dtype": "float32"})
+        return Trainer.step(self, _batch_from_wire(batch))
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        if self.ds.zero_stage != 3:
+            return super().named_tensors()       # stages 1, 2: parameters are whole on every rank
+        return self._command("gather")
+
+    def _do_gather(self) -> list[tuple[str, torch.Tensor]]:
+        """ZeRO-3: the publish's tensors, gathered bucket by bucket (each bucket is all-gathered,
+        copied to the CPU on rank 0 and released before the next); [] on the other ranks."""
+        import time
+
+        import deepspeed
+
+        t0, total = time.perf_counter(), 0
+        out: list[tuple[str, torch.Tensor]] = []
+        if self.lora_config is not None:
+            from peft import get_peft_model_state_dict
+
+            with deepspeed.zero.GatheredParameters(self.trainable, modifier_rank=None):
+                if self.rank == 0:
+                    out = [(n, t.detach().to("cpu", copy=True))
+                           for n, t in get_peft_model_state_dict(self.model).items()]
+        else:
+            bucket: list[tuple[str, torch.nn.Parameter]] = []
+            size = 0
+
+            def flush() -> None:
+                with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                    if self.rank == 0:
+                        out.extend((n, p.detach().to("cpu", copy=True)) for n, p in bucket)
+                bucket.clear()
+
+            for name, p in self.model.named_parameters():
+                nbytes = int(getattr(p, "ds_numel", p.numel())) * p.element_size()
+                bucket.append((name, p))
+                size += nbytes
+                total += nbytes
+                if size >= self.ds.publish_bucket_bytes:
+                    flush()
+                    size = 0
+            if bucket:
+                flush()
+        if self.rank == 0:
+            total = sum(t.numel() * t.element_size() for _, t in out)
+        self.last_gather = {"bytes": float(total), "seconds": time.perf_counter() - t0}
+        return out
+
+    def save_policy(self, path: str | Path) -> Path:
+        if self.ds.zero_stage != 3:
+            return super().save_policy(path)
+        return self._command("save_policy", str(path))
+
+    def _do_save_policy(self, path: str) -> Path:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            if self.rank == 0:
+                return super().save_policy(path)
+        return Path(path)
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to exit (they return 0). When a command is still running
+        (a failed run: a step's thread stuck in a collective) nothing is sent; the other ranks
+        then fail on the closed connection, or on their timeout, and exit non-zero."""
+        if self._heartbeat is not None:
+            self._heartbeat.stopped.set()
+        if self.group.world == 1 or self._closed:
+            return
+        if not self.group.lock.acquire(timeout=self.ds.heartbeat_s):
+            return
+        try:
+            self.group.send("stop")
+            self._closed = True
+        except RuntimeError:                   # a rank is gone already
+            pass
+        finally:
+            self.group.lock.release()
+
+    # ---- checkpoints (learner.state.checkpoint calls these; module docstring) ------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint's trainer.json / trainer.safetensors hold under DeepSpeed: the KL
+        controller and the running reward moments. Weights and optimizer moments are the
+        engines' (:meth:`save_engine_state`); the reference is the initial policy (not saved)."""
+        return {"kl_controller": self.kl_controller.state_dict(),
+                "reward_moments": self.reward_moments.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+
+    def _engines(self) -> list[tuple[str, object]]:
+        return [(n, e) for n, e in (("policy", self.engine), ("critic", self.critic_engine)) if e is not None]
+
+    def save_engine_state(self, path: str | Path) -> None:
+        """Write ``path/engine.safetensors`` and ``path/engine.json``: every trained parameter's
+        float32 master weight and Adam moments, each gathered whole from the ranks' partitions
+        (collective) and written by rank 0, so a resume does not depend on the number of ranks
+        and nothing is pickled (DeepSpeed's own checkpoints are torch.save files)."""
+        self._command("save_engine", str(path))
+
+    def _do_save_engine(self, path: str) -> None:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        from learner.state.checkpoint import rng_state
+
+        rng_tensors: dict[str, torch.Tensor] = {}
+        rng = rng_state(rng_tensors)           # first: nothing below draws, but say so
+        ranks_rng = self.group.gather([rng, {k: t.cpu().numpy().tobytes() for k, t in rng_tensors.items()}])
+        tensors: dict[str, torch.Tensor] = {}
+        steps: dict[str, int] = {}
+        for prefix, engine in self._engines():
+            for name, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                values = {"fp32": safe_get_full_fp32_param(p)}
+                for key in ADAM_STATES:
+                    values[key] = safe_get_full_optimizer_state(p, key)
+                if self.rank == 0:
+                    for key, t in values.items():
+                        tensors[f"{prefix}/{key}/{name}"] = t.detach().float().cpu().contiguous().clone()
+            opt = self.optimizer if prefix == "policy" else self.critic_optimizer
+            steps[prefix] = max((int(st["step"]) for st in opt.state.values() if "step" in st), default=0)
+        if self.rank != 0:
+            return
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / ENGINE_TENSORS))
+        save_file({f"rank{r}/{k}": torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                   for r, (_, raw) in enumerate(ranks_rng) for k, b in raw.items()}, str(out / ENGINE_RNG))
+        (out / ENGINE_JSON).write_text(json.dumps({"zero_stage": self.ds.zero_stage, "world": self.group.world,
+                                                   "precision": self.ds.precision, "adam_steps": steps,
+                                                   "rng": [state for state, _ in ranks_rng]}))
+
+    def load_engine_state(self, path: str | Path) -> None:
+        """Every rank reads ``path`` (a directory every rank can see) and sets its partitions of
+        the master weights and Adam moments, the model's own weights and its RNG states (module
+        docstring: another rank count); ValueError when the file does not fit this model."""
+        self._command("load_engine", str(path))
+
+    def _init_adam_state(self) -> None:
+        """Before the first step torch's AdamW has no state (it makes it in its first step) and
+        DeepSpeed has not linked its parameters to it: make both, as that first step would (zero
+        moments), so a resume can set them."""
+        for _, engine in self._engines():
+            opt = self.optimizer if engine is self.engine else self.critic_optimizer
+            flats = [p for group in opt.param_groups for p in group["params"]]
+            for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+                flats += list(getattr(engine.optimizer, name, None) or [])   # ZeRO-1/2, ZeRO-3
+            for p in {id(p): p for p in flats}.values():
+                st = opt.state[p]
+                if "exp_avg" not in st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                              exp_avg_sq=torch.zeros_like(p))
+            link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+            if callable(link):
+                link()
+
+    def _do_load_engine(self, path: str) -> None:
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from safetensors.torch import load_file
+
+        self._init_adam_state()
+        src = Path(path)
+        meta = json.loads((src / ENGINE_JSON).read_text())
+        tensors = load_file(str(src / ENGINE_TENSORS))
+        want = {f"{prefix}/{key}/{name}" for prefix, engine in self._engines()
+                for name, p in engine.module.named_parameters() if p.requires_grad
+                for key in ("fp32", *ADAM_STATES)}
+        if set(tensors) != want:
+            extra, missing = sorted(set(tensors) - want)[:2], sorted(want - set(tensors))[:2]
+            raise ValueError(f"engine state does not fit: extra {extra}, missing {missing}")
+        for prefix, engine in self._engines():
+            for name, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                t = tensors[f"{prefix}/fp32/{name}"]
+                shape = tuple(getattr(p, "ds_shape", p.shape))
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"engine tensor {name!r} has shape {tuple(t.shape)}, the model {shape}")
+                safe_set_full_fp32_param(p, t.to(engine.device))
+                for key in ADAM_STATES:
+                    safe_set_full_optimizer_state(p, tensors[f"{prefix}/{key}/{name}"].to(engine.device), key)
+                if self.ds.zero_stage == 3:
+                    with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
+                        if self.rank == 0:
+                            p.data.copy_(t.to(p.dtype))
+                else:
+                    with torch.no_grad():
+                        p.data.copy_(t.to(p.dtype))
+            opt = self.optimizer if prefix == "policy" else self.critic_optimizer
+            for st in opt.state.values():
+                if "step" in st:
+                    old, n = st["step"], meta["adam_steps"][prefix]
+                    st["step"] = (torch.tensor(float(n), dtype=old.dtype, device=old.device)
+                                  if torch.is_tensor(old) else n)
+        self._load_rng(src, meta)
+
+    def _load_rng(self, src: Path, meta: dict) -> None:
+        """This rank's saved RNG states, or the :func:`rank_seed` rule (module docstring)."""
+        from safetensors.torch import load_file
+
+        from learner.state.checkpoint import set_rng_state
+
+        saved = meta.get("rng") or []
+        if self.rank >= len(saved):
+            seed_rank(self.cfg.seed, self.rank)
+            return
+        prefix = f"rank{self.rank}/"
+        tensors = {k[len(prefix):]: t for k, t in load_file(str(src / ENGINE_RNG)).items()
+                   if k.startswith(prefix)}
+        set_rng_state(saved[self.rank], tensors)
+
+    # ---- the trainer's hooks -----------------------------------------------------------------
+    def _engine(self, which: str):
+        return self.engine if which == "policy" else self.critic_engine
+
+    def _my_chunks(self, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """(this rank's chunks ``rank::N``, dummy passes to make every rank's count equal)."""
+        n = -(-len(chunks) // self.group.world)
+        mine = chunks[self.rank::self.group.world]
+        return mine, n - len(mine)
+
+    @torch.no_grad()
+    def _no_grad_pass(self, bt: BatchTensors, chunks: list[torch.Tensor], fn) -> torch.Tensor:
+        mine, dummies = self._my_chunks(chunks)
+        out = torch.zeros(bt.mask.shape, dtype=torch.float32, device=bt.mask.device)
+        for rows in mine:
+            sub = bt.rows(rows)
+            out[rows, :sub.mask.shape[1]] = fn(sub).float()
+        for _ in range(dummies):
+            fn(bt.rows(chunks[0]))
+        return self.group.sum_(out)          # rows are disjoint: the sum is each row's own value
+
+    def _local_micro_batches(self, micros: list[torch.Tensor]) -> list[torch.Tensor]:
+        mine, self._dummies = self._my_chunks(micros)
+        self._dummy_rows = micros[0]
+        return mine
+
+    def _backward(self, loss: torch.Tensor, which: str) -> None:
+        # DeepSpeed averages over ranks; times N the reduced gradient is the mini-batch's sum.
+        self._engine(which).backward(loss * self.group.world)
+        self._dirty.add(which)
+
+    def _dummy_micro(self, s: StepData) -> None:
+        """A pass with a zero loss: the same collectives as a real micro-batch, no gradient."""
+        sub = s.bt.rows(self._dummy_rows)
+        if s.train_policy:
+            lp, _ = self._logprobs(sub, "none")
+            self._backward(lp.sum() * 0.0, "policy")
+        if self.critic is not None:
+            self._backward(self.critic(sub.input_ids, sub.attention_mask).sum() * 0.0, "critic")
+
+    def _minibatch_done(self, s: StepData, mb: MiniBatch) -> MiniBatch:
+        for _ in range(self._dummies):
+            self._dummy_micro(s)
+        merged = MiniBatch()
+        for losses, pg, vf in self.group.gather((mb.losses, mb.pg_parts, mb.vf_parts)):
+            for k, v in losses.items():
+                merged.losses[k] = merged.losses.get(k, 0.0) + v
+            merged.pg_parts.extend(pg)
+            merged.vf_parts.extend(vf)
+        return merged
+
+    def _clip_grads(self, s: StepData) -> tuple[float, float]:
+        return 0.0, 0.0                      # DeepSpeed clips inside engine.step (reduced gradients)
+
+    def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
+        norms = {"policy": 0.0, "critic": 0.0}
+        both = s.train_policy and self.critic is not None
+        # One update of both models: the trainer takes no snapshot (one optimizer step), but the
+        # critic's norm is known only after the policy's update (module docstring).
+        guard = self._snapshot(("policy",)) if both and s.n_updates == 1 else None
+        for which, on in (("policy", s.train_policy), ("critic", self.critic is not None)):
+            if not on:
+                continue
+            engine = self._engine(which)
+            engine.step()
+            self._dirty.discard(which)
+            norm = engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+            if not engine.was_step_applied() or not math.isfinite(norm):
+                if guard is not None:
+                    self._restore(guard)
+                raise skip(f"non-finite {which} gradient norm (DeepSpeed skipped the update)")
+            norms[which] = norm
+        return norms["policy"], norms["critic"]
+
+    def _zero_grad(self) -> None:
+        for which in sorted(self._dirty):
+            _discard_gradients(self._engine(which))
+        self._dirty.clear()
+
+    def _snapshot(self, which: tuple[str, ...] = ("policy", "critic")) -> list:
+        """What an update changes on this rank, copied (module docstring, "Rolling back"): per
+        engine, the trained parameters' local data (ZeRO-3: the partition), the float32 master
+        partitions and the torch optimizer's state. Local: no collective."""
+        snap = []
+        for name, engine in self._engines():
+            if name not in which:
+                continue
+            opt = self.optimizer if name == "policy" else self.critic_optimizer
+            params = [_local_data(p) for p in engine.module.parameters() if p.requires_grad]
+            masters = _masters(engine)
+            state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+                     for p, st in opt.state.items()}
+            snap.append((engine, opt, [(t, t.clone()) for t in params + masters], state))
+        return snap
+
+    @torch.no_grad()
+    def _restore(self, snap: list) -> None:
+        for _, opt, tensors, state in snap:
+            for live, saved in tensors:
+                live.copy_(saved)
+            for p, st in opt.state.items():
+                before = state.get(id(p))
+                for k, v in st.items():
+                    # A state made by this step's first update goes back to Adam's initial one
+                    # (zeros, step 0) in place: DeepSpeed keeps views of these tensors.
+                    old = before.get(k) if before is not None else None
+                    if torch.is_tensor(v) and old is not None:
+                        v.copy_(old)
+                    elif torch.is_tensor(v):
+                        v.zero_()
+                    elif before is not None:
+                        st[k] = before[k]
+
+    def _update(self, s: StepData, start: float) -> UpdateLog:
+        log = super()._update(s, start)
+        self._merge_log(s, log)
+        return log
+
+    def _merge_log(self, s: StepData, log: UpdateLog) -> None:
+        """What each rank's micro-batches recorded outside the mini-batch: entropy sums, the
+        shortcut's proximal log-probs and importance statistics, the sanity check."""
+        if self.group.world == 1:
+            return
+        shortcut = s.proximal is None
+        mine = (log.entropy_sum, log.entropy_tokens, s.is_parts if shortcut else [],
+                (log.sanity.dev_sum, log.sanity.dev_max, log.sanity.kl_sum, log.sanity.tokens))
+        parts = self.group.gather(mine)
+        log.entropy_sum = sum(p[0] for p in parts)
+        log.entropy_tokens = sum(p[1] for p in parts)
+        if shortcut:
+            s.is_parts = [x for p in parts for x in p[2]]
+            self.group.sum_(log.filled)      # each row was filled by the one rank that trained it
+        san = [p[3] for p in parts]
+        log.sanity.dev_sum = sum(x[0] for x in san)
+        log.sanity.dev_max = max(x[1] for x in san)
+        log.sanity.kl_sum = sum(x[2] for x in san)
+        log.sanity.tokens = sum(x[3] for x in san)
+
+
+def launch_ranks(nproc: int, cfg: LearnerConfig, config_file: str, overrides: list[str],
+                 resume: str | None) -> int:
+    """``slipstream learner --nproc N``: this process becomes ``torchrun`` (one node) running N
+    ``slipstream learner`` ranks with the same arguments (no restarts: a rank that dies ends the
+    group, and torchrun exits non-zero)."""
+    import sys
+
+    if cfg.deepspeed is None:
+        raise StartupError(f"--nproc {nproc} needs a learner.deepspeed section (e.g. --set "
+                           "learner.deepspeed.zero_stage=2)")
+    # Static rendezvous on a free local port: no rendezvous keep-alives to miss on a busy host
+    # (--standalone's c10d rendezvous times out under load).
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+            str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--max-restarts", "0", "-m", "deploy.cli", "learner", "--config", config_file]
+    for item in overrides:
+        argv += ["--set", item]
+    if resume is not None:
+        argv += ["--resume", resume]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+    return 1                                  # not reached
+
+
+def make_trainer(cfg: LearnerConfig, model_path: str) -> Trainer:
+    """The plain Trainer, or the DeepSpeed one when ``learner.deepspeed`` is set."""
+    if cfg.deepspeed is None:
+        return Trainer(cfg, model_path)
+    return DeepSpeedTrainer(cfg, model_path)
+
+
+def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
+    """A rank other than 0: build the same trainer, then run rank 0's commands until ``stop``."""
+    from protocol.process import EventLog
+
+    log = EventLog(f"learner-rank{group.rank}")
+    trainer = DeepSpeedTrainer(cfg, model_path, group)
+    log("worker_ready", rank=group.rank, world=group.world, pid=os.getpid())
+    return serve(trainer, group)
+
+
+def serve(trainer: DeepSpeedTrainer, group: Group) -> int:
+    """Run rank 0's commands on ``trainer`` until ``stop`` (then 0)."""
+    while True:
+        name, args = group.receive()
+        if name == "stop":
+            return 0
+        if name == "ping":
+            continue
+        try:
+            getattr(trainer, f"_do_{name}")(*args)
+        except SkippedStep:
+            pass                              # rank 0 reports it; every rank skipped the same

@@ -1,0 +1,139 @@
+"""The records of one policy step: what it decided and computed, phase by phase, and what its
+updates measured (:class:`learner.train.trainer.Trainer` fills them; its ``_stats`` reads them)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+import ops
+from learner.train.batching import BatchTensors
+
+__all__ = ["PHASES", "MiniBatch", "Phases", "SkippedStep", "StepData", "UpdateLog"]
+
+PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
+"""The timed phases of a step (``time_<phase>_s`` in its stats); publishing is the service's."""
+
+
+class SkippedStep(Exception):
+    """A policy step that changed nothing: a loss or gradient norm was not finite.
+
+    ``reason`` says which and where; ``stats`` holds what was measured before the stop. The policy,
+    critic, optimizers and running statistics are as before the step.
+    """
+
+    def __init__(self, reason: str, stats: dict[str, float]):
+        super().__init__(reason)
+        self.reason = reason
+        self.stats = stats
+
+
+class Phases:
+    """Wall-clock seconds per named phase of a step."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+
+@dataclass
+class StepData:
+    """The tensors and choices of one policy step, filled phase by phase."""
+
+    bt: BatchTensors
+    flagged: torch.Tensor                          # (B,) bool
+    version: int
+    lr: float = 0.0
+    critic_lr: float = 0.0
+    train_policy: bool = True
+    generator: torch.Generator | None = None
+    mini: int = 0
+    n_updates: int = 1
+    beta: float = 0.0
+    use_kl: bool = False
+    group_sizes: list[int] = field(default_factory=list)
+    current_rows: bool = True
+    needed_early: bool = False
+    separate: bool = False
+    sanity_on: bool = False
+    moments_before: dict = field(default_factory=dict)
+    ref_lp: torch.Tensor | None = None             # (B, L-1)
+    old_values: torch.Tensor | None = None         # (B, L-1)
+    prox_pass: torch.Tensor | None = None          # (B, L-1) the proximal pass's log-probs
+    proximal: torch.Tensor | None = None           # (B, L-1) π_prox; None: filled by the shortcut
+    weights: torch.Tensor | None = None            # (B, L-1) behavior weights (M2PO applied)
+    scores: torch.Tensor | None = None             # (B,)
+    rewards_t: torch.Tensor | None = None          # (B, L-1)
+    adv: torch.Tensor | None = None                # (B, L-1)
+    targets: torch.Tensor | None = None            # (B, L-1) critic targets
+    plan: list = field(default_factory=list)
+    is_parts: list = field(default_factory=list)
+    m2po_stats: dict = field(default_factory=dict)
+    filter_stats: dict = field(default_factory=dict)
+    kl_next: float = 0.0
+
+
+class _Sanity:
+    """The seeds' check on the first mini-batch: |ratio − 1| and KL(current ‖ proximal)."""
+
+    def __init__(self) -> None:
+        self.dev_sum = self.dev_max = self.kl_sum = 0.0
+        self.tokens = 0
+
+    @torch.no_grad()
+    def add(self, current: torch.Tensor, proximal: torch.Tensor, mask: torch.Tensor) -> None:
+        keep = mask != 0
+        n = int(keep.sum())
+        if not n:
+            return
+        dev = (torch.exp(current - proximal) - 1.0).abs()[keep]
+        self.dev_sum += float(dev.sum())
+        self.dev_max = max(self.dev_max, float(dev.max()))
+        self.kl_sum += float(ops.masked_sum(ops.kl_estimate(current, proximal, "k3"), mask))
+        self.tokens += n
+
+    def stats(self, ratio_tolerance: float, kl_tolerance: float) -> dict[str, float]:
+        kl = self.kl_sum / self.tokens
+        return {"sanity_ratio_dev_mean": self.dev_sum / self.tokens, "sanity_ratio_dev_max": self.dev_max,
+                "sanity_kl": kl,
+                "sanity_failed": float(self.dev_max > ratio_tolerance or kl > kl_tolerance)}
+
+
+@dataclass
+class MiniBatch:
+    """What one mini-batch's micro-batches measured before its optimizer step."""
+
+    losses: dict[str, float] = field(default_factory=dict)
+    pg_parts: list = field(default_factory=list)
+    vf_parts: list = field(default_factory=list)
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.losses[name] = self.losses.get(name, 0.0) + float(value.detach())
+
+
+@dataclass
+class UpdateLog:
+    """What the applied updates of a step measured."""
+
+    filled: torch.Tensor                           # (B, L-1) π_prox as the shortcut filled it
+    applied: int = 0
+    early_stopped: bool = False
+    losses: dict[str, list[float]] = field(default_factory=dict)
+    pg_parts: list = field(default_factory=list)
+    vf_parts: list = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    critic_grad_norms: list[float] = field(default_factory=list)
+    entropy_sum: float = 0.0
+    entropy_tokens: float = 0.0
+    sanity: _Sanity = field(default_factory=_Sanity)

@@ -1,0 +1,760 @@
+"""The policy and one policy step (docs/design.md §4): the no-grad passes at the step's starting
+weights, rewards, advantages, importance weights, then the updates.
+
+    Trainer.step(batch)
+      collate        samples -> right-padded tensors (learner.train.batching)
+      reference      log π_ref, no grad                    when kl_coef > 0
+      values         V of the critic at the start, no grad when advantage: gae
+      proximal       log π_prox, no grad, model in eval    when the step needs it before its updates
+      advantages     scores, KL in the reward, advantages, critic targets (learner.train.returns);
+                     PF-PPO resampling; importance weights and M2PO masking
+      update         ppo_epochs × mini-batches × micro-batches, gradients clipped once per
+                     mini-batch, one optimizer step each (policy and critic, own lr and clip)
+
+The proximal pass. The proximal policy is the policy at the start of the step. A step with one
+optimizer step (one epoch, one mini-batch: the default) needs no pass of its own: the gradient
+forward *is* at the starting weights, so its detached log-probs are the numbers a no-grad recompute
+would give, for half the forwards (the single-step shortcut). A separate pass runs whenever that is
+not so: several optimizer steps; KL in the reward or V-trace targets (the advantages need π_prox
+before any update); M2PO (its mask is a batch statistic, needed before the first micro-batch's
+backward). The pass runs in eval mode over the first epoch's micro-batches in their order (same
+rows, same widths, the same log-prob function: :class:`learner.models.logprobs.LogprobForward`,
+hidden state -> ``ops.token_logprobs_from_hidden`` in the same chunks, in every pass), so the
+gradient forward of the first mini-batch repeats it bit for bit unless the two passes compute
+different functions: dropout left on (a LoRA ``dropout`` above 0 included), or padding handled differently
+(PF-PPO alone draws the plan after the pass, on the resampled rows: there the two agree to
+rounding, not bit for bit). That is
+the seeds' sanity check (``sanity_*`` stats): mean and max |ratio − 1| and KL(current ‖ proximal)
+on the first mini-batch before any update; ``sanity_failed`` when over tolerance. Where the
+shortcut makes the ratio 1 by construction, the check is not applicable (``sanity_applicable`` 0,
+no ``sanity_*`` values) rather than a 1.0 that cannot fail. ``recompute_logprobs: false`` uses the
+behavior log-probs as π_prox (w = 1), except for samples flagged ``needs_correction``, which are
+always weighed against the current weights (see :meth:`Trainer.step`). ``clip_anchor: behavior``
+keeps π_prox and its weights but takes the clipped ratio against the behavior log-probs
+(``ops.behavior_anchored_weights``): the trust region of the sampler, which a one-update step
+otherwise lacks.
+
+A step that applies nothing. A non-finite loss or gradient norm (policy or critic) raises
+:class:`SkippedStep` before its optimizer step; when earlier mini-batches of the same step were
+already applied, the weights, optimizer states and running reward moments are restored from a copy
+taken before the first optimizer step (only steps with several optimizer steps pay for the copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ops
+from buffer import Batch
+from learner.config import LearnerConfig
+from learner.models.logprobs import LogprobForward
+from learner.train.batching import BatchTensors, collate, plan_updates, take
+from learner.train.critic import Critic
+from learner.train.devices import resolve_device, resolve_dtype
+from learner.train.dropout import disable_dropout
+from learner.train.reference import ReferencePolicy
+from learner.train.returns import advantages_and_targets, sequence_scores, token_rewards
+from learner.train.schedules import lr_factor
+from learner.train.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog
+from protocol.errors import StartupError
+
+__all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
+
+FLAGGED_IS_MODE = "tis"
+"""Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
+
+LORA_PUBLISH_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora",
+                       "fan_in_fan_out")
+"""The PEFT ``LoraConfig`` fields a LoRA publish carries (``metadata["lora"]``): what a rollout
+engine needs to build the same adapter (the HF engine passes them to ``LoraConfig``, vLLM's writes
+them into ``adapter_config.json``)."""
+
+
+def attn_kwargs(attn_implementation: str) -> dict[str, str]:
+    """``from_pretrained``'s keyword for ``learner.attn_implementation`` (none for auto);
+    StartupError when it needs a package this environment lacks."""
+    if attn_implementation == "auto":
+        return {}
+    if attn_implementation == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise StartupError("learner.attn_implementation: flash_attention_2 needs the flash-attn "
+                               "package and a CUDA GPU; use sdpa or eager")
+    return {"attn_implementation": attn_implementation}
+
+
+def adamw(params, **kw) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where it has one for these parameters (CPU and CUDA
+    floating point): one kernel over every tensor instead of a dozen small ops per tensor, the
+    same update (the demo's policy on one thread: an optimizer step 2.56 -> 0.67 ms, 3 % of the
+    step). Parameters it cannot take get the default implementation."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, **kw)
+
+
+class Trainer:
+    """Owns the policy model, its tokenizer and optimizer; the reference and the critic when the
+    config uses them.
+
+    Device and dtype: ``learner.device`` / ``learner.dtype`` (:mod:`learner.train.devices`). The weights
+    are held and updated in that dtype (bfloat16: no float32 master copy, so an update smaller than
+    about 1/256 of a weight rounds away; LoRA adapters stay float32, PEFT's default); batches are
+    collated on the CPU and moved to the device; log-probs, entropies and all of ``ops`` compute in
+    float32; every returned statistic is a Python float.
+
+    LoRA (``learner.lora``): the policy is wrapped by PEFT and only the adapter's parameters are
+    trained (and in the optimizer); the reference is the base with the adapter disabled; a publish
+    (:meth:`named_tensors`) carries the adapter's tensors under ``get_peft_model_state_dict`` names,
+    with :meth:`publish_metadata` the adapter config.
+    """
+
+    def __init__(self, cfg: LearnerConfig, model_path: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        # Mixed precision keeps float32 weights (dtype auto included) and computes under autocast.
+        self.autocast = None if cfg.autocast == "none" else getattr(torch, cfg.autocast)
+        self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(cfg.dtype, self.device)
+        torch.manual_seed(cfg.seed)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                     **attn_kwargs(cfg.attn_implementation))
+        if cfg.disable_dropout:
+            disable_dropout(model)          # the base's; an adapter's lora.dropout is the config's
+        model.to(self.device)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        self.lora_config = None
+        if cfg.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            self.lora_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                          lora_dropout=cfg.lora.dropout,
+                                          target_modules=cfg.lora.target_modules, bias="none",
+                                          task_type="CAUSAL_LM")
+            try:
+                model = get_peft_model(model, self.lora_config)
+            except ValueError as e:             # e.g. target modules not found in the model
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise StartupError(f"learner.lora: {msg[:300]}") from None
+            if cfg.gradient_checkpointing:
+                model.enable_input_require_grads()   # the frozen embedding's output needs grad
+        self.model = model
+        self.model.train()
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = adamw(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.forward = LogprobForward(self.model, autocast=self.autocast)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
+        # Rows of the input embedding: every token id of a trained sample must be below it (the
+        # learner validates results against it before accepting them).
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
+        self.reference: ReferencePolicy | None = None
+        if cfg.uses_reference:
+            if cfg.lora is not None:
+                self.reference = ReferencePolicy.adapter_disabled(self.model, autocast=self.autocast)
+            else:
+                self.reference = ReferencePolicy.copy_of(self.model, "cpu" if cfg.reference_on_cpu else None,
+                                                         autocast=self.autocast)
+        self.critic: Critic | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if cfg.uses_critic:
+            self.critic = Critic(cfg.critic_model or model_path, dtype=self.dtype,
+                                 **attn_kwargs(cfg.attn_implementation))
+            if cfg.disable_dropout:
+                disable_dropout(self.critic)
+            self.critic.to(self.device)
+            if cfg.gradient_checkpointing:
+                self.critic.backbone.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.critic.train()
+            self.critic_optimizer = adamw(self.critic.parameters(), lr=cfg.critic_lr,
+                                          weight_decay=cfg.weight_decay)
+        if cfg.kl_controller == "adaptive":
+            self.kl_controller = ops.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        else:
+            self.kl_controller = ops.FixedKLController(cfg.kl_coef)
+        self.reward_moments = ops.RunningMoments()
+
+    # ---- what the service uses -------------------------------------------------------------
+    def encode_prompt(self, text: str) -> np.ndarray:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return np.asarray(ids, dtype=np.int32)
+
+    @property
+    def publish_kind(self) -> str:
+        """``lora`` (adapter tensors only) or ``full`` — the manifests' ``kind``."""
+        return "lora" if self.lora_config is not None else "full"
+
+    def publish_metadata(self) -> dict:
+        """What a publish's manifest carries besides the tensors: for LoRA ``{"lora": {...}}``, the
+        ``LoraConfig`` fields of :data:`LORA_PUBLISH_FIELDS` (target modules as PEFT resolved them,
+        e.g. ``all-linear`` -> the module names, sorted; plain msgpack types)."""
+        if self.lora_config is None:
+            return {}
+        live = self.model.peft_config["default"]
+        out = {}
+        for name in LORA_PUBLISH_FIELDS:
+            value = getattr(live, name)
+            if isinstance(value, (set, frozenset, list, tuple)):
+                value = sorted(value)
+            out[name] = value
+        return {"lora": out}
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What a publish sends. Full: every parameter in the training dtype, tied parameters once
+        (``named_parameters`` yields a shared tensor under its first name only, e.g. the embedding
+        and not ``lm_head.weight``; both engines re-tie on load). LoRA: the adapter's tensors
+        under ``get_peft_model_state_dict`` names (``base_model.model.<module>.lora_A.weight``)."""
+        if self.lora_config is not None:
+            from peft import get_peft_model_state_dict
+
+            return [(n, t.detach()) for n, t in get_peft_model_state_dict(self.model).items()]
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def save_policy(self, path: str | Path) -> Path:
+        """``save_pretrained`` of the policy — the full model in the training dtype, or the PEFT
+        adapter (``adapter_config.json`` + ``adapter_model.safetensors``, which transformers with
+        PEFT, PEFT itself and vLLM's ``LoRARequest`` load as they are) — and the tokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    # ---- checkpoint hooks ------------------------------------------------------------------
+    def _policy_state(self) -> dict[str, torch.Tensor]:
+        if self.lora_config is not None:
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.model)
+        return self.model.state_dict()
+
+    def _load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The adapter's tensors (``get_peft_model_state_dict`` names) under LoRA, or the model's
+        own ``state_dict`` (any kind: every key a key of the live model, loaded strictly)."""
+        live = self.model.state_dict()
+        if state and all(k in live for k in state):
+            self.model.load_state_dict(state)
+            return
+        if self.lora_config is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.model, state)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"checkpoint policy: adapter tensors unknown here: {unexpected[:3]}")
+            return
+        self.model.load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs besides the config: policy (the adapter alone under LoRA: the
+        base is the loaded model, frozen), critic, reference (empty under LoRA), optimizers, KL
+        controller and running reward moments (plain tensors and numbers)."""
+        state = {"policy": self._policy_state(), "optimizer": self.optimizer.state_dict(),
+                 "kl_controller": self.kl_controller.state_dict(),
+                 "reward_moments": self.reward_moments.state_dict()}
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load_policy_state(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+        for key, target in (("reference", self.reference), ("critic", self.critic)):
+            if (key in state) != (target is not None):
+                raise ValueError(f"checkpoint has {'a' if key in state else 'no'} {key}, "
+                                 f"the config {'uses' if target is not None else 'does not use'} one")
+            if target is not None:
+                target.load_state_dict(state[key])
+        if self.critic is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    # ---- passes ----------------------------------------------------------------------------
+    def _logprobs(self, sub: BatchTensors, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log π (b, L-1), entropy (b, L-1) or None) of the policy; the same function in every
+        pass (learner.models.logprobs), so a no-grad pass and a gradient forward agree bit for bit."""
+        return self.forward(sub.input_ids, sub.attention_mask, sub.targets, sub.temperatures,
+                            entropy=entropy)
+
+    @torch.no_grad()
+    def _no_grad_pass(self, bt: BatchTensors, chunks: list[torch.Tensor], fn) -> torch.Tensor:
+        """``fn(sub)`` -> (b, L_sub-1) over the row chunks, gathered into a (B, L-1) tensor."""
+        out = torch.zeros(bt.mask.shape, dtype=torch.float32, device=bt.mask.device)
+        for rows in chunks:
+            sub = bt.rows(rows)
+            out[rows, :sub.mask.shape[1]] = fn(sub).float()
+        return out
+
+    def _proximal_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
+        """log π at the current weights, no grad, in eval mode (dropout off whatever the config)."""
+        self.model.eval()
+        try:
+            return self._no_grad_pass(bt, chunks, lambda s: self._logprobs(s)[0])
+        finally:
+            self.model.train()
+
+    def _values_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
+        self.critic.eval()
+        try:
+            return self._no_grad_pass(bt, chunks, lambda s: self.critic(s.input_ids, s.attention_mask))
+        finally:
+            self.critic.train()
+
+    def _reference_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
+        return self._no_grad_pass(bt, chunks, lambda s: self.reference.logprobs(
+            s.input_ids, s.attention_mask, s.targets, s.temperatures))
+
+    def _importance(self, proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
+                    flagged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[dict, int]]]:
+        """Behavior weights of some rows -> (weights (b, L-1), kept mask, [(is_stats, tokens), ...]).
+
+        Rows flagged ``needs_correction`` under ``is_mode: none`` get ``FLAGGED_IS_MODE`` with
+        ``is_cap``; every other row gets ``is_mode``. Each row is weighed once; every mode is
+        row-local, so weighing the two sets of rows apart gives each row what the whole batch
+        would. Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` reject have weight 0.
+        """
+        cfg = self.cfg
+        if cfg.is_mode != "none" or not bool(flagged.any()):
+            w, keep, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.is_mode,
+                                                 cap=cfg.is_cap, veto=cfg.is_veto)
+            return w, keep, [(st, int((mask != 0).sum()))]
+        weights = torch.zeros_like(proximal)                                       # (b, L-1)
+        keep = torch.zeros_like(mask)
+        parts = []
+        for rows, mode in ((~flagged, "none"), (flagged, FLAGGED_IS_MODE)):
+            if not bool(rows.any()):
+                continue
+            w, k, st = ops.importance_weights(proximal[rows], behavior[rows], mask[rows], mode=mode,
+                                              cap=cfg.is_cap, veto=cfg.is_veto)
+            weights[rows] = w.to(weights.dtype)
+            keep[rows] = k
+            parts.append((st, int((mask[rows] != 0).sum())))
+        return weights, keep, parts
+
+    def _set_learning_rates(self, version: int) -> tuple[float, float]:
+        cfg = self.cfg
+        lr = cfg.lr * lr_factor(cfg.lr_schedule, version, cfg.lr_warmup_steps, cfg.total_steps,
+                                cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        critic_lr = 0.0
+        if self.critic_optimizer is not None:
+            critic_lr = cfg.critic_lr * lr_factor(cfg.critic_lr_schedule, version,
+                                                  cfg.critic_lr_warmup_steps, cfg.total_steps,
+                                                  cfg.min_lr_ratio)
+            for g in self.critic_optimizer.param_groups:
+                g["lr"] = critic_lr
+        return lr, critic_lr
+
+    # ---- rollback --------------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        snap = {"policy": [p.detach().clone() for p in self.trainable],   # frozen ones cannot change
+                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
+        if self.critic is not None:
+            snap["critic"] = [p.detach().clone() for p in self.critic.parameters()]
+            snap["critic_optimizer"] = copy.deepcopy(self.critic_optimizer.state_dict())
+        return snap
+
+    @torch.no_grad()
+    def _restore(self, snap: dict) -> None:
+        for p, saved in zip(self.trainable, snap["policy"], strict=True):
+            p.copy_(saved)
+        self.optimizer.load_state_dict(snap["optimizer"])
+        if self.critic is not None:
+            for p, saved in zip(self.critic.parameters(), snap["critic"], strict=True):
+                p.copy_(saved)
+            self.critic_optimizer.load_state_dict(snap["critic_optimizer"])
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One policy step on a batch whose groups are contiguous and complete (module docstring).
+
+        Within a mini-batch, micro-batches of ``micro_batch_samples`` rows accumulate gradients;
+        each micro-batch loss is divided by ``ops.loss_normalizer`` of the whole mini-batch's
+        mask, so their sum is the mini-batch loss and the gradients do not depend on the split.
+        Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` / M2PO reject get weight 0 and keep their
+        place in every denominator (the token count, the per-row means), as in AReaL's decoupled
+        loss: a rejected token is not trained, and does not raise the weight of the others.
+
+        Correction of samples flagged ``needs_correction`` (over ``max_staleness`` under
+        ``stale_policy: correct``): they always get behavior importance weights w = π_prox/μ —
+        ``is_mode`` when it is not ``none``, and ``tis`` capped at ``is_cap`` when it is (a sample the
+        operator asked to correct is corrected; truncation rather than masking keeps every one of
+        its tokens in the batch, as the flag promises to train it). Their proximal log-probs are
+        always the current weights', even under ``recompute_logprobs: false``, since π_prox := μ
+        would make every weight 1. Unflagged samples train exactly as without the flag.
+
+        Statistics are those of the whole batch: importance weights (``is_*``, ``mismatch_kl``)
+        once per row; ``pg_*`` over every applied update's micro-batches, combined by
+        ``ops.merge_stats``; entropy over the first epoch's forwards. Raises :class:`SkippedStep`
+        when a loss or gradient is not finite (nothing applied).
+        """
+        phases = Phases()
+        start = time.monotonic()
+        with phases("collate"):
+            s = self._prepare(batch)
+        self._no_grad_passes(s, phases)
+        with phases("advantages"):
+            self._advantages(s)
+        self._proximal_and_weights(s, phases)
+        with phases("update"):
+            log = self._update(s, start)
+        if s.use_kl:
+            s.kl_next = self.kl_controller.update(self._reference_kl(s, log)[1], len(s.bt))
+        stats = self._stats(batch, s, log)
+        stats.update({f"time_{name}_s": sec for name, sec in phases.seconds.items()})
+        stats["step_s"] = time.monotonic() - start
+        return stats
+
+    def _prepare(self, batch: Batch) -> StepData:
+        """Collate, check, and decide what this step computes."""
+        cfg = self.cfg
+        B = len(batch.samples)
+        if B == 0:
+            raise ValueError("Trainer.step: empty batch")
+        flags = list(batch.needs_correction) or [False] * B
+        if len(flags) != B:
+            raise ValueError(f"Trainer.step: {len(flags)} needs_correction flags for {B} samples")
+        bt = collate(batch.samples, self.pad_id, cfg.temperature)
+        low, top = int(bt.input_ids.min()), int(bt.input_ids.max())
+        if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
+            bad = low if low < 0 else top
+            raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        bt = bt.to(self.device)
+        s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool, device=self.device),
+                     version=int(batch.version))
+        s.lr, s.critic_lr = self._set_learning_rates(s.version)
+        s.train_policy = self.critic is None or s.version >= cfg.critic_warmup_steps
+        s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
+        s.mini = cfg.mini_batch_samples if 0 < cfg.mini_batch_samples < B else B
+        s.n_updates = cfg.ppo_epochs * -(-B // s.mini)
+        s.beta = self.kl_controller.value
+        s.use_kl = self.reference is not None and s.beta > 0
+        s.group_sizes = list(batch.group_sizes) or [cfg.group_size] * (B // cfg.group_size)
+        # Rows whose proximal log-probs must be the current weights' (all, or the flagged ones).
+        s.current_rows = cfg.recompute_logprobs or bool(s.flagged.any())
+        s.needed_early = (s.use_kl and cfg.kl_in_reward) or (
+            self.critic is not None and cfg.critic_targets == "vtrace")
+        s.separate = s.current_rows and (s.needed_early or (s.train_policy and (
+            s.n_updates > 1 or cfg.m2po_threshold is not None)))
+        s.sanity_on = s.separate and cfg.recompute_logprobs and s.train_policy
+        s.moments_before = self.reward_moments.state_dict()
+        if cfg.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
+            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator,
+                                  bt.seq_lens, cfg.micro_batch_tokens)
+        return s
+
+    @staticmethod
+    def _first_micro_batches(s: StepData) -> list[torch.Tensor]:
+        """The micro-batches of the first epoch, in order (the first mini-batch's come first)."""
+        return [rows for mb in s.plan[0] for rows in mb]
+
+    def _proximal_of(self, s: StepData, pass_lp: torch.Tensor) -> torch.Tensor:
+        if self.cfg.recompute_logprobs:
+            return pass_lp
+        return torch.where(s.flagged[:, None], pass_lp, s.bt.behavior_logprobs)
+
+    def _no_grad_passes(self, s: StepData, phases: Phases) -> None:
+        """Reference log-probs, critic values and (when the advantages need it) the proximal pass,
+        all at the step's starting weights, over the first epoch's micro-batches (the batch's
+        order before a PF-PPO resampling, which draws the plan afterwards)."""
+        chunks = (self._first_micro_batches(s) if s.plan
+                  else list(torch.arange(len(s.bt)).split(self.cfg.micro_batch_samples)))
+        if s.use_kl:
+            with phases("reference"):
+                s.ref_lp = self._reference_pass(s.bt, chunks)                       # (B, L-1)
+        if self.critic is not None:
+            with phases("values"):
+                s.old_values = self._values_pass(s.bt, chunks)                      # (B, L-1)
+        if s.separate and (s.needed_early or self.cfg.batch_filter == "pf_ppo"):
+            with phases("proximal"):
+                s.prox_pass = self._proximal_pass(s.bt, chunks)
+
+    def _advantages(self, s: StepData) -> None:
+        """Scores, per-token rewards, advantages and critic targets (learner.train.returns); then the
+        PF-PPO resampling and its update plan."""
+        cfg, bt = self.cfg, s.bt
+        early_prox = None
+        if s.prox_pass is not None:
+            early_prox = self._proximal_of(s, s.prox_pass)
+        elif not s.current_rows:
+            early_prox = bt.behavior_logprobs
+        s.scores = sequence_scores(cfg, bt.rewards, bt.lengths, self.reward_moments)   # (B,)
+        kl_tok = None
+        if s.use_kl and cfg.kl_in_reward:
+            kl_tok = ops.kl_estimate(early_prox, s.ref_lp, cfg.kl_kind)            # (B, L-1)
+        s.rewards_t = token_rewards(s.scores, bt.mask, kl_tok, s.beta)             # (B, L-1)
+        s.adv, s.targets = advantages_and_targets(cfg, s.rewards_t, bt.mask, s.group_sizes,
+                                                  s.old_values, bt.behavior_logprobs, early_prox)
+        if cfg.batch_filter == "pf_ppo":
+            B = len(bt)
+            w = ops.pf_ppo_weights(s.rewards_t.sum(dim=-1), cfg.pf_ppo_method, cfg.pf_ppo_weight_pow)
+            idx = ops.pf_ppo_resample(w.cpu(), B, generator=s.generator)           # (B,) CPU generator
+            s.filter_stats = {"pf_ppo_unique_fraction": len(set(idx.tolist())) / B}
+            s.bt = bt.select(idx)
+            for name in ("flagged", "adv", "rewards_t", "targets", "old_values", "ref_lp", "prox_pass"):
+                value = getattr(s, name)
+                if value is not None:
+                    setattr(s, name, value[idx])
+            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator,
+                                  s.bt.seq_lens, cfg.micro_batch_tokens)
+
+    def _proximal_and_weights(self, s: StepData, phases: Phases) -> None:
+        """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),
+        then the importance weights and the M2PO mask of the whole batch, where π_prox is known
+        before the updates (the shortcut computes them per micro-batch instead)."""
+        cfg, bt = self.cfg, s.bt
+        if s.separate and s.prox_pass is None:
+            with phases("proximal"):
+                s.prox_pass = self._proximal_pass(bt, self._first_micro_batches(s))
+        with phases("advantages"):
+            if s.prox_pass is not None:
+                s.proximal = self._proximal_of(s, s.prox_pass)
+            elif not s.current_rows:
+                s.proximal = bt.behavior_logprobs
+            if s.proximal is None or not s.train_policy:
+                return
+            s.weights, kept, s.is_parts = self._importance(s.proximal, bt.behavior_logprobs, bt.mask,
+                                                           s.flagged)
+            if cfg.m2po_threshold is not None:
+                keep, s.m2po_stats = ops.m2po_mask(s.proximal, bt.behavior_logprobs, kept,
+                                                   cfg.m2po_threshold)
+                s.weights = torch.where(keep, s.weights, torch.zeros_like(s.weights))
+
+    def _update(self, s: StepData, start: float) -> UpdateLog:
+        """ppo_epochs × mini-batches: accumulate, check, clip, step (or stop, or skip the step)."""
+        cfg = self.cfg
+        log = UpdateLog(filled=torch.zeros_like(s.bt.mask) if s.proximal is None else s.proximal)
+        snapshot = None
+        for epoch, minibatches in enumerate(s.plan):
+            for m, micros in enumerate(minibatches):
+                mb = self._accumulate(s, log, micros, epoch, first=(epoch == 0 and m == 0))
+                if (cfg.target_kl is not None and s.train_policy and log.applied > 0
+                        and ops.merge_stats(mb.pg_parts)["approx_kl"] > cfg.target_kl):
+                    log.early_stopped = True               # this mini-batch's gradients are dropped
+                    self._zero_grad()
+                    return log
+                where = f"update {log.applied + 1} of {s.n_updates}"
+                bad = next((name for name in sorted(mb.losses, key=lambda n: n != "loss")
+                            if not math.isfinite(mb.losses[name])), None)   # the total first
+                if bad is not None:
+                    raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
+                gn, cn = self._clip_grads(s)
+                for which, norm in (("policy", gn), ("critic", cn)):
+                    if not math.isfinite(norm):
+                        raise self._skip(s, snapshot, log, f"non-finite {which} gradient norm at {where}", start)
+                if s.n_updates > 1 and snapshot is None:
+                    snapshot = self._snapshot()             # before the first optimizer step
+                gn, cn = self._optimizer_steps(s, gn, cn, lambda reason, snap=snapshot, at=where: self._skip(
+                    s, snap, log, f"{reason} at {at}", start))
+                if s.train_policy:
+                    log.grad_norms.append(gn)
+                    log.pg_parts.extend(mb.pg_parts)
+                if self.critic is not None:
+                    log.critic_grad_norms.append(cn)
+                    log.vf_parts.extend(mb.vf_parts)
+                for k, v in mb.losses.items():
+                    log.losses.setdefault(k, []).append(v)
+                log.applied += 1
+        return log
+
+    # ---- hooks a data-parallel trainer replaces (learner.train.distributed) -----------------------
+    def _clip_grads(self, s: StepData) -> tuple[float, float]:
+        """(policy, critic) gradient norms before clipping, each clipped once (0.0 where unused)."""
+        gn = cn = 0.0
+        if s.train_policy:
+            gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))
+        if self.critic is not None:
+            cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.critic_max_grad_norm))
+        return gn, cn
+
+    def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
+        """One optimizer step of the policy (when trained) and of the critic; returns the norms
+        (``skip(reason)`` builds the SkippedStep to raise where a step could not be applied)."""
+        if s.train_policy:
+            self.optimizer.step()
+        if self.critic is not None:
+            self.critic_optimizer.step()
+        return gn, cn
+
+    def _local_micro_batches(self, micros: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The micro-batches of a mini-batch this process trains (all of them here)."""
+        return micros
+
+    def _backward(self, loss: torch.Tensor, which: str) -> None:
+        """Backward of one micro-batch's loss (``which``: policy or critic)."""
+        loss.backward()
+
+    def _minibatch_done(self, s: StepData, mb: MiniBatch) -> MiniBatch:
+        """What a mini-batch measured, over every process that trained part of it."""
+        return mb
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+
+    def _skip(self, s: StepData, snapshot: dict | None, log: UpdateLog, reason: str,
+              start: float) -> SkippedStep:
+        """Undo what this step changed and say why (raised by the caller)."""
+        if snapshot is not None:
+            self._restore(snapshot)
+        self.reward_moments.load_state_dict(s.moments_before)
+        self._zero_grad()
+        return SkippedStep(reason, {"updates_applied_before_skip": float(log.applied),
+                                    "step_s": time.monotonic() - start})
+
+    def _accumulate(self, s: StepData, log: UpdateLog, micros: list[torch.Tensor], epoch: int,
+                    first: bool) -> MiniBatch:
+        """Forward and backward of one mini-batch's micro-batches (gradients accumulate)."""
+        cfg, bt = self.cfg, s.bt
+        normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.loss_agg)
+        self._zero_grad()
+        mb = MiniBatch()
+        for rows in self._local_micro_batches(micros):
+            sub = bt.rows(rows)
+            L = sub.input_ids.shape[1]
+            mask = sub.mask
+            n_tok = int((mask != 0).sum())
+            if s.train_policy:
+                self._policy_micro(s, log, mb, sub, rows, normalizer, n_tok, epoch, first)
+            if self.critic is not None:
+                values = self.critic(sub.input_ids, sub.attention_mask)               # (b, L-1)
+                vf_loss, vf_stats = ops.value_loss(
+                    values, take(s.old_values, rows, L), take(s.targets, rows, L), mask,
+                    clip=cfg.value_clip, agg=cfg.loss_agg, normalizer=normalizer)
+                self._backward(vf_loss, "critic")
+                mb.add("vf_loss", vf_loss)
+                mb.vf_parts.append((vf_stats, n_tok))
+        return self._minibatch_done(s, mb)
+
+    def _policy_micro(self, s: StepData, log: UpdateLog, mb: MiniBatch, sub: BatchTensors,
+                      rows: torch.Tensor, normalizer: float, n_tok: int, epoch: int, first: bool) -> None:
+        """The policy's forward and backward on one micro-batch."""
+        cfg = self.cfg
+        L = sub.input_ids.shape[1]
+        mask, behavior = sub.mask, sub.behavior_logprobs
+        logprobs, entropy = self._logprobs(sub, "grad" if cfg.entropy_coef > 0 else "stat")  # (b, L-1)
+        if epoch == 0:
+            log.entropy_sum += float(ops.masked_sum(entropy.detach(), mask))
+            log.entropy_tokens += float(mask.sum())
+        current = logprobs.detach()
+        if s.proximal is None:                                      # the single-step shortcut
+            prox = current if cfg.recompute_logprobs else torch.where(s.flagged[rows, None], current, behavior)
+            log.filled[rows, :L - 1] = prox
+            w, _, parts = self._importance(prox, behavior, mask, s.flagged[rows])
+            s.is_parts.extend(parts)
+        else:
+            prox, w = take(s.proximal, rows, L), take(s.weights, rows, L)
+        if first and s.sanity_on:
+            log.sanity.add(current, prox, mask)
+        anchor = prox
+        if cfg.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
+            w, anchor = ops.behavior_anchored_weights(w, prox, behavior, mask), behavior
+        pg_loss, pg_stats = ops.ppo_policy_loss(
+            logprobs, anchor, take(s.adv, rows, L), mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip, is_weights=w, agg=cfg.loss_agg, normalizer=normalizer)
+        total = pg_loss
+        mb.add("pg_loss", pg_loss)
+        if s.use_kl and not cfg.kl_in_reward:
+            kl_val, _ = ops.kl_loss(logprobs, take(s.ref_lp, rows, L), mask, cfg.kl_kind, cfg.loss_agg,
+                                    normalizer)
+            total = total + s.beta * kl_val
+            mb.add("kl_loss", kl_val)
+        if cfg.entropy_coef > 0:
+            ent_val, _ = ops.entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
+            total = total - cfg.entropy_coef * ent_val
+            mb.add("entropy_bonus", ent_val)
+        self._backward(total, "policy")
+        mb.add("loss", total)
+        mb.pg_parts.append((pg_stats, n_tok))
+
+    def _reference_kl(self, s: StepData, log: UpdateLog) -> tuple[float, float]:
+        """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting
+        policy and the reference (behavior log-probs where neither a pass nor a forward ran)."""
+        source = log.filled if (s.proximal is not None or s.train_policy) else s.bt.behavior_logprobs
+        kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl_kind)                   # (B, L-1)
+        return float(ops.masked_mean(kl, s.bt.mask)), float(ops.masked_sum(kl, s.bt.mask, dim=-1).mean())
+
+    def _stats(self, batch: Batch, s: StepData, log: UpdateLog) -> dict[str, float]:
+        cfg = self.cfg
+        samples, B = batch.samples, len(batch.samples)
+        raw = torch.tensor([x.reward for x in samples], dtype=torch.float32)
+        lengths = torch.tensor([len(x.completion_token_ids) for x in samples], dtype=torch.float32)
+        staleness = batch.staleness
+
+        def mean(key: str) -> float:
+            values = log.losses.get(key, [])
+            return float(np.mean(values)) if values else 0.0
+
+        stats: dict[str, float] = {
+            "loss": mean("loss"),
+            "reward_mean": float(raw.mean()),
+            "reward_std": float(raw.std()) if B > 1 else 0.0,
+            "score_mean": float(s.scores.mean()),
+            "advantage_abs_mean": float(ops.masked_mean(s.adv.abs(), s.bt.mask)),
+            "entropy": log.entropy_sum / max(1.0, log.entropy_tokens),
+            "completion_tokens_mean": float(lengths.mean()),
+            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "staleness_max": float(max(staleness)) if staleness else 0.0,
+            "corrected_samples": float(sum(batch.needs_correction or [])),
+            "samples": float(B),
+            "policy_updated": float(s.train_policy and log.applied > 0),
+            "optimizer_steps": float(log.applied),
+            "ppo_epochs_run": log.applied / len(s.plan[0]),
+            "early_stopped": float(log.early_stopped),
+            "lr": s.lr,
+            "proximal_pass": float(s.separate),
+            "sanity_applicable": float(s.sanity_on),
+        }
+        if s.train_policy:
+            stats["grad_norm"] = float(np.mean(log.grad_norms)) if log.grad_norms else 0.0
+            stats["pg_loss"] = mean("pg_loss")
+            if log.pg_parts:
+                stats.update({f"pg_{k}": v for k, v in ops.merge_stats(log.pg_parts).items()})
+            if s.is_parts:
+                stats.update(ops.merge_stats(s.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
+            stats.update(s.m2po_stats)
+        if s.sanity_on and log.sanity.tokens:
+            stats.update(log.sanity.stats(cfg.sanity_ratio_tolerance, cfg.sanity_kl_tolerance))
+        if s.use_kl:
+            stats["ref_kl"], stats["ref_kl_seq"] = self._reference_kl(s, log)
+            stats["kl_coef"] = s.beta
+            stats["kl_coef_next"] = s.kl_next
+            if not cfg.kl_in_reward:
+                stats["kl_loss"] = mean("kl_loss")
+        if cfg.entropy_coef > 0:
+            stats["entropy_bonus"] = mean("entropy_bonus")
+        if self.critic is not None:
+            stats["critic_lr"] = s.critic_lr
+            stats["vf_loss"] = mean("vf_loss")
+            stats["critic_grad_norm"] = float(np.mean(log.critic_grad_norms)) if log.critic_grad_norms else 0.0
+            if log.vf_parts:
+                stats.update({k if k.startswith("vf_") else f"vf_{k}": v
+                              for k, v in ops.merge_stats(log.vf_parts).items()})
+        stats.update(s.filter_stats)
+        return stats

@@ -1,0 +1,291 @@
+"""Admission without sockets or a model: a recording ``send``, a fake clock, a real RolloutBuffer.
+
+Gate arithmetic in the comments: B = batch_samples, g = group_size, η = max_staleness,
+capacity(v) = (v + η + 1)·B − (accepted_total + in_flight).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from learner_testkit import samples_for
+
+import protocol
+from buffer import RolloutBuffer
+from learner.metrics import LearnerMetrics
+from learner.serve.admission import Admission
+
+
+class Harness:
+    def __init__(self, *, g: int = 2, batch_prompts: int = 2, eta: int = 1, lease_timeout_s: float = 50.0,
+                 server_timeout_s: float = 10.0, reannounce_s: float = 5.0):
+        self.now = 1000.0                  # the fake clock, moved by hand: h.now += dt
+        self.clock = lambda: self.now
+        self.buffer = RolloutBuffer(batch_samples=g * batch_prompts, group_size=g, max_staleness=eta,
+                                    lease_timeout_s=lease_timeout_s, clock=self.clock)
+        self.metrics = LearnerMetrics()
+        self.version = 0
+        self.sent: list[tuple[bytes, protocol.Message]] = []
+        self.unreachable: set[bytes] = set()
+        self.attempts: list[bytes] = []    # every send tried, queued or not
+        self.log: list[tuple[str, dict]] = []
+        self.n = 0
+        self.adm = Admission(self.buffer, self.send, self.new_assignment, version=lambda: self.version,
+                             welcome=self.welcome, metrics=self.metrics,
+                             log=lambda event, **f: self.log.append((event, f)),
+                             server_timeout_s=server_timeout_s, reannounce_s=reannounce_s,
+                             clock=self.clock)
+
+    async def send(self, identity: bytes, msg: protocol.Message) -> bool:
+        self.attempts.append(identity)
+        if identity in self.unreachable:
+            return False
+        self.sent.append((identity, msg))
+        return True
+
+    def new_assignment(self) -> protocol.Assignment:
+        self.n += 1
+        return protocol.Assignment(assignment_id=f"a{self.n}", prompt_id=f"p{self.n}",
+                                   prompt_token_ids=np.array([1, self.n], dtype=np.int32),
+                                   group_size=self.buffer.group_size, version=self.version)
+
+    def welcome(self) -> protocol.Welcome:
+        return protocol.Welcome(learner_id="L", run_id="run", version=self.version,
+                                weights_endpoint="tcp://127.0.0.1:1")
+
+    def of_type(self, cls, identity: bytes | None = None) -> list:
+        return [m for i, m in self.sent if isinstance(m, cls) and (identity is None or i == identity)]
+
+    def assigned(self) -> list[tuple[bytes, str]]:
+        return [(i, m.assignment_id) for i, m in self.sent if isinstance(m, protocol.Assignment)]
+
+    async def join(self, name: str, max_concurrency: int = 4, version: int = 0, credits: int = 0):
+        ident = name.encode()
+        await self.adm.hello(ident, protocol.Hello(server_id=name, engine="e", model="m",
+                                                   version=version, max_concurrency=max_concurrency))
+        srv = self.adm.servers[ident]
+        if credits:
+            await self.adm.work_request(srv, protocol.WorkRequest(server_id=name, credits=credits))
+        return srv
+
+    async def complete(self, a: protocol.Assignment) -> None:
+        for s in samples_for(a, version=self.version):
+            await self.buffer.put(s, self.version)
+
+
+async def test_dispatch_is_round_robin_and_stops_at_the_gate():
+    h = Harness(g=2, batch_prompts=2, eta=1)           # B = 4; capacity(0) = (0+1+1)·4 − 0 = 8
+    a = await h.join("A", credits=4)
+    b = await h.join("B", credits=4)
+    assert h.assigned() == [(b"A", "a1"), (b"A", "a2"), (b"B", "a3"), (b"B", "a4")]
+    assert h.buffer.capacity(0) == 0                   # 8 − (0 + 8): the gate is closed
+    for m in h.of_type(protocol.Assignment):
+        await h.complete(m)
+        await h.adm.work_request(a if m.assignment_id < "a3" else b,
+                                 protocol.WorkRequest(server_id="?", credits=2))
+    assert (a.credits, b.credits) == (4, 4) and len(h.assigned()) == 4   # 8 − (8 + 0) = 0
+    assert h.buffer.poll_batch(0) is not None          # one batch trained: v = 1
+    h.version = 1
+    await h.adm.dispatch()                             # as the train loop does after a step
+    # capacity(1) = (1+1+1)·4 − (8 + 0) = 4: two groups, one each, least recently served first.
+    assert h.assigned()[4:] == [(b"A", "a5"), (b"B", "a6")]
+    assert h.buffer.capacity(1) == 0 and (a.credits, b.credits) == (2, 2)
+
+
+async def test_credits_are_capped_at_declared_concurrency():
+    h = Harness(g=2, batch_prompts=8, eta=3)           # capacity(0) = 4·16 = 64: the gate is no limit
+    srv = await h.join("H", max_concurrency=4, credits=10**12)
+    assert len(h.assigned()) == 2                      # 4 samples = 2 groups, not 10¹²
+    assert srv.credits == 0 and h.adm.outstanding(srv) == 4
+    await h.adm.work_request(srv, protocol.WorkRequest(server_id="H", credits=10**12))
+    assert len(h.assigned()) == 2
+    assert h.metrics.value("slipstream_credits_refused_total") == 2 * 10**12 - 4
+    await h.adm.heartbeat(srv, protocol.Heartbeat(sender_id="H", version=0))
+    assert len(h.assigned()) == 2
+
+
+async def test_the_rollout_idle_ratio_counts_only_servers_that_have_reported():
+    """Before any Heartbeat a server's idle ratio is unknown (NaN), not 0 (busy): a step row of
+    a run's first seconds must not claim the servers never waited. The mean is over the servers
+    that have reported."""
+    h = Harness()
+    a = await h.join("A")
+    b = await h.join("B")
+    assert math.isnan(h.adm.rollout_idle_ratio())
+    await h.adm.heartbeat(a, protocol.Heartbeat(sender_id="A", version=0, idle_ratio=0.6))
+    assert h.adm.rollout_idle_ratio() == pytest.approx(0.6)        # B unknown: left out
+    await h.adm.heartbeat(b, protocol.Heartbeat(sender_id="B", version=0, idle_ratio=0.2))
+    assert h.adm.rollout_idle_ratio() == pytest.approx(0.4)
+    await h.adm.heartbeat(b, protocol.Heartbeat(sender_id="B", version=0, idle_ratio=0.0))
+    assert h.adm.rollout_idle_ratio() == pytest.approx(0.3)        # a busy server counts as 0
+
+
+async def test_hello_is_idempotent():
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    await h.join("S", max_concurrency=6, credits=6)    # 3 groups out
+    for _ in range(6):                                 # a reconnect storm: Hello + WorkRequest each
+        srv = await h.join("S", max_concurrency=6, credits=6)
+    assert list(h.adm.servers) == [b"S"]
+    assert len(h.of_type(protocol.Welcome)) == 7       # every Hello is welcomed
+    assert len(h.assigned()) == 3                      # ... but adds no credits
+    assert srv.credits + h.adm.outstanding(srv) == 6
+    assert h.metrics.value("slipstream_rollout_servers") == 1
+
+
+async def test_a_second_socket_cannot_take_a_connected_server_id():
+    h = Harness()
+    await h.join("S")
+    await h.adm.hello(b"other", protocol.Hello(server_id="S", engine="e", model="m", version=0))
+    assert list(h.adm.servers) == [b"S"]
+    assert h.of_type(protocol.Error, b"other")[0].code == "duplicate_server_id"
+
+
+async def test_lag_rule_holds_work_until_the_server_catches_up():
+    h = Harness(g=2, batch_prompts=8, eta=1)
+    h.version = 3                                      # server at 0: 3 − 0 > η = 1
+    srv = await h.join("S", version=0, credits=4)
+    assert h.adm.lagging(srv) and h.assigned() == []
+    await h.adm.heartbeat(srv, protocol.Heartbeat(sender_id="S", version=1))
+    assert h.assigned() == []                          # 3 − 1 = 2 > 1: still lagging
+    await h.adm.weights_applied(srv, protocol.WeightsApplied(server_id="S", version=2,
+                                                             checksum="x", seconds=0.1))
+    assert not h.adm.lagging(srv) and len(h.assigned()) == 2
+    assert all(m.version == 3 for m in h.of_type(protocol.Assignment))
+
+
+async def test_expired_lease_is_reissued_with_a_new_attempt():
+    h = Harness(g=2, batch_prompts=8, eta=3, lease_timeout_s=50.0, server_timeout_s=1000.0)
+    await h.join("A", max_concurrency=2, credits=2)
+    first = h.of_type(protocol.Assignment)[0]
+    await h.join("B", max_concurrency=2)
+    h.version = 1
+    h.now += 51                                      # past the lease deadline; both alive
+    await h.adm.tick()
+    assert h.adm.reissue                               # nobody has credits yet
+    await h.adm.work_request(h.adm.servers[b"B"], protocol.WorkRequest(server_id="B", credits=2))
+    again = h.of_type(protocol.Assignment, b"B")[0]
+    assert (again.assignment_id, again.attempt, again.version) == (first.assignment_id, 2, 1)
+    assert np.array_equal(again.prompt_token_ids, first.prompt_token_ids)
+    assert h.buffer.counters["reissued"] == 2 and not h.adm.reissue
+    # The late first copy and the re-issued copy: the first to arrive wins, the other is a duplicate.
+    await h.complete(first)
+    ack = [await h.buffer.put(s, 1) for s in samples_for(again, version=1)]
+    assert [str(x) for x in ack] == ["duplicate", "duplicate"]
+
+
+async def test_lost_server_leases_go_to_another_server():
+    h = Harness(g=2, batch_prompts=8, eta=3, server_timeout_s=10.0)
+    await h.join("A", max_concurrency=4, credits=4)
+    b = await h.join("B", max_concurrency=4)
+    lost = {m.assignment_id for m in h.of_type(protocol.Assignment, b"A")}
+    assert len(lost) == 2
+    h.now += 11
+    h.adm.touch(b"B")                                  # B spoke; A stayed silent
+    await h.adm.tick()
+    assert list(h.adm.servers) == [b"B"]
+    assert h.metrics.value("slipstream_rollout_servers_lost_total", {"reason": "timeout"}) == 1
+    await h.adm.work_request(b, protocol.WorkRequest(server_id="B", credits=4))
+    got = h.of_type(protocol.Assignment, b"B")
+    assert {m.assignment_id for m in got} == lost and all(m.attempt == 2 for m in got)
+
+
+async def test_unreachable_server_is_lost_at_once_and_its_lease_reissued():
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    a = await h.join("A", max_concurrency=2)
+    b = await h.join("B", max_concurrency=2)
+    h.unreachable.add(b"A")
+    await h.adm.work_request(a, protocol.WorkRequest(server_id="A", credits=2))
+    assert b"A" not in h.adm.servers                   # the assignment could not be queued
+    assert h.metrics.value("slipstream_rollout_servers_lost_total", {"reason": "unreachable"}) == 1
+    await h.adm.work_request(b, protocol.WorkRequest(server_id="B", credits=2))
+    (m,) = h.of_type(protocol.Assignment, b"B")
+    assert (m.assignment_id, m.attempt) == ("a1", 2)
+
+
+async def test_each_server_hears_how_many_assignments_of_the_burst_follow():
+    """Assignment.burst_left: a dispatch that hands several assignments to one server counts
+    down to 0 on the last one for that server (interleaved servers each count their own), so the
+    server starts generating on it instead of waiting out its batch window."""
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    a = await h.join("A", max_concurrency=6)
+    b = await h.join("B", max_concurrency=4)
+    a.credits, b.credits = 6, 4                        # both ready when the next dispatch runs
+    await h.adm.dispatch()
+    by = {name: [m.burst_left for m in h.of_type(protocol.Assignment, name)] for name in (b"A", b"B")}
+    assert by == {b"A": [2, 1, 0], b"B": [1, 0]}
+    await h.adm.work_request(b, protocol.WorkRequest(server_id="B", credits=2))   # a burst of one
+    assert h.of_type(protocol.Assignment, b"B")[-1].burst_left == 0
+
+
+async def test_a_server_lost_mid_burst_gets_nothing_more_of_it():
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    a = await h.join("A", max_concurrency=6)
+    a.credits = 6
+    h.unreachable.add(b"A")
+    await h.adm.dispatch()                             # the first send fails: A is lost
+    assert b"A" not in h.adm.servers and h.of_type(protocol.Assignment) == []
+    assert h.attempts.count(b"A") == 2                 # the Welcome and one assignment, no more
+    await h.join("B", max_concurrency=6, credits=6)
+    got = h.of_type(protocol.Assignment, b"B")
+    assert sorted(m.assignment_id for m in got) == ["a1", "a2", "a3"]   # all three re-issued
+    assert [m.burst_left for m in got] == [2, 1, 0] and {m.attempt for m in got} == {2}
+
+
+async def test_announce_rejoin_and_reannounce():
+    h = Harness(reannounce_s=5.0)
+    srv = await h.join("S")
+    manifest = protocol.WeightsAvailable(version=1, kind="full", tensors=[], total_bytes=0,
+                                         chunk_bytes=1024, num_chunks=0, checksum="c1")
+    h.version = 1
+    await h.adm.announce(manifest)
+    assert h.of_type(protocol.WeightsAvailable, b"S") == [manifest]
+    await h.adm.heartbeat(srv, protocol.Heartbeat(sender_id="S", version=0))
+    assert len(h.of_type(protocol.WeightsAvailable)) == 1        # announced just now
+    h.now += 6
+    await h.adm.heartbeat(srv, protocol.Heartbeat(sender_id="S", version=0))
+    assert len(h.of_type(protocol.WeightsAvailable)) == 2        # still behind: again
+    await h.join("S", version=0)                                 # rejoin behind: again
+    assert len(h.of_type(protocol.WeightsAvailable)) == 3
+    await h.join("T", version=1)                                 # a new server already there: no
+    assert h.of_type(protocol.WeightsAvailable, b"T") == []
+    ok = await h.adm.weights_applied(srv, protocol.WeightsApplied(server_id="S", version=1,
+                                                                  checksum="wrong", seconds=0.0))
+    assert not ok and ("checksum_mismatch" in [e for e, _ in h.log])
+    assert h.metrics.value("slipstream_server_policy_version", {"server": "S"}) == 1
+
+
+async def test_close_stops_new_work():
+    h = Harness(g=2, batch_prompts=8, eta=3)
+    srv = await h.join("S", max_concurrency=4)
+    h.adm.close()
+    await h.adm.work_request(srv, protocol.WorkRequest(server_id="S", credits=4))
+    assert h.assigned() == []
+
+
+@pytest.mark.parametrize("max_concurrency", [1, 3])
+async def test_credits_below_a_group_get_no_work(max_concurrency):
+    h = Harness(g=2 if max_concurrency == 3 else 4, batch_prompts=8, eta=3)
+    srv = await h.join("S", max_concurrency=max_concurrency, credits=max_concurrency)
+    g = h.buffer.group_size
+    assert len(h.assigned()) == max_concurrency // g
+    assert srv.credits == max_concurrency % g
+
+
+async def test_max_inflight_per_server_caps_and_pause_stops_dispatch():
+    h = Harness(g=2, batch_prompts=4, eta=1)           # B = 8: the gate (16) is not the limit here
+    cap = {"n": 2}
+    h.adm.max_inflight = lambda: cap["n"]
+    a = await h.join("A", max_concurrency=8, credits=8)
+    assert h.assigned() == [(b"A", "a1")]               # 2 outstanding: one group under a cap of 2
+    cap["n"] = 4                                        # ctl set max_inflight_per_server 4
+    await h.adm.dispatch()
+    assert [aid for _, aid in h.assigned()] == ["a1", "a2"]
+    h.adm.paused = True                                 # ctl pause: nothing new, credits kept
+    cap["n"] = 0
+    await h.adm.dispatch()
+    assert len(h.assigned()) == 2 and a.credits == 4
+    h.adm.paused = False
+    await h.adm.dispatch()
+    assert [aid for _, aid in h.assigned()] == ["a1", "a2", "a3", "a4"] and a.credits == 0

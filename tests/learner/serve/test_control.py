@@ -1,0 +1,196 @@
+"""Control without a socket: commands, validation through the pydantic config, the buffer told."""
+
+from __future__ import annotations
+
+import pytest
+
+import protocol
+from buffer import RolloutBuffer
+from learner.config import LearnerConfig
+from learner.metrics import LearnerMetrics
+from learner.serve.control import Control, describe
+
+
+@pytest.fixture
+def ctl():
+    cfg = LearnerConfig(max_staleness=2, group_size=2, batch_prompts=2)
+    buf = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=2, max_staleness=2)
+    state = {"stopped": 0, "after_set": 0}
+
+    async def after_set():
+        state["after_set"] += 1
+
+    c = Control(cfg, buf, metrics=LearnerMetrics(), status=lambda: {"version": 7},
+                stop=lambda: state.__setitem__("stopped", state["stopped"] + 1), after_set=after_set)
+    c.state = state
+    return c
+
+
+SETTABLE = ["clip_anchor", "is_cap", "is_mode", "kl_coef", "lr", "max_inflight_per_server", "max_staleness",
+            "stale_policy", "target_kl", "temperature"]
+
+
+async def run(c: Control, command: str, **args) -> protocol.ControlReply:
+    return await c.request(protocol.ControlRequest(command=command, args=args))
+
+
+async def test_status_lists_what_is_settable(ctl):
+    reply = await run(ctl, "status")
+    assert reply.ok
+    assert reply.result["version"] == 7
+    assert reply.result["settable"] == SETTABLE
+    assert reply.result["max_staleness"] == 2 and reply.result["stale_policy"] == "drop"
+    assert reply.result["paused"] is False and reply.result["pending"] == {}
+
+
+async def test_good_set_changes_config_buffer_and_gauge(ctl):
+    reply = await run(ctl, "set", key="max_staleness", value="0")     # ctl sends strings
+    assert reply.ok and reply.result["max_staleness"] == 0
+    assert ctl.cfg.max_staleness == 0 and ctl.buffer.max_staleness == 0
+    assert ctl.metrics.value("slipstream_max_staleness") == 0
+    reply = await run(ctl, "set", key="stale_policy", value="correct")
+    assert reply.ok and ctl.cfg.stale_policy == "correct" and ctl.buffer.stale_policy == "correct"
+    assert ctl.state["after_set"] == 2
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("max_staleness", "-1", ["greater than or equal to 0", "max_staleness takes an integer >= 0"]),
+    ("max_staleness", "1.5", ["valid integer", "max_staleness takes an integer >= 0"]),
+    ("max_staleness", None, ["max_staleness takes an integer >= 0"]),
+    ("stale_policy", "sometimes", ["'drop' or 'correct'", "stale_policy takes one of drop, correct"]),
+])
+async def test_bad_value_is_refused_with_what_the_key_takes(ctl, key, value, says):
+    before = getattr(ctl.cfg, key)
+    reply = await run(ctl, "set", key=key, value=value)
+    assert not reply.ok
+    for text in says:
+        assert text in reply.error
+    assert getattr(ctl.cfg, key) == before
+    assert (ctl.buffer.max_staleness, ctl.buffer.stale_policy) == (2, "drop")
+    assert ctl.state["after_set"] == 0
+
+
+@pytest.mark.parametrize("args", [{"key": "seed", "value": "1"}, {"key": 3, "value": "1"},
+                                  {"key": "lora", "value": {"r": 4}}])
+async def test_unknown_setting_names_the_settable_ones(ctl, args):
+    reply = await run(ctl, "set", **args)
+    assert not reply.ok and f"settable: {', '.join(SETTABLE)}" in reply.error
+    assert ctl.cfg.seed == 0 and ctl.cfg.lora is None
+
+
+async def test_set_without_value_says_what_it_takes(ctl):
+    reply = await run(ctl, "set", key="max_staleness")
+    assert not reply.ok and "{key, value}" in reply.error
+
+
+async def test_get_one_key_and_unknown_key(ctl):
+    assert (await run(ctl, "get", key="lr")).result == {"lr": 3e-4}
+    assert (await run(ctl, "get")).result["settable"] == SETTABLE
+    bad = await run(ctl, "get", key="nope")
+    assert not bad.ok and "max_staleness" in bad.error
+
+
+async def test_stop_and_unknown_command(ctl):
+    assert (await run(ctl, "stop")).result == {"stopping": True} and ctl.state["stopped"] == 1
+    bad = await run(ctl, "reboot")
+    assert not bad.ok and bad.error.endswith("commands: status, get, set, pause, resume, checkpoint, stop")
+
+
+async def test_wrong_message_type_is_a_protocol_error(ctl):
+    with pytest.raises(protocol.ProtocolError, match="control socket"):
+        await ctl.handle(b"x", protocol.Heartbeat(sender_id="s", version=0))
+
+
+def test_describe_reads_the_field_definition():
+    assert describe("max_staleness") == "an integer >= 0"
+    assert describe("stale_policy") == "one of drop, correct"
+    assert describe("top_p") == "a number >= 1e-09 and <= 1"
+    assert describe("target_kl") == "a number > 0, or null (off)"
+
+
+class FakeTrainer:
+    """What Control.before_step touches on the trainer: its own config copy and the KL controller
+    (the real Trainer in the service test below)."""
+
+    def __init__(self, cfg: LearnerConfig):
+        import ops
+
+        self.cfg = cfg.model_copy(deep=True)
+        self.kl_controller = ops.AdaptiveKLController(0.1, 0.1, 1000.0)
+
+
+async def test_step_settings_reach_the_trainer_only_between_steps(ctl):
+    trainer = FakeTrainer(ctl.cfg)
+    for key, value in (("is_mode", "mis"), ("is_cap", 3), ("lr", "0.001"), ("target_kl", "null"),
+                       ("target_kl", 0.05), ("kl_coef", 0.5)):
+        reply = await run(ctl, "set", key=key, value=None if value == "null" else value)
+        assert reply.ok, reply.error
+    # The service's config changed at once; the trainer's copy not yet (a step may be running).
+    assert (ctl.cfg.is_mode, ctl.cfg.is_cap, ctl.cfg.lr, ctl.cfg.target_kl) == ("mis", 3.0, 1e-3, 0.05)
+    assert (trainer.cfg.is_mode, trainer.cfg.lr, trainer.cfg.target_kl) == ("tis", 3e-4, None)
+    assert (await run(ctl, "status")).result["pending"] == {
+        "is_mode": "mis", "is_cap": 3.0, "lr": 1e-3, "target_kl": 0.05, "kl_coef": 0.5}
+    ctl.before_step(trainer)
+    assert (trainer.cfg.is_mode, trainer.cfg.is_cap, trainer.cfg.lr, trainer.cfg.target_kl,
+            trainer.cfg.kl_coef) == ("mis", 3.0, 1e-3, 0.05, 0.5)
+    assert trainer.kl_controller.value == 0.5
+    assert (await run(ctl, "status")).result["pending"] == {}
+    m = ctl.metrics
+    assert m.value("slipstream_setting", {"key": "lr"}) == 1e-3 and m.value("slipstream_setting", {"key": "is_cap"}) == 3
+    assert m.value("slipstream_control_changes_total", {"key": "target_kl"}) == 2
+
+
+async def test_clip_anchor_is_a_step_setting_and_refused_beside_target_kl(ctl):
+    trainer = FakeTrainer(ctl.cfg)
+    assert (await run(ctl, "set", key="target_kl", value=0.05)).ok
+    reply = await run(ctl, "set", key="clip_anchor", value="behavior")
+    assert not reply.ok and "target_kl" in reply.error and ctl.cfg.clip_anchor == "proximal"
+    assert (await run(ctl, "set", key="target_kl", value=None)).ok
+    assert (await run(ctl, "set", key="clip_anchor", value="behavior")).ok
+    assert trainer.cfg.clip_anchor == "proximal"          # not before the next step
+    ctl.before_step(trainer)
+    assert trainer.cfg.clip_anchor == "behavior"
+
+
+async def test_kl_coef_needs_a_reference_loaded_at_start():
+    cfg = LearnerConfig(group_size=2, batch_prompts=2)
+    buf = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=2)
+    c = Control(cfg, buf, metrics=LearnerMetrics(), status=dict, stop=lambda: None,
+                has_reference=lambda: False)
+    reply = await run(c, "set", key="kl_coef", value=0.1)
+    assert not reply.ok and "no reference policy" in reply.error and cfg.kl_coef == 0
+    assert (await run(c, "set", key="kl_coef", value=0)).ok         # 0 stays allowed
+    assert c._pending == {"kl_coef": 0.0}
+
+
+async def test_pause_resume_and_checkpoint(ctl):
+    calls = []
+    ctl._pause = calls.append
+    assert not ctl.paused and ctl.resumed.is_set()
+    reply = await run(ctl, "pause")
+    assert reply.ok and reply.result["paused"] is True and not ctl.resumed.is_set()
+    assert (await run(ctl, "pause")).ok and calls == [True]          # idempotent
+    assert ctl.metrics.value("slipstream_paused") == 1
+    reply = await run(ctl, "resume")
+    assert reply.ok and reply.result["paused"] is False and ctl.resumed.is_set()
+    assert calls == [True, False] and ctl.state["after_set"] == 1
+    assert ctl.metrics.value("slipstream_paused") == 0
+    bad = await run(ctl, "checkpoint")
+    assert not bad.ok and "not available" in bad.error
+
+    async def checkpoint():
+        return {"path": "/x/step-3"}
+    ctl.checkpoint = checkpoint
+    assert (await run(ctl, "checkpoint")).result == {"path": "/x/step-3"}
+
+    async def full_disk():
+        raise OSError(28, "No space left on device")
+    ctl.checkpoint = full_disk
+    bad = await run(ctl, "checkpoint")
+    assert not bad.ok and "No space left" in bad.error
+
+
+async def test_stop_while_paused_lets_the_train_loop_go(ctl):
+    await run(ctl, "pause")
+    await run(ctl, "stop")
+    assert ctl.resumed.is_set() and ctl.state["stopped"] == 1

@@ -1,0 +1,128 @@
+"""Intake without a socket or a model: every check against the run, and nothing invalid buffered."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from learner_testkit import samples_for
+
+import protocol
+from buffer import RolloutBuffer
+from learner.metrics import LearnerMetrics
+from learner.serve.intake import REASONS, Intake
+
+VOCAB = 50
+
+
+def setup(version: int = 1, max_new_tokens: int = 4):
+    buf = RolloutBuffer(batch_samples=2, group_size=2, max_staleness=3)
+    a = protocol.Assignment(assignment_id="a1", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
+                            group_size=2, version=0,
+                            sampling=protocol.SamplingParams(max_new_tokens=max_new_tokens))
+    buf.issue("a1", "s", 2, payload=a)
+    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: version,
+                    metrics=LearnerMetrics())
+    return buf, a, intake
+
+
+def corrupt(a: protocol.Assignment, how: str) -> protocol.Sample:
+    s = samples_for(a, version=0)[0]
+    if how == "vocab":
+        s.completion_token_ids = np.array([4, VOCAB, 5], np.int32)
+    elif how == "vocab_negative":
+        s.completion_token_ids = np.array([4, -3, 5], np.int32)
+    elif how == "vocab_prompt":
+        s.prompt_token_ids = np.array([1, 7, VOCAB + 100], np.int32)
+    elif how == "length":
+        s.completion_token_ids = np.arange(5, dtype=np.int32)
+        s.behavior_logprobs = np.full(5, -1.0, np.float32)
+        s.token_versions = np.zeros(5, np.int32)
+    elif how == "version":
+        s.token_versions = np.array([0, 2, 0], np.int32)    # newest token not last: all are checked
+    elif how == "prompt":
+        s.prompt_token_ids = np.array([1, 7, 8], np.int32)
+    elif how == "group_size":
+        s.group_size = 3
+    elif how == "sample_id":
+        s.sample_id = "a2/0"                                  # would poison a2's dedupe slot
+    elif how == "reward_huge":
+        s.reward = 1e30                                       # finite, but NaN statistics in fp32
+    elif how == "reward_negative":
+        s.reward = -2e6
+    return s
+
+
+REASON_OF = {"vocab": "vocab", "vocab_negative": "vocab", "vocab_prompt": "vocab", "length": "length",
+             "version": "version", "prompt": "prompt", "group_size": "group_size",
+             "sample_id": "sample_id", "reward_huge": "reward", "reward_negative": "reward"}
+
+
+@pytest.mark.parametrize("how", list(REASON_OF))
+async def test_invalid_sample_is_acked_invalid_counted_and_never_buffered(how):
+    buf, a, intake = setup()
+    s = corrupt(a, how)
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[s]))
+    assert ack.statuses == ["invalid"] and ack.sample_ids == [s.sample_id]
+    reason = REASON_OF[how]
+    assert reason in REASONS
+    assert intake.invalid == {reason: 1}
+    assert intake.metrics.value("slipstream_samples_invalid_total", {"reason": reason}) == 1
+    assert intake.metrics.value("slipstream_samples_total", {"status": "invalid"}) == 1
+    assert buf.pending_samples == 0 and buf.counters["accepted"] == 0
+    assert buf.inflight_samples == 2                          # the slot waits for re-issue
+
+
+async def test_valid_group_is_accepted_next_to_an_invalid_copy():
+    buf, a, intake = setup()
+    good = samples_for(a, version=1)
+    ack = await intake.receive(protocol.RolloutResult(server_id="s",
+                                                      samples=[corrupt(a, "vocab"), *good]))
+    assert ack.statuses == ["invalid", "accepted", "accepted"]
+    batch = buf.poll_batch(1)
+    assert batch is not None and all(int(s.completion_token_ids.max()) < VOCAB for s in batch.samples)
+
+
+async def test_length_limit_is_the_assignments_or_the_config_once_it_is_gone():
+    buf, a, intake = setup(max_new_tokens=4)
+    s = samples_for(a, version=0, tokens=4)[0]
+    assert intake.check(s, 1) is None                          # 4 <= the assignment's 4
+    buf.cancel("a1")                                           # no lease any more: config's 16
+    long = samples_for(a, version=0, tokens=16)[0]
+    assert intake.check(long, 1) is None
+    longer = samples_for(a, version=0, tokens=17)[0]
+    assert intake.check(longer, 1)[0] == "length"
+
+
+async def test_prompt_is_not_checked_without_a_lease_but_nothing_is_buffered():
+    buf, a, intake = setup()
+    buf.cancel("a1")
+    s = corrupt(a, "prompt")
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[s]))
+    assert ack.statuses == ["duplicate"] and buf.pending_samples == 0
+
+
+async def test_a_prompt_equal_to_the_assignments_is_range_checked_through_the_assignment():
+    """The range check of a prompt that is the lease's own is made once per Assignment object:
+    an issued prompt outside the vocabulary still refuses every sample that carries it, and a
+    sample whose prompt differs is checked itself (vocab before prompt)."""
+    buf = RolloutBuffer(batch_samples=2, group_size=2, max_staleness=3)
+    good = protocol.Assignment(assignment_id="a1", prompt_id="p", group_size=2, version=0,
+                               prompt_token_ids=np.array([1, 7, 9], np.int32))
+    bad = protocol.Assignment(assignment_id="a2", prompt_id="q", group_size=2, version=0,
+                              prompt_token_ids=np.array([1, VOCAB, 9], np.int32))
+    buf.issue("a1", "s", 2, payload=good)
+    buf.issue("a2", "s", 2, payload=bad)
+    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: 1,
+                    metrics=LearnerMetrics())
+    g0, g1 = samples_for(good, version=0)
+    assert intake.check(g0, 1) is None and intake._in_range_assignment is good
+    assert intake.check(g1, 1) is None
+    for s in samples_for(bad, version=0):                 # the issued prompt itself is out of range
+        assert intake.check(s, 1)[0] == "vocab"
+        assert intake._in_range_assignment is good
+    stray = samples_for(good, version=0, prompt_token_ids=np.array([1, -1, 9], np.int32))[0]
+    assert intake.check(stray, 1)[0] == "vocab"
+    other = samples_for(good, version=0, prompt_token_ids=np.array([1, 7, 8], np.int32))[0]
+    assert intake.check(other, 1)[0] == "prompt"
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[g0, g1]))
+    assert ack.statuses == ["accepted", "accepted"]

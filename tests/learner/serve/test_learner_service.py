@@ -1,0 +1,361 @@
+"""A real LearnerService (tiny model, real ZeroMQ sockets, real HTTP) against clients played by
+the test: an honest rollout server, and hostile ones for every crash or stall found so far."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import threading
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from learner_testkit import (
+    FakeServer,
+    HonestServer,
+    ctl,
+    http_get,
+    learner_config,
+    metric,
+    running_learner,
+    samples_for,
+    wait_until,
+)
+
+import protocol
+from learner.serve.service import LearnerService
+
+pytestmark = pytest.mark.slow
+
+
+async def test_trains_with_an_honest_server_and_serves_health_metrics_control(tmp_path, tiny_model_dir):
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(2)
+        status, health = await asyncio.to_thread(http_get, svc.endpoints["healthz"])
+        assert status == 200 and health["ok"] is True
+        assert health["run_id"] == "test" and health["version"] >= 2 and health["stopping"] is False
+        assert health["servers"] in (0, 1)                       # the honest server just left
+        status, text = await asyncio.to_thread(http_get, svc.endpoints["metrics"])
+        assert status == 200 and "slipstream_policy_version" in text
+        reply = await ctl(svc.endpoints["control"], "status")
+        assert reply.ok and reply.result["version"] >= 2 and reply.result["settable"]
+        assert svc.buffer.counters["consumed"] >= 4
+
+
+async def test_the_model_is_loaded_and_trained_on_one_thread(tmp_path, tiny_model_dir, monkeypatch):
+    """torch's OpenMP pool belongs to the thread that calls into it: a model loaded on the event
+    loop's thread and trained on another ran its steps 2x slower with 2 threads (0.181 against
+    0.083 s at eta 0 on 2 cores). Loading, building the trainer and every step share one thread.
+    (Run at the test kit's one thread: torch's thread count is global to this pytest process.)"""
+    import learner.serve.service as service_module
+    threads = []
+    real = service_module.make_trainer
+
+    def recording(*args, **kwargs):
+        threads.append(("load", threading.get_ident()))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(service_module, "make_trainer", recording)
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        step = svc.trainer.step
+
+        def recording_step(batch):
+            threads.append(("step", threading.get_ident()))
+            return step(batch)
+        svc.trainer.step = recording_step
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(2)
+    kinds = [k for k, _ in threads]
+    assert kinds[0] == "load" and kinds.count("step") >= 2, kinds
+    assert len({t for _, t in threads}) == 1 and threads[0][1] != threading.get_ident(), threads
+
+
+async def test_invalid_samples_are_acked_invalid_and_never_reach_the_trainer(tmp_path, tiny_model_dir):
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        vocab = svc.intake.vocab_size
+        bad = FakeServer(svc.endpoints["rollout"], "hostile", max_concurrency=2)
+        try:
+            await bad.hello()
+            await bad.work(2)
+            a = await bad.expect(protocol.Assignment)
+            assert a.sampling == svc.sampling() and a.metadata["answer"]
+            good = samples_for(a, version=0)[0]
+            cases = {
+                "vocab": dict(completion_token_ids=np.array([4, vocab, 5], np.int32)),
+                "length": dict(completion_token_ids=np.arange(4, 9, dtype=np.int32),
+                               behavior_logprobs=np.full(5, -1.0, np.float32),
+                               token_versions=np.zeros(5, np.int32)),
+                "version": dict(token_versions=np.array([0, 5, 0], np.int32)),
+                "prompt": dict(prompt_token_ids=np.array([1, 2, 3], np.int32)),
+                "group_size": dict(group_size=3),
+                "reward": dict(reward=1e30),
+            }
+            for reason, change in cases.items():
+                fields = {f: getattr(good, f) for f in protocol.Sample.__dataclass_fields__}
+                fields.update(change)
+                ack = await bad.answer([protocol.Sample(**fields)])
+                assert ack.statuses == ["invalid"], reason
+                assert metric(svc, "slipstream_samples_invalid_total", reason=reason) == 1
+            assert svc.buffer.counters["accepted"] == 0 and svc.buffer.pending_samples == 0
+            async with HonestServer(svc.endpoints["rollout"]) as honest:
+                await honest.wait_version(2)                     # trained: nothing invalid got in
+        finally:
+            bad.close()
+
+
+async def test_huge_work_request_with_heartbeats_does_not_freeze_training(tmp_path, tiny_model_dir):
+    # B = 2 prompts x 2 = 4 samples, eta = 1: the gate allows 8 samples = 4 groups at version 0. A
+    # server granted 10^12 credits used to take all 4 and, by beating, keep them.
+    cfg = learner_config(tmp_path, batch_prompts=2)
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        bad = FakeServer(svc.endpoints["rollout"], "greedy", max_concurrency=2)
+
+        async def beat():
+            while True:
+                await bad.heartbeat(0)
+                await asyncio.sleep(0.05)
+
+        beating = None
+        try:
+            await bad.hello()
+            await bad.work(10**12)
+            await bad.expect(protocol.Assignment)
+            beating = asyncio.create_task(beat())
+            async with HonestServer(svc.endpoints["rollout"]) as good:
+                await good.wait_version(3, timeout_s=60)
+            beating.cancel()                                     # (the learner echoes each beat)
+            got = [m for m in await bad.drain() if isinstance(m, protocol.Assignment)]
+            assert got == []                                     # one group (2 samples) in all
+            assert metric(svc, "slipstream_credits_refused_total") == 10**12 - 2
+        finally:
+            if beating is not None:
+                beating.cancel()
+            bad.close()
+
+
+async def test_heartbeat_is_echoed_with_the_learner_version(tmp_path, tiny_model_dir):
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        s = FakeServer(svc.endpoints["rollout"], "beater", max_concurrency=4)
+        try:
+            await s.hello()
+            await s.heartbeat(0)
+            echo = await s.expect(protocol.Heartbeat, skip=(protocol.WeightsAvailable, protocol.Assignment))
+            assert echo.sender_id.startswith("learner-") and echo.version == svc.version
+        finally:
+            s.close()
+
+
+async def test_refused_assignment_is_reissued_at_once(tmp_path, tiny_model_dir):
+    """A server that cannot take an assignment says so; the lease comes back for re-issue now,
+    not after its deadline (lease_timeout_s is 120 s here), and is given up after max_attempts."""
+    cfg = learner_config(tmp_path, batch_prompts=2)
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        s = FakeServer(svc.endpoints["rollout"], "picky", max_concurrency=2)
+        try:
+            await s.hello()
+            await s.work(2)
+            first = await s.expect(protocol.Assignment)
+            await s.send(protocol.Error(code="assignment_refused", message="prompt too long",
+                                        ref_id=first.assignment_id))
+            await s.work(2)
+            again = await s.expect(protocol.Assignment, timeout_s=10)
+            assert (again.assignment_id, again.attempt) == (first.assignment_id, 2)
+            assert metric(svc, "slipstream_server_errors_total", code="assignment_refused") == 1
+            assert svc.buffer.counters["released"] == 2
+        finally:
+            s.close()
+
+
+async def test_repeated_hello_adds_no_credits(tmp_path, tiny_model_dir):
+    cfg = learner_config(tmp_path, batch_prompts=8, max_staleness=4)  # the gate allows 40 groups
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        s = FakeServer(svc.endpoints["rollout"], "flappy", max_concurrency=4)
+        try:
+            for _ in range(6):
+                await s.hello()
+                await s.work(4)
+            msgs = await s.drain(timeout_s=0.5)
+            assignments = [m for m in s.seen if isinstance(m, protocol.Assignment)]
+            assert len(assignments) == 2, msgs                   # 4 credits = 2 groups, once
+            (srv,) = svc.admission.servers.values()
+            assert srv.credits + svc.admission.outstanding(srv) == 4
+            assert metric(svc, "slipstream_rollout_servers") == 1
+        finally:
+            s.close()
+
+
+ZMTP_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+
+
+def zmtp_ready(socket_type: bytes) -> bytes:
+    """A ZMTP 3.0 READY command (NULL mechanism) declaring ``socket_type``."""
+    name = b"Socket-Type"
+    body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(socket_type)) + socket_type
+    return b"\x04" + bytes([len(body)]) + body
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def zmtp_dealer(endpoint: str):
+    """A raw TCP connection through the ZMTP 3.0 handshake as a DEALER, in lock step as libzmq
+    expects: greeting, the peer's greeting, READY, the peer's READY."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(ZMTP_GREETING)
+    greeting = await asyncio.wait_for(reader.readexactly(64), 10)
+    assert greeting[0] == 0xFF and greeting[10] == 3, greeting
+    writer.write(zmtp_ready(b"DEALER"))
+    flags, size = await asyncio.wait_for(reader.readexactly(2), 10)
+    assert flags == 0x04 and (await reader.readexactly(size)).startswith(b"\x05READY")
+    return reader, writer
+
+
+async def send_huge_frame(endpoint: str, claimed: int = 2 << 30, limit: int = 64 << 20) -> int:
+    """One frame announced as ``claimed`` bytes (ZMTP long frame), streamed in 1 MiB pieces until
+    the peer hangs up. Returns the bytes written (``limit`` if it never did: not refused)."""
+    _, writer = await zmtp_dealer(endpoint)
+    written = 0
+    try:
+        writer.write(b"\x02" + struct.pack(">Q", claimed))
+        piece = bytes(1 << 20)
+        while written < limit:
+            writer.write(piece)
+            await asyncio.wait_for(writer.drain(), 30)
+            written += len(piece)
+    except ConnectionError:
+        return written
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return written
+
+
+async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, tiny_model_dir):
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        # The hand-made handshake is right: a small frame through it reaches the learner (and is
+        # refused there as the one-frame garbage it is).
+        _, writer = await zmtp_dealer(svc.endpoints["rollout"])
+        writer.write(b"\x00\x05hello")
+        await wait_until(lambda: metric(svc, "slipstream_protocol_errors_total", socket="rollout") == 1,
+                         what="the raw ZMTP frame decoded")
+        writer.close()
+        before = rss_bytes()
+        for name in ("rollout", "weights", "control"):
+            written = await send_huge_frame(svc.endpoints[name])
+            assert written < 64 << 20, f"{name}: a 2 GiB frame was not refused"
+        assert rss_bytes() - before < 32 << 20
+        assert [metric(svc, "slipstream_protocol_errors_total", socket=n)
+                for n in ("rollout", "weights", "control")] == [1, 0, 0]      # never decoded
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(1)
+        assert (await ctl(svc.endpoints["control"], "status")).ok
+
+
+async def test_garbage_and_wrong_types_on_every_socket_are_counted(tmp_path, tiny_model_dir):
+    hello = protocol.Hello(server_id="x", engine="e", model="m", version=0)
+    bad_inputs = {
+        "rollout": [[b"garbage"], [b"\x92\x01", b"\xc1"],
+                    protocol.encode(protocol.ControlRequest(command="status")),
+                    protocol.encode(protocol.Welcome(learner_id="l", run_id="r", version=0,
+                                                     weights_endpoint="tcp://h:1"))],
+        "weights": [[b"garbage"], protocol.encode(hello), [b"a", b"b", b"c"]],
+        "control": [[b"\xff" * 100], protocol.encode(protocol.Heartbeat(sender_id="x", version=0))],
+    }
+    async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
+        ctx = zmq.asyncio.Context.instance()
+        for name, inputs in bad_inputs.items():
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(svc.endpoints[name])
+            try:
+                for frames in inputs:
+                    await sock.send_multipart(frames)
+                    assert await sock.poll(10_000), f"{name}: no answer to {frames!r}"
+                    reply = protocol.decode(await sock.recv_multipart())
+                    if name == "control":
+                        assert isinstance(reply, protocol.ControlReply) and not reply.ok
+                    else:
+                        assert isinstance(reply, protocol.Error) and reply.code == "protocol_error"
+            finally:
+                sock.close(0)
+            assert metric(svc, "slipstream_protocol_errors_total", socket=name) == len(inputs)
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(1)
+        assert (await ctl(svc.endpoints["control"], "status")).ok
+
+
+async def test_a_server_that_stops_reading_never_blocks_the_learner(tmp_path, tiny_model_dir):
+    # send_hwm 2: the learner queues at most 2 messages for a peer. The hostile peer reads nothing
+    # and keeps its kernel buffer tiny; each result it sends is answered by a ~0.9 MiB Ack.
+    cfg = learner_config(tmp_path, send_hwm=2)
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        slow = FakeServer(svc.endpoints["rollout"], "slow", RCVHWM=1, RCVBUF=4096)
+        try:
+            await slow.hello()
+            filler = [protocol.Sample(
+                sample_id="z" * 75_000, assignment_id=f"nope{i}", group_index=0, group_size=2,
+                prompt_token_ids=np.zeros(1, np.int32), completion_token_ids=np.zeros(0, np.int32),
+                behavior_logprobs=np.zeros(0, np.float32), token_versions=np.zeros(0, np.int32),
+                reward=0.0) for i in range(12)]
+            for _ in range(30):
+                await slow.send(protocol.RolloutResult(server_id="slow", samples=filler))
+            await wait_until(lambda: metric(svc, "slipstream_send_dropped_total", socket="rollout",
+                                            reason="full") >= 1, what="a send refused as full")
+            assert "slow" not in {s.server_id for s in svc.admission.servers.values()}
+            assert metric(svc, "slipstream_rollout_servers_lost_total", reason="unreachable") == 1
+            async with HonestServer(svc.endpoints["rollout"]) as good:     # the loop still serves
+                await good.wait_version(2, timeout_s=60)
+            assert (await ctl(svc.endpoints["control"], "status")).ok
+        finally:
+            slow.close()
+
+
+async def test_port_in_use_is_a_startup_error_before_the_model_loads(tmp_path, tiny_model_dir):
+    ctx = zmq.Context.instance()
+    taken = ctx.socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        svc = LearnerService(learner_config(tmp_path, control_port=port), tiny_model_dir)
+        with pytest.raises(protocol.StartupError, match=rf"learner\.control_port: port {port} .*in use"):
+            await svc.run()
+        assert svc.trainer is None and svc.sockets == {}
+    finally:
+        taken.close(0)
+
+
+def test_batch_versions_are_the_oldest_and_newest_token_of_the_batch():
+    """LearnerService.batch_versions (one concatenation) against the per-sample definition: the
+    oldest token version (-1 when a sample has no tokens), the newest (0 at least)."""
+    from types import SimpleNamespace
+
+    from buffer import Batch
+
+    def sample(i, versions):
+        tv = np.asarray(versions, np.int32)
+        return protocol.Sample(
+            sample_id=f"a/{i}", assignment_id="a", group_index=i, group_size=4,
+            prompt_token_ids=np.zeros(2, np.int32), completion_token_ids=np.zeros(len(tv), np.int32),
+            behavior_logprobs=np.zeros(len(tv), np.float32), token_versions=tv, reward=0.0)
+
+    def reference(version, samples):
+        return {"trained_on_version": float(version),
+                "token_version_min": float(min(s.min_version for s in samples)),
+                "token_version_max": float(max(int(s.token_versions.max(initial=0)) for s in samples))}
+
+    rng = np.random.default_rng(0)
+    cases = [[[3, 4], [5], [2, 7, 7], [6]], [[3, 4], [], [5], [6]], [[], [], [], []], [[0], [0], [1], [0]]]
+    cases += [[list(rng.integers(0, 50, rng.integers(0, 9))) for _ in range(4)] for _ in range(50)]
+    for versions in cases:
+        samples = [sample(i, v) for i, v in enumerate(versions)]
+        got = LearnerService.batch_versions(SimpleNamespace(version=9), Batch(samples=samples, version=9))
+        assert got == reference(9, samples), versions
