@@ -65,6 +65,7 @@ from learner.serve.weights_server import Publisher, WeightsServer
 from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports
 from learner.state.learner_checkpoints import LearnerCheckpoints
 from learner.state.rollout_log import LearnerRolloutLog, RolloutLogFailed
+from learner.state.run_state import RunState
 from learner.train.distributed import make_trainer
 from learner.train.trainer import SkippedStep
 from protocol.http import HttpEndpoint
@@ -98,9 +99,9 @@ class LearnerService:
         self.cfg = cfg
         self.model_path = model_path
         self.resume = resume                  # --resume: "latest" or a checkpoint directory
-        self.run_id = run_id or f"{Path(cfg.run_dir).name}-{uuid.uuid4().hex[:6]}"
+        # The run id, the policy version and the assignment counter (a resume loads them first).
+        self.state = RunState(run_id or f"{Path(cfg.run_dir).name}-{uuid.uuid4().hex[:6]}")
         self.run_dir = Path(cfg.run_dir)
-        self.version = 0
         self.log = EventLog("learner", run_id=lambda: self.run_id, version=lambda: self.version)
         self.metrics = LearnerMetrics()
         # The model's load, every step, the checkpoints' tensor copies and the final save on one
@@ -249,6 +250,26 @@ class LearnerService:
         base = f"http://{cfg.metrics_host}:{http_port}"
         self.endpoints.update(metrics=f"{base}/metrics", healthz=f"{base}/healthz")
 
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.state.version = value
+
+    @property
+    def assignment_counter(self) -> int:
+        return self.state.assignment_counter
+
+    @assignment_counter.setter
+    def assignment_counter(self, value: int) -> None:
+        self.state.assignment_counter = value
+
     async def on_train_thread(self, fn, *args):
         """``fn(*args)`` on :attr:`train_thread`, where all of this process's torch work runs."""
         return await asyncio.get_running_loop().run_in_executor(self.train_thread, fn, *args)
@@ -256,6 +277,8 @@ class LearnerService:
     def _load(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
+        if resumed is not None:            # before anything reads the run id (evaluation's ids)
+            self.checkpoints.load_run_state(resumed, self.state)
         # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
         self.trainer = make_trainer(self.cfg.model_copy(deep=True), self.model_path)   # DeepSpeed or not

@@ -72,20 +72,26 @@ class LearnerCheckpoints:
         path = self.store.resolve(spec)
         return self.store.read(path)
 
+    def load_run_state(self, ckpt: Checkpoint, run: Any) -> None:
+        """The checkpoint's run id, version and assignment counter into ``run`` (a
+        :class:`learner.state.run_state.RunState`), first, before the service builds what reads them."""
+        try:
+            run.load_state_dict(ckpt.state)
+        except (ValueError, KeyError, TypeError) as e:
+            raise checkpoint_error(ckpt.path, f"state.json does not fit this learner: {str(e)[:300]}") from None
+
     def apply(self, ckpt: Checkpoint) -> None:
-        """Into the service (after its trainer is built): everything :meth:`capture` saved."""
+        """Into the service (after its trainer is built and :meth:`load_run_state`): everything
+        else :meth:`capture` saved."""
         svc, st = self.svc, ckpt.state
         start = time.monotonic()
         self.store.restore_trainer(ckpt, svc.trainer)
         try:
-            svc.run_id = str(st["run_id"])
-            svc.version = int(st["version"])
             svc.prompts.load_state_dict(st["data"])
             svc.buffer.load_state_dict(st["buffer"])
             # The config given now wins for the runtime settings the buffer holds (η, stale policy).
             svc.buffer.set_max_staleness(svc.cfg.max_staleness)
             svc.buffer.set_stale_policy(svc.cfg.stale_policy)
-            svc.assignment_counter = int(st["assignment_counter"])
         except (ValueError, KeyError, TypeError) as e:
             raise checkpoint_error(ckpt.path, f"state.json does not fit this learner: {str(e)[:300]}") from None
         self.saved_version = svc.version
@@ -110,7 +116,7 @@ class LearnerCheckpoints:
     def capture(self) -> dict:
         """The service's state (on the loop, between steps): plain data for state.json."""
         svc = self.svc
-        return {"format": FORMAT, "run_id": svc.run_id, "assignment_counter": svc.assignment_counter,
+        return {"format": FORMAT, **svc.state.state_dict(),
                 "data": svc.prompts.state_dict(), "buffer": svc.buffer.state_dict(binary=False),
                 "saved_at": time.time()}
 

@@ -521,3 +521,45 @@ print("deepspeed" in before, sorted(n for n in set(sys.modules) - before if "dee
                          cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True []"
+
+
+async def test_a_resumed_run_keeps_its_run_id_in_evaluation_ids_too(tmp_path, tiny_model_dir):
+    """After --resume every id the learner hands out carries the resumed run id: training
+    assignments and evaluation rounds alike (the evaluation once took the new life's id, because it
+    was built before the checkpoint's run state was applied)."""
+    cfg = learner_config(tmp_path, batch_prompts=2)
+    svc = LearnerService(cfg, tiny_model_dir, run_id="life")
+    task = await _start(svc)
+    await _serve_until(svc, 2)
+    svc.stopping.set()
+    assert await asyncio.wait_for(task, 60) == 0
+    assert svc.checkpoints.saved_version >= 2
+
+    cfg2 = learner_config(tmp_path, batch_prompts=2, eval_data="builtin:arith", eval_prompts=2, eval_every=1000)
+    again = LearnerService(cfg2, tiny_model_dir, resume="latest")     # a new life, no run id given
+    task2 = await _start(again)
+    try:
+        assert again.run_id == "life" and again.state.version == svc.version
+        assert again.evaluation.owns("life-e0.0") and not again.evaluation.owns(f"{svc.run_id}x-e0.0")
+        assert again.evaluation.prefix == "life-e"
+        assert again._new_assignment().assignment_id.startswith("life-a")
+    finally:
+        again.stopping.set()
+        assert await asyncio.wait_for(task2, 60) == 0
+
+
+def test_the_run_state_loads_only_a_run_state():
+    from learner.state.run_state import RunState
+
+    run = RunState("fresh")
+    run.load_state_dict({"run_id": "life", "version": 7, "assignment_counter": 30, "data": {}})
+    assert run.state_dict() == {"run_id": "life", "version": 7, "assignment_counter": 30}
+    assert run.next_assignment_id() == "life-a31"
+    for bad in ({"run_id": "", "version": 1, "assignment_counter": 0},
+                {"run_id": "x", "version": -1, "assignment_counter": 0},
+                {"run_id": "x", "version": True, "assignment_counter": 0},
+                {"run_id": 3, "version": 1, "assignment_counter": 0},
+                {"version": 1, "assignment_counter": 0}):
+        with pytest.raises((ValueError, KeyError)):
+            run.load_state_dict(bad)
+        assert run.state_dict() == {"run_id": "life", "version": 7, "assignment_counter": 31}
