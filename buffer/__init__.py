@@ -1,6 +1,6 @@
 """buffer: what may be generated (staleness gate, leases) and what may be trained (groups, batches).
 
-Imports stdlib and ``protocol`` only — never torch (docs/design.md §2). One concept per module:
+Imports the stdlib, numpy and ``protocol`` only — never torch (docs/design.md §2). One concept per module:
 
     gate.py            StalenessGate: the capacity rule (AReaL's), counted in samples
     leases.py          LeaseTable, Lease: holder, deadline and attempt of every assignment

@@ -246,7 +246,7 @@ class LearnerConfig(BaseModel):
     target_kl: float | None = Field(None, gt=0)
     """Stop the step's remaining updates once a mini-batch's approx KL exceeds this (null = never)."""
     recompute_logprobs: bool = True
-    """Proximal log-probs from the learner's weights at step start (DESIGN §4); false: behavior's."""
+    """Proximal log-probs from the learner's weights at step start (docs/design.md §4); false: behavior's."""
     is_mode: Literal[IS_MODES] = "tis"
     """Behavior importance-weight correction mode."""
     is_cap: float = Field(5.0, gt=1)
@@ -338,7 +338,7 @@ class LearnerConfig(BaseModel):
     offers: its max_concurrency). Lowering it live takes effect as its leases finish."""
     staleness_controller: Literal[STALENESS_CONTROLLERS] = "fixed"
     """fixed: eta is max_staleness. adaptive: eta moves within [min_staleness, max_staleness],
-    down when the importance weights degrade, back up when they recover (learner/staleness.py)."""
+    down when the importance weights degrade, back up when they recover (learner/serve/staleness.py)."""
     min_staleness: int = Field(0, ge=0)
     """Adaptive controller: the lowest eta it goes to."""
     staleness_ess_min: float = Field(0.5, gt=0, le=1)
@@ -439,7 +439,7 @@ class LearnerConfig(BaseModel):
     # ---- DeepSpeed (issue 11) ----
     deepspeed: DeepSpeedSettings | None = None
     """Train the policy (and critic) as DeepSpeed engines, data-parallel over the ranks of the
-    launch (ZeRO stage, precision, offload: learner/ds_config.py); null = plain PyTorch."""
+    launch (ZeRO stage, precision, offload: learner/train/ds_config.py); null = plain PyTorch."""
 
     # ---- checkpoints (issue 10) ----
     save_every: int = Field(50, ge=0)
@@ -455,13 +455,13 @@ class LearnerConfig(BaseModel):
     # ---- reliability and security (issue 14) ----
     security: LearnerSecurity = Field(default_factory=LearnerSecurity)
     """CURVE encryption and client allow-lists on the rollout, weights and control sockets (off by
-    default; see learner/security.py)."""
+    default; see learner/serve/security.py)."""
     weights_failure_limit: int = Field(3, ge=1)
     """Circuit breaker: a rollout server reporting this many weight fetches or updates failed in a
     row gets no new work (an event says so) until it applies a published version."""
     rollout_log: RolloutLogSettings | None = None
     """Durable log of every accepted result, written before its Ack; after a crash and --resume the
-    accepted-but-untrained samples come back from it (null = off; see learner/rollout_log.py)."""
+    accepted-but-untrained samples come back from it (null = off; see learner/state/rollout_log.py)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:

@@ -1,6 +1,6 @@
 """slipstream wire protocol: message types, msgpack codec, validation, errors.
 
-Imports stdlib, msgpack and numpy only — never torch (docs/design.md §2).
+Imports the stdlib, msgpack, numpy, pyzmq and xxhash only — never torch (docs/design.md §2).
 """
 
 from protocol.codec import (

@@ -362,8 +362,8 @@ class RolloutService:
     async def before_batch(self, batch: list[protocol.Assignment]) -> None:
         """Before a batch generates: the announced weights (bounded by ``weights_wait_s``), and
         at least the version its assignments were issued at. The learner counts a sample's
-        staleness from its tokens' version and bounds it by issuing at most η batches ahead of
-        training (docs/design.md §3); generated with older weights — an assignment issued right after
+        staleness from its tokens' version and bounds it by issuing work for the batch being filled and at most η more
+        ahead of training (docs/design.md §3); generated with older weights — an assignment issued right after
         a step can arrive before that step's manifest, which is announced once its checksums are
         done — its samples can be over the limit when trained and are dropped: wasted work. An
         update that does not come in time is counted (``weights_behind``) and the batch runs."""

@@ -1,5 +1,5 @@
 """The learner on several processes: the policy (and critic) as DeepSpeed engines, data-parallel
-(issue 11; the section is ``learner.deepspeed``, learner/ds_config.py).
+(issue 11; the section is ``learner.deepspeed``, learner/train/ds_config.py).
 
 Who does what. Rank 0 is the learner service: the sockets, the buffer, control, metrics and
 publishing, exactly as one process. Every other rank runs :func:`worker_main`: no sockets, no
