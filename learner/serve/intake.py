@@ -151,7 +151,7 @@ class Intake:
         samples = msg.samples
         # Each run of one assignment's samples, up to a group, is checked and put as a result of
         # those samples alone would be (several runs: a burst's results merged by
-        # LearnerService.receive_held). One sample: check() as it is (the batch pass would only
+        # ResultIngress.receive_held). One sample: check() as it is (the batch pass would only
         # add to it); a whole group goes in at once where it can.
         statuses, refused, completed = [], [], False
         vocab, put_each = self.vocab_size, self._put_each

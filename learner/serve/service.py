@@ -21,6 +21,9 @@ Components, each unit-tested without sockets or a model:
     Intake         checks every sample against the run before the buffer sees it (learner.serve.intake)
     WeightsServer  versions published, chunks served (learner.serve.weights_server)
     Control        ctl commands and their validation (learner.serve.control)
+    ResultIngress  results in bursts and their Acks (learner.serve.ingress)
+    StepRecords    metrics.jsonl, trained_ids.jsonl, sinks, step gauges (learner.serve.records)
+    RunState       run id, version, assignment counter (learner.state.run_state)
 
 Delivery, the argument in one place (docs/design.md §3, §6): work goes out only as leases from the
 buffer's staleness gate, so generation runs at most ``max_staleness`` + 1 batches ahead of
@@ -44,7 +47,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -53,13 +55,14 @@ from buffer import Batch, RolloutBuffer
 from learner.config import LearnerConfig
 from learner.data.evaluation import Evaluation
 from learner.data.prompts import PromptSource
-from learner.metrics import JsonlLog, LearnerMetrics
+from learner.metrics import LearnerMetrics
 from learner.serve.admission import Admission
 from learner.serve.control import Control, control_error_reply
+from learner.serve.ingress import ResultIngress
 from learner.serve.intake import Intake
-from learner.serve.router import PendingAcks, RouterSocket
+from learner.serve.records import StepRecords
+from learner.serve.router import RouterSocket
 from learner.serve.security import LearnerCurve
-from learner.serve.sinks import open_sinks
 from learner.serve.staleness import StalenessController
 from learner.serve.weights_server import Publisher, WeightsServer
 from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports
@@ -86,8 +89,6 @@ SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
 """Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
 
 
-# The most samples of one server's consecutive results received as one (LearnerService.receive_held)
-MERGE_SAMPLES = 256
 
 
 class LearnerService:
@@ -130,9 +131,7 @@ class LearnerService:
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
-        self._stat_children: dict[str, object] = {}   # slipstream_train_stat{name} children
-        self.sinks: list = []                 # metrics sinks besides metrics.jsonl (learner.serve.sinks)
-        self.staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
+        staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
             min_staleness=cfg.min_staleness, ess_min=cfg.staleness_ess_min,
             mismatch_kl_max=cfg.staleness_mismatch_kl_max, ess_recover=cfg.staleness_ess_recover,
             mismatch_kl_recover=cfg.staleness_mismatch_kl_recover,
@@ -146,15 +145,22 @@ class LearnerService:
         self.ctx: zmq.asyncio.Context | None = None
         self.curve: LearnerCurve | None = None
         self.sockets: dict[str, RouterSocket] = {}
-        self.pending_acks = PendingAcks()     # a burst's Acks, sent when the loop stops reading
-        # A burst's results, received together when the loop stops reading (flush_acks)
-        self.held_results: list[tuple[bytes, object, protocol.RolloutResult]] = []
         self.admission = Admission(
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
             server_timeout_s=cfg.server_timeout_s, reannounce_s=cfg.reannounce_s,
             weights_failure_limit=cfg.weights_failure_limit,
             max_inflight=lambda: self.cfg.max_inflight_per_server)
+        self.ingress = ResultIngress(    # results in bursts, their Acks when the loop stops reading
+            receive=self.receive_result, evaluation=lambda: self.evaluation,
+            group_size=lambda: self.cfg.group_size, hold=lambda: self.rollout_log is None,
+            send=self._send_rollout, lose=lambda srv: self.admission.lose(srv, "unreachable"),
+            after=self.update_gauges, dispatch=self.admission.dispatch)
+        self.records = StepRecords(
+            run=self.state, metrics=self.metrics, log=self.log, buffer=self.buffer,
+            admission=self.admission, staleness=staleness, max_staleness=lambda: self.cfg.max_staleness,
+            sanity_tolerances=lambda: (self.cfg.sanity_ratio_tolerance, self.cfg.sanity_kl_tolerance),
+            clock=time.time)
         self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
                                stop=self.stopping.set, after_set=self.admission.dispatch,
                                pause=lambda paused: setattr(self.admission, "paused", paused),
@@ -167,7 +173,6 @@ class LearnerService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         tasks: list[asyncio.Task] = []
-        jsonl = trained = None
         try:
             self._open()                      # ports first: a taken port fails before the model loads
             # On the train thread, like every step: the process's torch work on one thread (see
@@ -176,17 +181,15 @@ class LearnerService:
             # Version 0 is published too: a server still holding another run's weights (this
             # learner started without --resume) must find something to fetch (learner.serve.admission).
             await self.publish()
-            jsonl = self.jsonl = JsonlLog(self.run_dir / "metrics.jsonl")
-            self.sinks = open_sinks(self.cfg.metrics_sinks, self.run_dir, self.run_id)
-            trained = self.trained_ids = JsonlLog(self.run_dir / "trained_ids.jsonl")
-            self.checkpoints.mark_resumed(trained)
+            self.records.open(self.run_dir, self.cfg.metrics_sinks)
+            self.checkpoints.mark_resumed(self.records.trained_ids)
             if self.rollout_log is not None:      # after a resume: untrained samples come back
                 await self.rollout_log.open()
             (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
             train = asyncio.create_task(self.train_loop(), name="train")
             tasks = [train,
-                     asyncio.create_task(rollout.serve(self.on_rollout, idle=self.flush_acks),
+                     asyncio.create_task(rollout.serve(self.on_rollout, idle=self.ingress.flush),
                                          name="rollout"),
                      asyncio.create_task(weights.serve(self.weights.handle), name="weights"),
                      asyncio.create_task(control.serve(self.control.handle, control_error_reply),
@@ -215,12 +218,7 @@ class LearnerService:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             self._close()
-            if jsonl is not None:
-                jsonl.close()
-            for sink in self.sinks:
-                sink.close()
-            if trained is not None:
-                trained.close()
+            self.records.close()
             if self.rollout_log is not None:
                 self.rollout_log.close()
         self.log("stopped", exit_code=code)
@@ -302,7 +300,7 @@ class LearnerService:
         if self.cfg.eval_every:
             self.evaluation = Evaluation.from_config(
                 self.cfg, tokenizer=tok, encode=encode, run_id=self.run_id, version=lambda: self.version,
-                metrics=self.metrics, record=self.record_eval, log=self.log)
+                metrics=self.metrics, record=self.records.eval_round, log=self.log)
             self.admission.side_work = self.evaluation
         if self.prompts.finite:
             self.log("prompts", **self.prompts.status())
@@ -381,19 +379,20 @@ class LearnerService:
             try:
                 stats = await self.on_train_thread(self.trainer.step, batch)
             except SkippedStep as skip:
-                self.skip_step(batch, skip)
+                self.records.skipped(batch, skip.reason)
                 await self.admission.dispatch()
                 continue
             trace("learner.step_end")
-            stats.update(self.batch_versions(batch))
-            self.record_trained(batch)
+            stats.update(self.records.batch_versions(batch))
+            self.records.trained(batch)
             if self.rollout_log is not None:
                 await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
             stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
             trace("learner.published")
-            stats.update(self.idle_stats(idle_s, time.monotonic() - cycle_start))
-            self.record_step(stats)
+            stats.update(self.records.idle_stats(idle_s, time.monotonic() - cycle_start))
+            self.records.step(stats)
+            self.update_gauges()
             self.maybe_evaluate()
             await self.admission.dispatch()
             trace("learner.dispatched")
@@ -421,50 +420,6 @@ class LearnerService:
         if self.evaluation is not None and self.evaluation.maybe_start(self.version):
             self.update_gauges()
 
-    def record_eval(self, row: dict) -> None:
-        """One metrics.jsonl row per complete evaluation round (learner.data.evaluation)."""
-        self.jsonl.write({"run_id": self.run_id, "kind": "eval", "step": row["eval_version"],
-                          "version": row["eval_version"], "time": time.time(), **row})
-
-    def idle_stats(self, idle_s: float, cycle_s: float) -> dict[str, float]:
-        """Where the time went (verl's fully-async idle ratios): the fraction of this step's cycle
-        (batch wait + step + publish wait) the train loop waited for samples, and the mean of the
-        servers' engine idle fractions from their last heartbeats (waiting for work or weights)."""
-        ratio = idle_s / cycle_s if cycle_s > 0 else 0.0
-        self.metrics.learner_idle_ratio.set(ratio)
-        return {"learner_idle_s": idle_s, "learner_idle_ratio": ratio,
-                "rollout_idle_ratio": self.admission.rollout_idle_ratio()}
-
-    def skip_step(self, batch: Batch, skip: SkippedStep) -> None:
-        """A step that applied nothing (a non-finite loss or gradient): the version stays, nothing
-        is published; the step is counted and its samples named in the event log. The samples were
-        taken from the buffer but not trained, so their capacity goes back to the staleness gate,
-        as dropped work's does (else, with max_staleness 0, the gate would never open again).
-        """
-        n = len(batch.samples)
-        self.buffer.untrained(batch)
-        self.metrics.skipped_steps.inc()
-        self.log("step_skipped", reason=skip.reason, trained_on_version=self.version, samples=n,
-                 sample_ids=[s.sample_id for s in batch.samples])
-
-    def record_trained(self, batch: Batch) -> None:
-        """trained_ids.jsonl: the sample ids of every applied step, one line per step (an audit
-        that nothing was trained twice; a few KiB per step)."""
-        self.trained_ids.write({"run_id": self.run_id, "trained_on_version": self.version,
-                                "sample_ids": [s.sample_id for s in batch.samples]})
-
-    def batch_versions(self, batch: Batch) -> dict[str, float]:
-        """The version trained on and the oldest and newest token version in ``batch`` (a
-        sample without tokens counts as -1 for the oldest, 0 for the newest). One concatenation
-        and two reductions: two reductions per sample were 0.6 ms of each step's bookkeeping."""
-        versions = [s.token_versions for s in batch.samples]
-        every = np.concatenate(versions) if versions else np.zeros(0, np.int32)
-        empty = any(len(v) == 0 for v in versions)
-        oldest = -1 if empty or not len(every) else int(every.min())
-        return {"trained_on_version": float(self.version),
-                "token_version_min": float(oldest),
-                "token_version_max": float(every.max(initial=0))}
-
     async def publish(self) -> float:
         """Publish the current version; returns the seconds the caller waited: the snapshot copy
         only (learner.serve.weights_server.Publisher: checksums, install and the announcement run
@@ -479,65 +434,6 @@ class LearnerService:
         self.metrics.publish_superseded.inc()
         self.log("weights_superseded", weights_version=version, by=by,
                  hint="steps finish faster than a publish is prepared; servers get the newer one")
-
-    def record_step(self, stats: dict[str, float]) -> None:
-        m = self.metrics
-        m.policy_version.set(self.version)
-        m.step_seconds.observe(stats["step_s"])
-        m.reward_mean.set(stats["reward_mean"])
-        m.staleness_mean.set(stats["staleness_mean"])
-        children = self._stat_children        # labels() takes a lock and builds a key per call
-        for k, v in stats.items():
-            child = children.get(k)
-            if child is None:
-                child = children[k] = m.step_stats.labels(name=k)
-            child.set(v)
-        self.record_sanity(stats)
-        self.adapt_staleness(stats)
-        self.update_gauges()
-        record = {"run_id": self.run_id, "step": self.version, "version": self.version,
-                  "time": time.time(), **stats,
-                  "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
-        self.jsonl.write(record)
-        for sink in self.sinks:
-            sink.write(record)
-        self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
-                            if k not in ("version", "time")})
-
-    def adapt_staleness(self, stats: dict[str, float]) -> None:
-        """``staleness_controller: adaptive`` (learner.serve.staleness): the step's importance statistics
-        may move η; the buffer's gate takes it at once, with an event and a metric."""
-        if self.staleness is None:
-            return
-        eta = self.buffer.max_staleness
-        decision = self.staleness.update(eta, self.cfg.max_staleness, stats)
-        if decision is None or decision.eta == eta:
-            return
-        self.buffer.set_max_staleness(decision.eta)
-        self.metrics.max_staleness.set(decision.eta)
-        self.metrics.staleness_changes.labels(reason=decision.reason).inc()
-        self.log("staleness_changed", previous=eta, value=decision.eta, reason=decision.reason,
-                 is_ess_ratio=stats.get("is_ess_ratio"), mismatch_kl=stats.get("mismatch_kl"),
-                 bound=self.cfg.max_staleness)
-
-    def record_sanity(self, stats: dict[str, float]) -> None:
-        """The seeds' sanity check (learner.train.trainer): gauges (NaN when not applicable this step) and
-        a warning event when it failed."""
-        m = self.metrics
-        applicable = bool(stats.get("sanity_applicable")) and "sanity_ratio_dev_max" in stats
-        nan = float("nan")
-        m.sanity_ratio_dev_mean.set(stats["sanity_ratio_dev_mean"] if applicable else nan)
-        m.sanity_ratio_dev_max.set(stats["sanity_ratio_dev_max"] if applicable else nan)
-        m.sanity_kl.set(stats["sanity_kl"] if applicable else nan)
-        if applicable and stats.get("sanity_failed"):
-            m.sanity_failures.inc()
-            self.log("sanity_check_failed", level="warning",
-                     ratio_dev_max=stats["sanity_ratio_dev_max"],
-                     ratio_dev_mean=stats["sanity_ratio_dev_mean"], kl=stats["sanity_kl"],
-                     ratio_tolerance=self.cfg.sanity_ratio_tolerance,
-                     kl_tolerance=self.cfg.sanity_kl_tolerance,
-                     hint="the proximal pass and the gradient forward differ: dropout on, or "
-                          "padding handled differently")
 
     def update_gauges(self) -> None:
         p = self.prompts
@@ -591,12 +487,11 @@ class LearnerService:
 
     # ---- rollout socket --------------------------------------------------------------------
     async def on_rollout(self, identity: bytes, msg: protocol.Message) -> protocol.Message | None:
-        """Route one rollout-socket message to its component; the reply, if any. A result is
-        held (``held_results``) and its Ack too (``pending_acks``) until the loop stops reading:
-        :meth:`flush_acks`."""
+        """Route one rollout-socket message to its component; the reply, if any. Results and
+        their Acks go through :attr:`ingress`, which holds them until the loop stops reading."""
         a = self.admission
-        if (self.pending_acks or self.held_results) and type(msg) is not protocol.RolloutResult:
-            await self.flush_acks()               # the held results and Acks go first
+        if self.ingress and type(msg) is not protocol.RolloutResult:
+            await self.ingress.flush()            # the held results and Acks go first
         if isinstance(msg, protocol.Hello):
             await a.hello(identity, msg)
             return None
@@ -608,13 +503,7 @@ class LearnerService:
         else:
             raise protocol.ProtocolError(f"rollout socket: {type(msg).TYPE} is not sent to a learner")
         if isinstance(msg, protocol.RolloutResult):
-            if self.rollout_log is None and len(msg.samples) < self.cfg.group_size:
-                self.held_results.append((identity, srv, msg))      # part of a group: merged
-                return None
-            if self.held_results:
-                await self.receive_held()         # in arrival order
-            await self._receive(identity, srv, msg)
-            self.update_gauges()
+            await self.ingress.result(identity, srv, msg)
         elif isinstance(msg, protocol.WorkRequest):
             await a.work_request(srv, msg)
             self.update_gauges()
@@ -635,63 +524,6 @@ class LearnerService:
         else:
             await a.weights_applied(srv, msg)
         return None
-
-    async def _receive(self, identity: bytes, srv, msg: protocol.RolloutResult) -> None:
-        """Intake (and evaluation) of one result; its Ack held for the burst (none when the
-        rollout log could not write it: the server keeps the result)."""
-        try:
-            ack = await (self.evaluation.receive(msg, self.receive_result) if self.evaluation
-                         else self.receive_result(msg))
-        except RolloutLogFailed:
-            return
-        self.pending_acks.add(identity, srv, ack)
-
-    async def receive_held(self) -> None:
-        """The results held during a burst, received: the consecutive results of one server
-        (one identity, server and ``server_id``) merged into one, up to MERGE_SAMPLES samples,
-        so that the checks of their arrays, the counters and the Ack are made once for all of
-        them, and the single samples of one group, streamed one result each, go into the buffer
-        as that group at once (``Intake.receive``). The outcome is that of receiving them one
-        by one in the same order: samples are checked and put one assignment at a time either
-        way, and a server matches its Acks by sample id.
-
-        Held: results of fewer samples than a group, without a rollout log (with one, each
-        result is written and acknowledged as it arrives). A result of a whole group (what
-        rollout_server sends) is received at once, after what is held: it gains nothing from
-        a merge, and its arrays are still in the cache from its decode."""
-        held, self.held_results = self.held_results, []
-        i = 0
-        while i < len(held):
-            identity, srv, msg = held[i]
-            j, n = i + 1, len(msg.samples)
-            while (j < len(held) and held[j][0] == identity and held[j][1] is srv
-                   and held[j][2].server_id == msg.server_id
-                   and n + len(held[j][2].samples) <= MERGE_SAMPLES):
-                n += len(held[j][2].samples)
-                j += 1
-            if j > i + 1:
-                msg = protocol.RolloutResult(server_id=msg.server_id,
-                                             samples=[x for h in held[i:j] for x in h[2].samples])
-            await self._receive(identity, srv, msg)
-            i = j
-        self.update_gauges()
-
-    async def flush_acks(self) -> None:
-        """Receive the held results (:meth:`receive_held`); send the held Acks, one per server
-        (learner.serve.router.PendingAcks); a server whose Ack cannot be queued is lost; then dispatch
-        once, as after each result before."""
-        if self.held_results:
-            await self.receive_held()
-        if not self.pending_acks:
-            return
-        sent = False
-        for identity, srv, ack in self.pending_acks.take():
-            if await self._send_rollout(identity, ack):
-                sent = True
-            else:
-                self.admission.lose(srv, "unreachable")
-        if sent:
-            await self.admission.dispatch()
 
     async def receive_result(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Intake, then (``rollout_log``) the accepted samples on disk before the Ack may leave;

@@ -382,7 +382,7 @@ async def restore_groups(buffer: Any, groups: dict[str, list], version: int) -> 
 # ---- the learner's side ------------------------------------------------------------------------
 
 class RolloutLogFailed(Exception):
-    """A result could not be logged: its Ack must not be sent (learner.serve.service.receive_result)."""
+    """A result could not be logged: its Ack must not be sent (learner.serve.service.LearnerService.receive_result)."""
 
 
 class LearnerRolloutLog:

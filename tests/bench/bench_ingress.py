@@ -288,7 +288,7 @@ class Ingress:
     async def flush_acks(self) -> None:
         """The service's own ``idle`` (the held Acks sent, then dispatch); the window ends when
         the last result's Ack has been sent."""
-        await self.svc.flush_acks()
+        await self.svc.ingress.flush()
         if self.expected and self.seen == self.expected:
             if self.profiler is not None:
                 self.profiler.disable()

@@ -1,6 +1,6 @@
 """The learner holds the results of a burst and their Acks, and receives them (one server's
 consecutive results as one) and sends one Ack per server when its rollout loop stops reading
-(LearnerService.receive_held, learner.serve.router.PendingAcks): a real LearnerService (tiny model) and
+(learner.serve.ingress.ResultIngress, learner.serve.router.PendingAcks): a real LearnerService (tiny model) and
 real sockets. Every sample is acknowledged exactly once, in arrival order; nothing is held while
 the loop waits; any other message from a server sends what is held first."""
 
@@ -62,7 +62,7 @@ async def test_a_burst_is_acknowledged_once_per_sample_in_order_through_the_loop
                     statuses += msg.statuses
             assert ids == expected and statuses == ["accepted"] * len(expected)
             assert 1 <= acks <= GROUPS
-            assert not svc.pending_acks                  # nothing held while the loop waits
+            assert not svc.ingress.pending_acks                  # nothing held while the loop waits
         finally:
             push.close(0)
             ctx.term()
@@ -83,10 +83,10 @@ async def test_held_acks_merge_per_server_and_leave_before_anything_else(tmp_pat
                     identity.decode(), samples_for(a, version=0)))
                 assert reply is None
             # Whole groups are received at once; their Acks are held, not sent.
-            assert not svc.held_results and svc.pending_acks
+            assert not svc.ingress.held and svc.ingress.pending_acks
             assert svc.buffer.counters["accepted"] == 6
-            await svc.flush_acks()
-            assert not svc.pending_acks and not svc.held_results
+            await svc.ingress.flush()
+            assert not svc.ingress.pending_acks and not svc.ingress.held
             (ack,) = await acks_until(one, 4)
             assert ack.sample_ids == [s.sample_id for a in (a1, a2) for s in samples_for(a)]
             assert ack.statuses == ["accepted"] * 4
@@ -95,8 +95,8 @@ async def test_held_acks_merge_per_server_and_leave_before_anything_else(tmp_pat
             # Another message from a server: what is held goes first (the Ack, then the echo).
             await svc.on_rollout(b"one", protocol.RolloutResult("one", samples_for(a3, version=0)))
             echo = await svc.on_rollout(b"one", protocol.Heartbeat(sender_id="one", version=0))
-            assert isinstance(echo, protocol.Heartbeat) and not svc.pending_acks
-            assert not svc.held_results
+            assert isinstance(echo, protocol.Heartbeat) and not svc.ingress.pending_acks
+            assert not svc.ingress.held
             (ack,) = await acks_until(one, 2)
             assert ack.sample_ids == [s.sample_id for s in samples_for(a3)]
             assert svc.buffer.counters["accepted"] == 8 and svc.buffer.counters["duplicate"] == 0
@@ -110,8 +110,8 @@ async def test_one_servers_results_of_a_burst_are_received_as_one(tmp_path, tiny
     consecutive results of that server as one result (its checks and its Ack once), split where
     another server's result comes between and where MERGE_SAMPLES would be passed; a hostile
     sample in the middle is refused alone, and every other sample is accepted."""
-    import learner.serve.service as service_module
-    monkeypatch.setattr(service_module, "MERGE_SAMPLES", 6)
+    import learner.serve.ingress as ingress_module
+    monkeypatch.setattr(ingress_module, "MERGE_SAMPLES", 6)
     cfg = learner_config(tmp_path, max_staleness=GROUPS)
     async with running_learner(cfg, tiny_model_dir) as svc:
         one = FakeServer(svc.endpoints["rollout"], "one", max_concurrency=8)
@@ -135,11 +135,11 @@ async def test_one_servers_results_of_a_burst_are_received_as_one(tmp_path, tiny
             await svc.on_rollout(b"two", protocol.RolloutResult("two", [b1_first]))
             for s in singles[1:]:
                 await svc.on_rollout(b"one", protocol.RolloutResult("one", [s]))
-            assert seen == [] and len(svc.held_results) == 9           # nothing received yet
+            assert seen == [] and len(svc.ingress.held) == 9           # nothing received yet
             # A whole group's result is received at once, after what is held (arrival order).
             await svc.on_rollout(b"two", protocol.RolloutResult("two", [b1_second, b1_first]))
-            assert seen == [1, 1, 6, 1, 2] and not svc.held_results   # cut by server and at 6
-            await svc.flush_acks()
+            assert seen == [1, 1, 6, 1, 2] and not svc.ingress.held   # cut by server and at 6
+            await svc.ingress.flush()
             (ack,) = await acks_until(one, 8)
             assert ack.sample_ids == [s.sample_id for s in singles]
             assert ack.statuses == ["accepted"] * 3 + ["invalid"] + ["accepted"] * 4

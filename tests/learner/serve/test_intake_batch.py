@@ -266,7 +266,7 @@ def outcome(buf, intake, statuses) -> tuple:
 @pytest.mark.parametrize("how", [None, *HOW])
 @pytest.mark.parametrize("order", ["streamed", "interleaved", "groups", "uneven"])
 async def test_a_merged_burst_ends_as_its_results_one_by_one(order, how):
-    """The learner receives a burst of one server's results as one (LearnerService.receive_held):
+    """The learner receives a burst of one server's results as one (ResultIngress.receive_held):
     every sample gets the status, and the buffer the state, of receiving the results one by one,
     for single samples of three groups in order or interleaved, whole groups, results that cut
     across groups, and a hostile sample in the middle of the burst."""

@@ -25,6 +25,7 @@ from learner_testkit import (
 )
 
 import protocol
+from learner.serve.records import StepRecords
 from learner.serve.service import LearnerService
 
 pytestmark = pytest.mark.slow
@@ -334,7 +335,7 @@ async def test_port_in_use_is_a_startup_error_before_the_model_loads(tmp_path, t
 
 
 def test_batch_versions_are_the_oldest_and_newest_token_of_the_batch():
-    """LearnerService.batch_versions (one concatenation) against the per-sample definition: the
+    """StepRecords.batch_versions (one concatenation) against the per-sample definition: the
     oldest token version (-1 when a sample has no tokens), the newest (0 at least)."""
     from types import SimpleNamespace
 
@@ -357,5 +358,5 @@ def test_batch_versions_are_the_oldest_and_newest_token_of_the_batch():
     cases += [[list(rng.integers(0, 50, rng.integers(0, 9))) for _ in range(4)] for _ in range(50)]
     for versions in cases:
         samples = [sample(i, v) for i, v in enumerate(versions)]
-        got = LearnerService.batch_versions(SimpleNamespace(version=9), Batch(samples=samples, version=9))
+        got = StepRecords.batch_versions(SimpleNamespace(run=SimpleNamespace(version=9)), Batch(samples=samples, version=9))
         assert got == reference(9, samples), versions
