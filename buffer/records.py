@@ -1,4 +1,4 @@
-"""What the buffer hands out: the status of a put and a training batch."""
+"""What the buffer hands out: the status of a put, a training batch, and the names of its counters."""
 
 from __future__ import annotations
 
@@ -58,6 +58,32 @@ class Batch:
         """Prompt plus completion tokens over the batch."""
         return sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in self.samples)
 
-    @property
-    def max_staleness_seen(self) -> int:
-        return max(self.staleness, default=0)
+
+COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invalid", "expired",
+                 "released", "failed", "cancelled", "abandoned", "dropped_stale",
+                 "dropped_incomplete", "consumed", "corrected", "batches", "stale_late",
+                 "failed_reported")
+"""The counters of :attr:`buffer.RolloutBuffer.counters` (a copy; all in samples but ``batches``)::
+
+    issued, reissued         samples handed out / handed out again
+    accepted, duplicate,     acknowledgements, one per put (accepted includes failed samples)
+      stale, invalid
+    expired, released        samples whose lease was lost to its deadline (or a learner
+                             restart) / because its holder left
+    failed                   samples reported failed + samples never returned after the last attempt
+    cancelled                in-flight samples of assignments cancelled by the caller
+    abandoned                in-flight samples whose group was dropped before they arrived
+    dropped_stale            accepted samples later dropped for staleness
+    dropped_incomplete       accepted samples dropped because their group cannot complete
+    consumed, corrected      samples trained / trained with needs_correction
+    batches                  batches handed out
+    stale_late               stale acks for samples of a group already dropped for staleness
+                             (their slots were counted abandoned when it was dropped)
+    failed_reported          samples a server reported failed (also in accepted and failed)
+
+``counters`` adds ``stale_dropped`` = stale + dropped_stale (every sample discarded for staleness).
+
+Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete``;
+and every issued slot ends once: ``issued == accepted + (stale - stale_late) + abandoned +
+(failed - failed_reported) + cancelled + inflight_samples`` (re-issues move no slot).
+"""

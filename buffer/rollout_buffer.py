@@ -17,15 +17,10 @@ Delivery argument — nothing lost, nothing trained twice (docs/design.md §6):
 - the gate counts every slot exactly once as in flight, and releases it exactly once (accepted,
   failed, stale, or given up with its group): the gate cannot drift.
 
-Groups. A group is the ``group_size`` samples of one assignment (one prompt); GRPO/RLOO need the
-whole group, so groups are never split. A group leaves the buffer as a whole: trained, or dropped
-when one member is over the staleness limit under ``drop``, or when it cannot be completed (a
-member reported ``failed``, the lease ran out of attempts, or it was cancelled). A failed member
-drops the whole group rather than shrinking it: failures are rarely independent of the outcome
-(a reward function that times out on long answers removes mostly low-reward samples), and a
-group-relative baseline over the survivors would be biased upward; and batches keep a fixed
-shape. The failed sample is acknowledged ``accepted`` (received; do not re-send) and counted in
-``failed``.
+Groups (:mod:`buffer.groups`): a group is the ``group_size`` samples of one assignment, never
+split; it leaves the buffer as a whole, trained or dropped (a member over the staleness limit
+under ``drop``; a member reported ``failed``, acknowledged ``accepted`` and counted in
+``failed``; its lease out of attempts; cancelled).
 
 Staleness (docs/design.md §3): the staleness of a sample at learner version ``v`` is
 ``v − min(token_versions)`` (0 for a sample without tokens); a group's staleness is that of its
@@ -35,41 +30,18 @@ new version, when η shrinks or the policy becomes ``drop`` — and its capacity
 ``"correct"`` it is kept and trained with ``needs_correction`` set on the samples over the limit.
 Versions passed in only grow; a token newer than the learner's version makes a sample invalid.
 
-Resume. :meth:`RolloutBuffer.state_dict` holds the gate totals, the buffered samples, the leases,
-the de-duplication windows and the counters. Leases of the saved run are lost at a restart and
-reported by the next :meth:`RolloutBuffer.expire` (capacity kept for reissue, or returned when
-out of attempts), so the gate neither leaks nor double-counts; a buffer that sees a learner past
-version 0 without a checkpoint starts its gate with the history of that many trained batches.
+Resume (:mod:`buffer.checkpoint`): :meth:`RolloutBuffer.state_dict` holds everything buffered;
+the saved run's leases are lost at a restart and reported by the next :meth:`RolloutBuffer.expire`.
+A buffer that sees a learner past version 0 without a checkpoint starts its gate with the history
+of that many trained batches.
 
-Counters (all in samples; ``counters`` returns a copy):
-
-    issued, reissued         samples handed out / handed out again
-    accepted, duplicate,     acknowledgements, one per put (accepted includes failed samples)
-      stale, invalid
-    expired, released        samples whose lease was lost to its deadline (or a learner
-                             restart) / because its holder left
-    failed                   samples reported failed + samples never returned after the last attempt
-    cancelled                in-flight samples of assignments cancelled by the caller
-    abandoned                in-flight samples whose group was dropped before they arrived
-    dropped_stale            accepted samples later dropped for staleness
-    dropped_incomplete       accepted samples dropped because their group cannot complete
-    consumed, corrected      samples trained / trained with needs_correction
-    batches                  batches handed out
-    stale_late               stale acks for samples of a group already dropped for staleness
-                             (their slots were counted abandoned when it was dropped)
-    failed_reported          samples a server reported failed (also in accepted and failed)
-    stale_dropped            stale + dropped_stale (every sample discarded for staleness)
-
-Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete``;
-and every issued slot ends once: ``issued == accepted + (stale - stale_late) + abandoned +
-(failed - failed_reported) + cancelled + inflight_samples`` (re-issues move no slot).
+Counters: :data:`buffer.records.COUNTER_NAMES` says what each counts, in samples, and the
+conservation equations they keep.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -77,59 +49,20 @@ from typing import Any
 
 import numpy as np
 
+from buffer import checkpoint
 from buffer.dedupe import RecentKeys
 from buffer.gate import StalenessGate
+from buffer.groups import NO_TOKENS, Group, assemble_batch, select_groups
 from buffer.leases import Lease, LeaseTable
-from buffer.records import AckStatus, Batch
-from protocol import MESSAGE_TYPES, Message, Sample
+from buffer.records import COUNTER_NAMES, AckStatus, Batch
+from protocol import Sample
 
 STALE_POLICIES = ("drop", "correct")
-STATE_FORMAT = 2         # 2: samples stored in protocol 2.0 wire form
 
-_NO_TOKENS = sys.maxsize         # min_version of a group none of whose samples has a token
 _min = np.minimum.reduce         # ndarray.min without its Python-level wrapper (hot path)
-
-COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invalid", "expired",
-                 "released", "failed", "cancelled", "abandoned", "dropped_stale",
-                 "dropped_incomplete", "consumed", "corrected", "batches", "stale_late",
-                 "failed_reported")
 
 _ACCEPTED, _DUPLICATE, _STALE, _INVALID = (AckStatus.ACCEPTED, AckStatus.DUPLICATE, AckStatus.STALE,
                                            AckStatus.INVALID)
-
-
-class _Group:
-    """The samples of one assignment, by group_index. ``resolved`` slots are no longer in flight."""
-
-    __slots__ = ("assignment_id", "size", "slots", "mins", "filled", "resolved", "min_version",
-                 "tokens", "max_len", "ready")
-
-    def __init__(self, assignment_id: str, size: int):
-        self.assignment_id = assignment_id
-        self.size = size
-        self.slots: list[Sample | None] = [None] * size
-        self.mins: list[int] = [-1] * size      # min token version per slot (-1: no tokens)
-        self.filled = 0
-        self.resolved = 0
-        self.min_version = _NO_TOKENS
-        self.tokens = 0                          # prompt + completion tokens of filled slots
-        self.max_len = 0                         # longest filled sample, in tokens
-        self.ready = False
-
-    def staleness(self, version: int) -> int:
-        return 0 if self.min_version == _NO_TOKENS else version - self.min_version
-
-    def fill(self, gi: int, s: Sample, mv: int) -> None:
-        """Put sample ``s`` (min token version ``mv``, -1 without tokens) in the empty slot ``gi``."""
-        self.slots[gi] = s
-        self.mins[gi] = mv
-        if 0 <= mv < self.min_version:
-            self.min_version = mv
-        length = len(s.prompt_token_ids) + len(s.token_versions)
-        self.tokens += length
-        if length > self.max_len:
-            self.max_len = length
-        self.filled += 1
 
 
 class RolloutBuffer:
@@ -147,9 +80,8 @@ class RolloutBuffer:
             than the samples buffered plus in flight.
         token_budget: when set, a batch is whole groups up to this many prompt + completion tokens
             instead of batch_samples samples (the gate still counts batch_samples per step).
-        length_bucketing: when more than a batch is ready, pick groups of similar length: first
-            the groups that would be over the limit at the next version, then the oldest group
-            (so nothing starves), then those closest to it in length.
+        length_bucketing: when more than a batch is ready, pick groups of similar length, the
+            urgent and the oldest first (:func:`buffer.groups.select_groups`).
         clock: monotonic seconds, for lease deadlines.
     """
 
@@ -174,8 +106,8 @@ class RolloutBuffer:
         self._policy = self._check_policy(stale_policy)
         self._seen = RecentKeys(dedupe_window)       # sample ids accepted
         self._closed = RecentKeys(dedupe_window)     # assignment id -> why it left the buffer
-        self._groups: dict[str, _Group] = {}         # open (being generated) and ready groups
-        self._ready: deque[_Group] = deque()         # complete groups, in completion order
+        self._groups: dict[str, Group] = {}          # open (being generated) and ready groups
+        self._ready: deque[Group] = deque()          # complete groups, in completion order
         self._ready_samples = 0
         self._ready_tokens = 0
         self._pending = 0                            # samples buffered (open + ready groups)
@@ -308,7 +240,7 @@ class RolloutBuffer:
                 raise ValueError(f"issue({assignment_id!r}): {n} samples exceed the gate's capacity "
                                  f"{room} at version {self._version}; check capacity(version) first")
         lease = self.leases.issue(assignment_id, holder, n, payload, self._version)
-        self._groups[assignment_id] = _Group(assignment_id, n)
+        self._groups[assignment_id] = Group(assignment_id, n)
         self.gate.on_issued(n)
         self._n["issued"] += n
         return lease
@@ -320,30 +252,24 @@ class RolloutBuffer:
         :meth:`cancel` to give one up). Leases out of attempts are given up here: their missing
         samples count as failed, their capacity is returned, their buffered samples dropped.
         """
-        retry, exhausted = self.leases.expire()
-        for lease in retry:
-            self._n["expired"] += self.remaining(lease.assignment_id)
-        for lease in exhausted:
-            g = self._groups[lease.assignment_id]
-            self._n["expired"] += g.size - g.resolved
-            self._close(g, "exhausted")
-        return retry
+        return self._lost(*self.leases.expire(), "expired")
 
     def release_holder(self, holder: str) -> list[Lease]:
         """``holder`` is gone: its leases are lost now. Returns those to :meth:`reissue`."""
-        return self._released(*self.leases.release_holder(holder))
+        return self._lost(*self.leases.release_holder(holder), "released")
 
     def release(self, assignment_id: str, holder: str) -> list[Lease]:
         """``holder`` refused one assignment: its lease is lost now (a no-op unless ``holder``
         holds it). Returns it for :meth:`reissue`, or nothing when it is out of attempts."""
-        return self._released(*self.leases.release(assignment_id, holder))
+        return self._lost(*self.leases.release(assignment_id, holder), "released")
 
-    def _released(self, retry: list[Lease], exhausted: list[Lease]) -> list[Lease]:
+    def _lost(self, retry: list[Lease], exhausted: list[Lease], counter: str) -> list[Lease]:
+        """Count the missing samples of lost leases in ``counter``; give up the exhausted ones."""
         for lease in retry:
-            self._n["released"] += self.remaining(lease.assignment_id)
+            self._n[counter] += self.remaining(lease.assignment_id)
         for lease in exhausted:
             g = self._groups[lease.assignment_id]
-            self._n["released"] += g.size - g.resolved
+            self._n[counter] += g.size - g.resolved
             self._close(g, "exhausted")
         return retry
 
@@ -443,7 +369,7 @@ class RolloutBuffer:
             taken |= 1 << gi
             if 0 <= mv < gmin:
                 gmin = mv
-        if (self._policy == "drop" and gmin != _NO_TOKENS
+        if (self._policy == "drop" and gmin != NO_TOKENS
                 and version - gmin > self.gate.max_staleness):
             return False                            # one of them would close it stale
         if len({s.sample_id for s in samples}) != size:
@@ -519,7 +445,7 @@ class RolloutBuffer:
             self._close(g, "failed")
             return _ACCEPTED, False
         gmin = mv if 0 <= mv < g.min_version else g.min_version
-        if (self._policy == "drop" and gmin != _NO_TOKENS
+        if (self._policy == "drop" and gmin != NO_TOKENS
                 and version - gmin > self.gate.max_staleness):
             n["stale"] += 1
             g.resolved += 1
@@ -540,14 +466,14 @@ class RolloutBuffer:
         self._set_ready(g)
         return _ACCEPTED, True
 
-    def _set_ready(self, g: _Group) -> None:
+    def _set_ready(self, g: Group) -> None:
         """``g`` has all its samples: queue it for a batch."""
         g.ready = True
         self._ready.append(g)
         self._ready_samples += g.size
         self._ready_tokens += g.tokens
 
-    def _close(self, g: _Group, reason: str, unlink: bool = True) -> None:
+    def _close(self, g: Group, reason: str, unlink: bool = True) -> None:
         """Remove a group that will not be trained; return its capacity.
 
         ``reason``: "stale", "failed" (a member failed), "exhausted" (out of attempts) or
@@ -595,84 +521,34 @@ class RolloutBuffer:
             return self._ready_samples >= self.batch_samples
         return bool(self._ready) and self._ready_tokens >= self.token_budget
 
-    def _select(self, version: int) -> list[_Group]:
-        """Groups for one batch, in the order they will appear (see ``length_bucketing``)."""
-        ready = self._ready
-        if self.token_budget is None:
-            k = self.batch_samples // self.group_size
-            if not self.length_bucketing or len(ready) == k:
-                return [ready.popleft() for _ in range(k)]
-            fits = None
-        else:
-            budget = self.token_budget
-            if not self.length_bucketing:
-                chosen = [ready.popleft()]
-                total = chosen[0].tokens
-                while ready and total + ready[0].tokens <= budget:
-                    total += ready[0].tokens
-                    chosen.append(ready.popleft())
-                return chosen
-            k = len(ready)
-            fits = budget
-        # Length bucketing. First the groups that would be over the limit at the next version
-        # (staleness already == η), oldest first; then the oldest group (so nothing starves);
-        # then the groups closest in length to it.
-        eta = self.gate.max_staleness
-        groups = list(ready)
-        urgent = [i for i, g in enumerate(groups) if g.staleness(version) >= eta]
-        take: list[int] = []
-        total = 0
-        for i in urgent + [0]:
-            if len(take) < k and i not in take and (
-                    fits is None or not take or total + groups[i].tokens <= fits):
-                take.append(i)
-                total += groups[i].tokens
-        anchor = groups[take[0]].max_len if take else groups[0].max_len
-        rest = sorted((i for i in range(len(groups)) if i not in take),
-                      key=lambda i: (abs(groups[i].max_len - anchor), i))
-        for i in rest:
-            if len(take) >= k:
-                break
-            if fits is None or total + groups[i].tokens <= fits:
-                take.append(i)
-                total += groups[i].tokens
-        chosen_set = set(take)
-        self._ready = deque(g for i, g in enumerate(groups) if i not in chosen_set)
-        return [groups[i] for i in sorted(take)]
-
     def poll_batch(self, version: int) -> Batch | None:
         """A batch for learner version ``version`` if one is ready now, else None (never waits)."""
         self._observe(version)
         self._sweep(version)
         if not self._batch_ready():
             return None
-        groups = self._select(version)
-        eta = self.gate.max_staleness
-        samples: list[Sample] = []
-        staleness: list[int] = []
-        flags: list[bool] = []
+        groups = select_groups(self._ready, version, self.gate.max_staleness,
+                               self.batch_samples // self.group_size, self.token_budget,
+                               self.length_bucketing)
+        batch = assemble_batch(groups, version, self.gate.max_staleness)
         hist = self._hist
+        for st in batch.staleness:
+            hist[st] = hist.get(st, 0) + 1
         closed = self._closed
         tokens = 0
         for g in groups:
-            samples.extend(g.slots)  # type: ignore[arg-type]   (a ready group has no empty slot)
-            for mv in g.mins:
-                st = version - mv if mv >= 0 else 0
-                staleness.append(st)
-                flags.append(st > eta)
-                hist[st] = hist.get(st, 0) + 1
             tokens += g.tokens
             del self._groups[g.assignment_id]
             closed.add(g.assignment_id, "consumed")
-        n = len(samples)
+        n = len(batch.samples)
         self._ready_samples -= n
         self._ready_tokens -= tokens
         self._pending -= n
         self.gate.on_consumed(n)
         self._n["consumed"] += n
-        self._n["corrected"] += sum(flags)
+        self._n["corrected"] += sum(batch.needs_correction)
         self._n["batches"] += 1
-        return Batch(samples, version, staleness, flags, [g.size for g in groups])
+        return batch
 
     async def next_batch(self, version: int, max_wait_s: float | None = None) -> Batch:
         """Wait for and return the next batch at learner version ``version``.
@@ -705,133 +581,19 @@ class RolloutBuffer:
             finally:
                 self._waiting -= 1
 
-    # -- checkpoints ------------------------------------------------------------------------------
+    # -- checkpoints (buffer/checkpoint.py) -------------------------------------------------------
 
     def state_dict(self, binary: bool = True) -> dict[str, Any]:
-        """Everything needed to resume, as plain data (buffered samples included).
-
-        Arrays are raw little-endian bytes as on the wire (msgpack- and torch.save-able);
-        ``binary=False`` writes them base64-encoded so the result is JSON-able as well. Lease
-        payloads must be plain data or a ``protocol.Message`` (an ``Assignment``, say).
-        """
-        groups = [g for g in self._groups.values() if not g.ready] + list(self._ready)
-        return {
-            "format": STATE_FORMAT,
-            "version": self._version,
-            "batch_samples": self.batch_samples,
-            "group_size": self.group_size,
-            "max_staleness": self.gate.max_staleness,
-            "stale_policy": self._policy,
-            "gate": self.gate.state_dict(),
-            "leases": self.leases.state_dict(lambda p: _pack_payload(p, binary)),
-            "groups": [{"assignment_id": g.assignment_id, "size": g.size,
-                        "samples": [_to_plain(s.to_wire(), binary) for s in g.slots if s is not None]}
-                       for g in groups],
-            "seen": [k for k, _ in self._seen.items()],
-            "closed": [[k, v] for k, v in self._closed.items()],
-            "counters": dict(self._n),
-            "staleness_histogram": [[k, v] for k, v in sorted(self._hist.items())],
-        }
+        """Everything needed to resume, as plain data (buffered samples included); ``binary=False``
+        makes it JSON-able. Lease payloads: plain data or a ``protocol.Message``."""
+        return checkpoint.state_dict(self, binary)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`, into a buffer built with the same group_size.
-
-        η and the stale policy come from the checkpoint (they may have been changed at runtime;
-        call the setters afterwards to override). Leases of the saved run are lost — their
-        servers are gone or will reconnect — and the next :meth:`expire` reports them: for
-        reissue (their capacity stays reserved, so the gate is exact), or, out of attempts, as
-        failed with their capacity returned. Results that servers re-send for them in the
-        meantime are accepted as usual.
-        """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
-        if state["group_size"] != self.group_size:
-            raise ValueError(f"checkpoint group_size {state['group_size']} != {self.group_size}: "
-                             "buffered groups cannot be re-cut")
-        self.gate.load_state_dict(state["gate"])
-        self._policy = self._check_policy(state["stale_policy"])
-        self.leases.load_state_dict(state["leases"], _unpack_payload)
-        self._groups, self._ready = {}, deque()
-        self._ready_samples = self._ready_tokens = self._pending = 0
-        in_flight = 0
-        for gd in state["groups"]:
-            g = _Group(gd["assignment_id"], int(gd["size"]))
-            for w in gd["samples"]:
-                s = Sample.from_wire(_from_plain(w), "buffer state sample")
-                tv = s.token_versions
-                g.fill(s.group_index, s, int(tv.min()) if len(tv) else -1)
-            g.resolved = g.filled
-            self._groups[g.assignment_id] = g
-            self._pending += g.filled
-            if g.filled == g.size:
-                self._set_ready(g)
-            else:
-                if g.assignment_id not in self.leases:
-                    raise ValueError(f"buffer state: open group {g.assignment_id!r} has no lease")
-                in_flight += g.size - g.filled
-        if len(self.leases) != len(self._groups) - len(self._ready):
-            raise ValueError("buffer state: leases and open groups differ")
-        if self.gate.buffered != self._pending:
-            raise ValueError(f"buffer state: gate counts {self.gate.buffered} buffered samples, "
-                             f"the checkpoint holds {self._pending}")
-        self.gate.in_flight = in_flight
-        self._seen = RecentKeys(self._seen.capacity)
-        self._seen.update((k, None) for k in state["seen"])
-        self._closed = RecentKeys(self._closed.capacity)
-        self._closed.update((k, v) for k, v in state["closed"])
-        self._n = dict.fromkeys(COUNTER_NAMES, 0)
-        self._n.update({k: int(v) for k, v in state["counters"].items() if k in self._n})
-        self._hist = {int(k): int(v) for k, v in state["staleness_histogram"]}
-        self._version = int(state["version"])
-        self._started = True
-        self._swept = None
+        """Resume from :meth:`state_dict`, into a buffer built with the same group_size; η and the
+        stale policy come from the checkpoint, and its leases are lost (see :mod:`buffer.checkpoint`)."""
+        checkpoint.load_state_dict(self, state)
 
     def __repr__(self) -> str:
         return (f"RolloutBuffer(version={self._version}, eta={self.max_staleness}, "
                 f"policy={self._policy!r}, pending={self._pending}, ready={self._ready_samples}, "
                 f"in_flight={self.gate.in_flight}, leases={len(self.leases)})")
-
-
-# -- plain-data helpers for checkpoints -----------------------------------------------------------
-
-_B64 = "__b64__"
-_MSG = "__message__"
-
-
-def _to_plain(x: Any, binary: bool) -> Any:
-    """Wire form -> plain data: memoryviews become bytes (or base64 strings tagged ``__b64__``)."""
-    t = type(x)
-    if t is dict:
-        return {k: _to_plain(v, binary) for k, v in x.items()}
-    if t is list or t is tuple:
-        return [_to_plain(v, binary) for v in x]
-    if t is memoryview or t is bytes or t is bytearray:
-        b = bytes(x)
-        return b if binary else {_B64: base64.b64encode(b).decode("ascii")}
-    if x is None or t in (str, int, float, bool):
-        return x
-    raise TypeError(f"not plain data: {t.__name__} (lease payloads must be plain data or a "
-                    "protocol.Message)")
-
-
-def _from_plain(x: Any) -> Any:
-    t = type(x)
-    if t is dict:
-        if len(x) == 1 and _B64 in x:
-            return base64.b64decode(x[_B64])
-        return {k: _from_plain(v) for k, v in x.items()}
-    if t is list:
-        return [_from_plain(v) for v in x]
-    return x
-
-
-def _pack_payload(payload: Any, binary: bool) -> Any:
-    if isinstance(payload, Message):
-        return {_MSG: payload.TYPE, "body": _to_plain(payload.to_wire(), binary)}
-    return _to_plain(payload, binary)
-
-
-def _unpack_payload(p: Any) -> Any:
-    if type(p) is dict and _MSG in p:
-        return MESSAGE_TYPES[p[_MSG]].from_wire(_from_plain(p["body"]))
-    return _from_plain(p)

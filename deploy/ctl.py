@@ -23,8 +23,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 import protocol
-from protocol.security import CurveClient, load_key_pair, load_public_key
-from protocol.sockets import check_endpoint, make_socket
+from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
+from protocol.plumbing.sockets import check_endpoint, make_socket
 
 SECRET_KEY_ENV = "SLIPSTREAM_CTL_SECRET_KEY"
 LEARNER_KEY_ENV = "SLIPSTREAM_CTL_LEARNER_KEY"
@@ -46,10 +46,6 @@ def learner_file(run_dir: str) -> dict:
     except (OSError, KeyError, ValueError, TypeError):
         raise protocol.StartupError(f"no learner endpoint file {path} (is the learner running with "
                                     f"this --run-dir?); or pass --endpoint tcp://HOST:PORT") from None
-
-
-def control_endpoint(run_dir: str) -> str:
-    return learner_file(run_dir)["control"]
 
 
 def curve_keys(secret_key: str | None, learner_key: str | None,

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout_server.engine import INFLIGHT_POLICIES, WEIGHT_TRANSFERS
+from rollout_server.engine import INFLIGHT_POLICIES
 
 
 class VLLMOptions(BaseModel):
     """Options of the vLLM engine (``rollout.engine: vllm``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     enforce_eager: bool = True
     """Skip CUDA graphs / torch.compile (engine starts in ~25 s instead of minutes on CPU)."""
@@ -28,16 +28,23 @@ class VLLMOptions(BaseModel):
     """Largest LoRA rank the engine accepts."""
     max_loras: int = Field(2, ge=1)
     """Adapter versions kept loaded, so requests that started on version k can finish on k."""
-    weight_transfer: Literal[WEIGHT_TRANSFERS] = "zmq"
-    """How full weights arrive: chunks over ZeroMQ (the one transport until a GPU one is tested)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor parallelism (GPUs per server)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        """``weight_transfer`` (its one value was "zmq") is gone: say so rather than "unknown key"."""
+        if isinstance(data, dict) and "weight_transfer" in data:
+            raise ValueError("weight_transfer was removed (full weights always travel over ZeroMQ): "
+                             "delete rollout.vllm.weight_transfer from the config")
+        return data
 
 
 class RewardOptions(BaseModel):
     """Options of the built-in rewards (see rollout_server/rewards.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     format_regex: str = r"####\s*-?[\d,]+(\.\d+)?|\\boxed\{[^}]*\}"
     """builtin:format: the pattern (re.search, DOTALL) a well-formatted completion contains."""
@@ -64,7 +71,7 @@ class RewardOptions(BaseModel):
 class RolloutSecurity(BaseModel):
     """CURVE to the learner (learner.security.curve on): this server's key pair, the learner's key."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     curve: bool = False
     """Connect to the learner's rollout and weights sockets with CURVE (encrypted, authenticated)."""
@@ -87,7 +94,7 @@ class RolloutSecurity(BaseModel):
 class RolloutConfig(BaseModel):
     """Everything a rollout server needs besides the model path."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     learner: str = "tcp://127.0.0.1:5555"
     """The learner's rollout endpoint (its ROUTER); the weights endpoint comes in Welcome."""

@@ -18,8 +18,6 @@ import protocol
 
 INFLIGHT_POLICIES = ("finish", "continue", "resubmit")
 """What an engine does with a request that is generating when new weights arrive (docs/design.md §3)."""
-WEIGHT_TRANSFERS = ("zmq",)
-"""How full weights reach an engine. ZeroMQ is the one transport until a GPU one is tested."""
 
 _SAMPLING = protocol.SamplingParams()    # the protocol's defaults are the engines' defaults too
 

@@ -16,7 +16,7 @@ Versions: every token is tagged with the policy version of the weights that prod
 - LoRA: a request keeps the ``LoRARequest`` it was submitted with, so all its tokens carry that
   adapter's version.
 
-Full weights (``weight_transfer="zmq"``): the tensors are written to one safetensors file (in
+Full weights: the tensors (received over ZeroMQ) are written to one safetensors file (in
 ``/dev/shm`` when present) and every worker reloads them in place through the worker extension
 (:mod:`rollout_server.vllm_worker`, ``collective_rpc``) with
 ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``, between engine

@@ -55,11 +55,3 @@ class SlipstreamWorkerExtension:
         method = getattr(head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(head)
-
-    def slipstream_param_checksum(self, name_contains: str = "") -> float:
-        """Sum of all parameters whose name contains ``name_contains`` (tests: did weights move?)."""
-        total = 0.0
-        for name, p in self.model_runner.model.named_parameters():
-            if name_contains in name:
-                total += float(p.detach().float().sum())
-        return total

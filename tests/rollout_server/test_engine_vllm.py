@@ -162,9 +162,8 @@ def _split(versions: np.ndarray, old: int, new: int) -> bool:
 # ---- configuration (no engine needed) -------------------------------------------------------
 
 def test_zeromq_is_the_one_weight_transfer():
-    with pytest.raises(ValueError, match="zmq"):
-        RolloutConfig(engine="vllm", vllm={"weight_transfer": "nccl"})
-    assert RolloutConfig(engine="vllm").vllm.weight_transfer == "zmq"
+    with pytest.raises(ValueError, match="weight_transfer was removed .*delete rollout.vllm.weight_transfer"):
+        RolloutConfig(engine="vllm", vllm={"weight_transfer": "zmq"})
     assert not hasattr(VLLMEngine, "init_nccl")
 
 
