@@ -1,4 +1,4 @@
-"""The ``slipstream`` command: learner, rollout, run, ctl, keys, report, replay.
+"""The ``slipstream`` command: learner, rollout, run, ctl, config, keys, report, replay.
 
 Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
 is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
@@ -23,7 +23,7 @@ def _add_config_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--config", required=required, metavar="FILE",
                    help="YAML config file" + ("" if required else " (default: the built-in demo)"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set learner.lr=1e-4 (repeatable)")
+                   help="override a config value, e.g. --set learner.optimizer.lr=1e-4 (repeatable)")
 
 
 def _add_resume_arg(p: argparse.ArgumentParser) -> None:
@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["status", "get", "set", "pause", "resume", "checkpoint", "stop"])
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?", help="a JSON value (1, 0.5, null, true) or a bare string")
+    p = sub.add_parser("config", help="print the fully resolved config (every default, every "
+                                      "section) as YAML, or every key with --keys")
+    _add_config_args(p, required=False)
+    p.add_argument("--keys", action="store_true", help="list every key: what it takes, its default, "
+                                                      "whether ctl can set it live, what it does")
     p = sub.add_parser("keys", help="generate CURVE key pairs and allow-lists for a run")
     p.add_argument("dir", help="directory to write the keys into")
     p.add_argument("--client", action="append", default=None, metavar="NAME",
@@ -118,6 +123,16 @@ def _keys(args) -> int:
     return keys(args)
 
 
+def _config(args) -> int:
+    from deploy.config import keys_markdown, load_config, resolved_yaml
+
+    if args.keys:
+        print(keys_markdown(), end="")
+    else:
+        print(resolved_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
 def _report(args) -> int:
     from deploy.report import write_report
 
@@ -157,7 +172,7 @@ def _learner(args) -> int:
 
 def _rollout(args) -> int:
     from deploy.config import load_config
-    from protocol.sockets import check_endpoint
+    from protocol.plumbing.sockets import check_endpoint
 
     cfg = load_config(args.config, args.overrides)
     rollout = cfg.rollout
@@ -172,7 +187,7 @@ def _rollout(args) -> int:
     return serve(rollout, model_path)
 
 
-COMMANDS = {"ctl": _ctl, "run": _run, "learner": _learner, "rollout": _rollout, "keys": _keys,
+COMMANDS = {"ctl": _ctl, "config": _config, "run": _run, "learner": _learner, "rollout": _rollout, "keys": _keys,
             "report": _report, "replay": _replay}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from learner.config import LearnerConfig
+from learner.config import MOVED_KEYS, LearnerConfig, resolve_key
 from learner.data.tasks import get_task, is_builtin
 from protocol.errors import StartupError
 from rollout_server.config import RolloutConfig
@@ -31,7 +31,7 @@ class ConfigError(StartupError):
 class LauncherConfig(BaseModel):
     """How `slipstream run` starts the processes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     num_rollout_servers: int = Field(1, ge=1)
     """Rollout server processes to start next to the learner."""
@@ -56,7 +56,7 @@ class LauncherConfig(BaseModel):
 class SlipstreamConfig(BaseModel):
     """One file configures a whole run; each process reads its own section."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model: str = "builtin:tiny-arith"
     """Hugging Face model directory, builtin:tiny-arith (built in code, no download) or
@@ -70,9 +70,9 @@ class SlipstreamConfig(BaseModel):
 
     @model_validator(mode="after")
     def _task_reward(self) -> SlipstreamConfig:
-        if is_builtin(self.learner.dataset):
+        if is_builtin(self.learner.data.dataset):
             try:
-                task = get_task(self.learner.dataset)
+                task = get_task(self.learner.data.dataset)
             except StartupError as e:
                 raise ValueError(str(e)) from None
             if "reward" not in self.rollout.model_fields_set:
@@ -90,7 +90,7 @@ def _parse_scalar(text: str) -> Any:
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one ``a.b.c=value`` override in place (value parsed as YAML: 3, 1e-4, true, [1,2])."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set learner.lr=1e-4")
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set learner.optimizer.lr=1e-4")
     key, _, raw = assignment.partition("=")
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
@@ -109,7 +109,13 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     loc = ".".join(str(p) for p in first.get("loc", ())) or "(top level)"
     kind = first.get("type", "")
     if kind == "extra_forbidden":
-        msg = "unknown key (check the spelling; see README 'Configuration')"
+        msg = "unknown key (check the spelling; `slipstream config --keys` lists every key)"
+        if first.get("loc") and first["loc"][0] == "learner":
+            try:
+                resolve_key(".".join(str(p) for p in first["loc"][1:]))
+            except KeyError as e:
+                if "did you mean" in e.args[0]:
+                    msg = "unknown key; " + e.args[0].split("; ", 1)[1]
     else:
         msg = first.get("msg", "invalid value")
         if "input" in first and kind not in ("missing",) and not isinstance(first["input"], dict):
@@ -139,7 +145,85 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_override(data, item)
     if overrides:
         source += " with --set overrides"
+    learner = data.get("learner")
+    for key in learner if isinstance(learner, dict) else ():
+        if key in MOVED_KEYS:          # the flat layout, before the learner's config had sections
+            raise ConfigError(f"config error in {source}: learner.{key}: moved to "
+                              f"learner.{MOVED_KEYS[key]} (the learner's keys are in sections; "
+                              "docs/configuration.md)")
     try:
         return SlipstreamConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, source)) from None
+
+
+# ---- slipstream config ---------------------------------------------------------------------------
+
+def resolved_yaml(cfg: SlipstreamConfig) -> str:
+    """The whole config as YAML, every default filled in and every section present (what
+    ``slipstream config`` prints; what a process would run with)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, width=100)
+
+
+def _default_text(info: Any) -> str:
+    from pydantic_core import PydanticUndefined
+
+    if info.default_factory is not None:
+        value = info.default_factory()
+    elif info.default is PydanticUndefined:
+        return "(required)"
+    else:
+        value = info.default
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("\n...").removesuffix(" ...")
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def keys_markdown() -> str:
+    """Every key of the config file as Markdown tables, one per section: key, what it takes, its
+    default, whether ``ctl set`` may change it live (and when), and its description, all read
+    from the config classes (``slipstream config --keys``; docs/configuration.md holds it)."""
+    from learner.config import LIVE_KEYS, _model_of, describe_field, field_paths
+
+    out = []
+
+    def table(title: str, doc: str | None, fields: dict[str, Any], prefix: str, live_of) -> None:
+        out.append(f"### `{title}`\n")
+        if doc:
+            out.append(_cell(doc) + "\n")
+        out.append("| key | takes | default | live | description |")
+        out.append("|---|---|---|---|---|")
+        for path, info in fields.items():
+            out.append(f"| `{prefix}{path}` | {_cell(describe_field(info))} | `{_cell(_default_text(info))}` "
+                       f"| {live_of(path)} | {_cell(info.description or '')} |")
+        out.append("")
+
+    def no_live(path: str) -> str:
+        return ""
+
+    top = {n: i for n, i in SlipstreamConfig.model_fields.items() if _model_of(i.annotation) is None}
+    table("(top level)", None, top, "", no_live)
+    for name, info in SlipstreamConfig.model_fields.items():
+        model = _model_of(info.annotation)
+        if model is None:
+            continue
+        if name != "learner":
+            table(name, info.description, field_paths(model), f"{name}.", no_live)
+            continue
+        plain = {n: i for n, i in model.model_fields.items() if _model_of(i.annotation) is None}
+        table("learner", info.description, plain, "learner.", no_live)
+        for sec, sec_info in model.model_fields.items():
+            sub = _model_of(sec_info.annotation)
+            if sub is None:
+                continue
+
+            def live(path: str, sec: str = sec) -> str:
+                key = LIVE_KEYS.get(f"{sec}.{path}")
+                return key.when if key else ""
+            table(f"learner.{sec}", sec_info.description, field_paths(sub), f"learner.{sec}.", live)
+    return "\n".join(out).rstrip() + "\n"

@@ -14,7 +14,7 @@ learner 1 + server 1. The rule, for N cores and S servers, P = S + 1 processes:
 Nobody gets fewer than one thread, so more processes than cores oversubscribe by design (the
 alternative is not starting them).
 
-Synchronous runs (``learner.max_staleness: 0``) are the exception for the learner: it trains while
+Synchronous runs (``learner.staleness.max_staleness: 0``) are the exception for the learner: it trains while
 every server waits for its weights, and the servers generate while it waits for their samples, so
 when ``learner.threads`` is not set it gets all N cores (the servers keep their share above).
 Measured on 2 cores with the demo at eta 0: the step 0.096 -> 0.083 s, 340-360 -> 386-397

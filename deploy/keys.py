@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from protocol.errors import StartupError
-from protocol.security import PUBLIC_SUFFIX, create_key_pair
+from protocol.plumbing.curve import PUBLIC_SUFFIX, create_key_pair
 
 LEARNER = "learner"
 
@@ -54,7 +54,7 @@ def config_snippet(directory: str | Path, secrets: dict[str, Path], clients: lis
                    operators: list[str]) -> str:
     """The YAML to paste into a run's config, and the ctl flags."""
     d = Path(directory).resolve()
-    lines = ["learner:", "  bind_host: 0.0.0.0          # CURVE on: the sockets may leave loopback",
+    lines = ["learner:", "  network:", "    bind_host: 0.0.0.0        # CURVE on: the sockets may leave loopback",
              "  security:", "    curve: true", f"    secret_key_file: {d / 'learner.key_secret'}",
              f"    allowed_clients_dir: {d / 'clients'}"]
     if operators:

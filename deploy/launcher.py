@@ -166,7 +166,7 @@ def _thread_split(cfg: SlipstreamConfig) -> tuple[int, int, dict[str, list[int]]
     cores = available_cores()
     n = cfg.launcher.num_rollout_servers
     learner, rollout = share_cores(cores, n, cfg.learner.threads, cfg.rollout.threads,
-                                   synchronous=cfg.learner.max_staleness == 0)
+                                   synchronous=cfg.learner.staleness.max_staleness == 0)
     servers = ", ".join(f"rollout-{i} {rollout}" for i in range(n))
     print(f"[run] threads: learner {learner}, {servers} ({cores} cores)", flush=True)
     plan = (plan_affinity(allowed_cpus(), n, learner, rollout, cores) if cfg.launcher.pin_cores
@@ -345,7 +345,7 @@ def _latest_checkpoint(cfg: SlipstreamConfig, run_dir: Path) -> Path | None:
     from learner.state.checkpoint import Checkpointer
 
     try:
-        return Checkpointer(cfg.learner.checkpoint_dir or run_dir / "checkpoints").latest_complete()
+        return Checkpointer(cfg.learner.checkpoint.dir or run_dir / "checkpoints").latest_complete()
     except OSError:
         return None
 

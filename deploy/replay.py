@@ -154,14 +154,14 @@ def format_stats(st: dict[str, Any]) -> str:
 
 def train_offline(log_dir: str | Path, cfg: Any, model_path: str, steps: int,
                   emit=print, out: str | Path | None = None) -> list[dict[str, float]]:
-    """Up to ``steps`` Trainer steps on batches of ``cfg.batch_prompts`` logged groups; the policy
+    """Up to ``steps`` Trainer steps on batches of ``cfg.batch.batch_prompts`` logged groups; the policy
     saved to ``out`` (as the learner's ``final/``) when given."""
     from buffer import Batch
     from learner.train.distributed import make_trainer
 
     entries, _ = read_samples(log_dir)
-    groups = [g for g in groups_of(entries) if len(g) == cfg.group_size]
-    k = cfg.batch_prompts
+    groups = [g for g in groups_of(entries) if len(g) == cfg.batch.group_size]
+    k = cfg.batch.batch_prompts
     trainer = make_trainer(cfg, model_path)
     stats_rows = []
     for step in range(min(steps, len(groups) // k)):

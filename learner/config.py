@@ -10,7 +10,8 @@ the importance weights (``is_mode``, ``m2po_threshold``) and the updates (``ppo_
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -46,10 +47,52 @@ ZERO_STAGES = (1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+# The flat layout's keys (before the sections) and where each went: ``old`` (same name in the
+# section) or ``old:new``. A config or ctl that uses an old key is told its new place.
+_FLAT_LAYOUT = {
+    "network": ("bind_host rollout_port weights_port control_port metrics_host metrics_port "
+              "max_message_bytes control_max_message_bytes weights_max_message_bytes send_hwm "
+              "weights_send_hwm"),
+    "servers": ("server_timeout_s expiry_interval_s reannounce_s final_sync_s lease_timeout_s "
+              "max_abs_reward max_inflight_per_server weights_failure_limit"),
+    "batch": ("batch_prompts group_size micro_batch_samples micro_batch_tokens ppo_epochs "
+              "mini_batch_samples"),
+    "optimizer": "lr lr_schedule lr_warmup_steps min_lr_ratio weight_decay max_grad_norm",
+    "algorithm": ("advantage whiten_advantages gamma lam clip_low clip_high dual_clip entropy_coef loss_agg "
+              "target_kl recompute_logprobs is_mode is_cap clip_anchor is_veto m2po_threshold "
+              "sanity_ratio_tolerance sanity_kl_tolerance"),
+    "kl": ("kl_coef:coef kl_in_reward:in_reward kl_kind:kind kl_controller:controller "
+              "kl_target:target kl_horizon:horizon reference_on_cpu"),
+    "reward": ("length_penalty reward_clip:clip reward_norm:norm batch_filter pf_ppo_method "
+              "pf_ppo_weight_pow"),
+    "critic": ("critic_model:model critic_lr:lr critic_lr_schedule:lr_schedule "
+              "critic_lr_warmup_steps:lr_warmup_steps critic_max_grad_norm:max_grad_norm value_clip "
+              "critic_warmup_steps:warmup_steps critic_targets:targets vtrace_rho_bar vtrace_c_bar"),
+    "staleness": ("max_staleness stale_policy staleness_controller:controller min_staleness "
+              "staleness_ess_min:ess_min staleness_mismatch_kl_max:mismatch_kl_max "
+              "staleness_ess_recover:ess_recover staleness_mismatch_kl_recover:mismatch_kl_recover "
+              "staleness_recover_steps:recover_steps"),
+    "data": ("dataset dataset_split prompt_key answer_key chat_template system_prompt "
+              "max_prompt_tokens shuffle epochs length_buckets"),
+    "evaluation": ("eval_data:data eval_every:every eval_prompts:prompts eval_temperature:temperature "
+              "eval_correct_threshold:correct_threshold"),
+    "sampling": "temperature top_p max_new_tokens",
+    "weights": "weights_chunk_bytes:chunk_bytes",
+    "runtime": "device dtype autocast attn_implementation gradient_checkpointing disable_dropout",
+    "checkpoint": "save_every keep_last checkpoint_dir:dir checkpoint_failure:failure",
+}
+MOVED_KEYS: dict[str, str] = {
+    old: f"{section}.{new or old}"
+    for section, keys in _FLAT_LAYOUT.items()
+    for old, _, new in (item.partition(":") for item in keys.split())
+}
+"""``lr`` -> ``optimizer.lr``, ``kl_coef`` -> ``kl.coef``, ...: every key of the flat layout."""
+
+
 class DeepSpeedSettings(BaseModel):
     """ZeRO stage, precision and offload of the DeepSpeed engines (``learner.deepspeed``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     zero_stage: Literal[ZERO_STAGES] = 2
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also the parameters (gathered
@@ -57,7 +100,7 @@ class DeepSpeedSettings(BaseModel):
     precision: Literal[PRECISIONS] = "fp32"
     """Engine precision: fp32, bf16 (bfloat16 weights with float32 master weights in the optimizer
     partitions) or fp16 (dynamic loss scaling; an overflowing step is skipped; not on DeepSpeed's
-    CPU accelerator, a StartupError there). learner.dtype must be float32 or auto (the engine casts)."""
+    CPU accelerator, a StartupError there). learner.runtime.dtype must be float32 or auto (the engine casts)."""
     offload_optimizer: Literal["none", "cpu"] = "none"
     """Keep optimizer states (and the float32 master weights) in CPU memory (ZeRO-Offload); the
     trainer's torch AdamW updates them there (no DeepSpeedCPUAdam op to compile; slower)."""
@@ -94,7 +137,7 @@ FSYNC_POLICIES = ("step", "record")
 class RolloutLogSettings(BaseModel):
     """``learner.rollout_log``: where the durable log of accepted results goes (learner.state.rollout_log)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     path: str | None = None
     """Directory of the segment files (null = RUN_DIR/rollout_log)."""
@@ -108,7 +151,7 @@ class RolloutLogSettings(BaseModel):
 class LearnerSecurity(BaseModel):
     """CURVE on the learner's sockets (off by default; the sockets bind to 127.0.0.1 anyway)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     curve: bool = False
     """Encrypt the rollout, weights and control sockets (CURVE) and accept only allow-listed keys."""
@@ -137,7 +180,7 @@ METRICS_SINKS = ("jsonl", "tensorboard")
 class LoraSettings(BaseModel):
     """LoRA adapters through PEFT (``learner.lora``): only the adapter is trained and published."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     r: int = Field(16, ge=1)
     """Adapter rank."""
@@ -150,10 +193,10 @@ class LoraSettings(BaseModel):
     output head)."""
 
 
-class LearnerConfig(BaseModel):
-    """Everything the learner process needs besides the model path."""
+class NetworkSettings(BaseModel):
+    """``learner.network``: Where the learner listens and how much a peer may send (its sockets and /metrics)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     bind_host: str = "127.0.0.1"
     """Interface the learner's ZeroMQ sockets bind to. 127.0.0.1 keeps them off the network."""
@@ -181,6 +224,13 @@ class LearnerConfig(BaseModel):
     weights_send_hwm: int = Field(16, ge=1)
     """Weight chunks queued per fetching peer (ZMQ_SNDHWM on the weights socket). An honest server
     keeps only its chunk window in flight; a chunk for a peer over this limit is not sent."""
+
+
+class ServersSettings(BaseModel):
+    """``learner.servers``: How the learner treats rollout servers: timeouts, leases, refusals, the weights circuit breaker."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     server_timeout_s: float = Field(30.0, gt=0)
     """Seconds without any message from a rollout server before it counts as lost and its leases
     are re-issued (servers send a heartbeat every few seconds)."""
@@ -191,9 +241,24 @@ class LearnerConfig(BaseModel):
     gets the manifest again with the reply to its next heartbeat."""
     final_sync_s: float = Field(30.0, ge=0)
     """After the last step, seconds to wait for connected servers to apply the final weights."""
+    lease_timeout_s: float = Field(120.0, gt=0)
+    """Seconds a rollout server has to return an assignment before it is re-issued."""
+    max_abs_reward: float = Field(1e6, gt=0)
+    """A sample whose |reward| is above this is refused (acked invalid, counted): one broken
+    reward of 1e30 would overflow the batch's float32 statistics and skip the whole step."""
+    max_inflight_per_server: int = Field(0, ge=0)
+    """Samples one rollout server may be generating at once, below what it offers (0 = what it
+    offers: its max_concurrency). Lowering it live takes effect as its leases finish."""
+    weights_failure_limit: int = Field(3, ge=1)
+    """Circuit breaker: a rollout server reporting this many weight fetches or updates failed in a
+    row gets no new work (an event says so) until it applies a published version."""
 
-    total_steps: int = Field(200, ge=1)
-    """Policy steps to train; the learner (and `slipstream run`) stops after the last one."""
+
+class BatchSettings(BaseModel):
+    """``learner.batch``: What one policy step trains on and how it is cut into passes."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     batch_prompts: int = Field(8, ge=1)
     """Prompts per policy step; the batch holds batch_prompts * group_size samples."""
     group_size: int = Field(8, ge=1)
@@ -210,6 +275,18 @@ class LearnerConfig(BaseModel):
     """Passes over each batch; every pass reshuffles it into mini-batches, one optimizer step each."""
     mini_batch_samples: int = Field(0, ge=0)
     """Samples per optimizer step (0 = the whole batch: one optimizer step per epoch)."""
+
+    @property
+    def batch_samples(self) -> int:
+        """Samples of one policy step: batch_prompts * group_size."""
+        return self.batch_prompts * self.group_size
+
+
+class OptimizerSettings(BaseModel):
+    """``learner.optimizer``: The policy's AdamW and its learning-rate schedule."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     lr: float = Field(3e-4, gt=0)
     """AdamW learning rate of the policy (the peak, when a schedule is set)."""
     lr_schedule: Literal[LR_SCHEDULES] = "constant"
@@ -222,8 +299,12 @@ class LearnerConfig(BaseModel):
     """AdamW weight decay (policy and critic)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Policy gradient clipping by global norm, once per optimizer step (after accumulation)."""
-    disable_dropout: bool = True
-    """Zero every dropout of policy and critic (else the ratio is not 1 at the first mini-batch)."""
+
+
+class AlgorithmSettings(BaseModel):
+    """``learner.algorithm``: Advantages, the PPO loss, importance correction of stale samples and the sanity check."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     advantage: Literal[ADVANTAGE_METHODS] = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo (groups), gae (critic), reinforce_pp (whitened returns)."""
@@ -269,27 +350,52 @@ class LearnerConfig(BaseModel):
     """geo_mis per-token veto: a sequence with one token of weight below this is masked whole."""
     m2po_threshold: float | None = Field(None, ge=0)
     """M2PO: mask tokens of largest (log w)^2 until its batch mean is <= this (null = off; paper: 0.04)."""
+    sanity_ratio_tolerance: float = Field(1e-3, gt=0)
+    """Sanity check (first mini-batch, proximal pass): a max |ratio - 1| above this warns."""
+    sanity_kl_tolerance: float = Field(1e-6, gt=0)
+    """Sanity check: a KL(current || proximal) above this (nats per token) warns."""
 
-    kl_coef: float = Field(0.0, ge=0)
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+class KlSettings(BaseModel):
+    """``learner.kl``: The KL term to the reference policy."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    coef: float = Field(0.0, ge=0)
     """KL-to-reference coefficient beta (0 = no reference model); the start value if adaptive."""
-    kl_in_reward: bool = False
+    in_reward: bool = False
     """true: -beta * KL per token in the reward (InstructGPT); false: beta * KL as a loss term (GRPO)."""
-    kl_kind: Literal[KL_KINDS] = "k3"
+    kind: Literal[KL_KINDS] = "k3"
     """KL estimator (Schulman): k1 log-ratio, k2 squared, k3 low variance; k1 is usual in the reward."""
-    kl_controller: Literal[KL_CONTROLLERS] = "fixed"
+    controller: Literal[KL_CONTROLLERS] = "fixed"
     """fixed beta, or adaptive toward kl_target (Ziegler et al. 2019)."""
-    kl_target: float = Field(0.1, gt=0)
+    target: float = Field(0.1, gt=0)
     """Adaptive controller target: mean over samples of the summed per-token KL, in nats."""
-    kl_horizon: float = Field(10000.0, gt=0)
+    horizon: float = Field(10000.0, gt=0)
     """Adaptive controller time constant, in samples."""
     reference_on_cpu: bool = False
     """Keep the reference model on the CPU (saves accelerator memory; slower reference pass)."""
 
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term to the reference exists (in the reward or in the loss)."""
+        return self.coef > 0
+
+
+class RewardSettings(BaseModel):
+    """``learner.reward``: What the trainer does to rewards before the advantages."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     length_penalty: float = Field(0.0, ge=0)
     """Reward minus length_penalty * completion_tokens / max_new_tokens."""
-    reward_clip: float | None = Field(None, gt=0)
+    clip: float | None = Field(None, gt=0)
     """Clip rewards to [-reward_clip, reward_clip] after the length penalty (null = off)."""
-    reward_norm: Literal[REWARD_NORMS] = "none"
+    norm: Literal[REWARD_NORMS] = "none"
     """Normalize rewards by the batch's mean and std, or by running moments over the run."""
     batch_filter: Literal[BATCH_FILTERS] = "none"
     """pf_ppo: resample the batch by reward (PF-PPO, as verl's use_pf_ppo) after the advantages."""
@@ -298,60 +404,65 @@ class LearnerConfig(BaseModel):
     pf_ppo_weight_pow: float = Field(2.0, ge=0)
     """PF-PPO pow exponent p."""
 
-    critic_model: str | None = None
+
+class CriticSettings(BaseModel):
+    """``learner.critic``: The critic (advantage: gae): its model, optimizer and targets."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    model: str | None = None
     """Backbone of the critic (advantage: gae), with a linear value head; null = the policy's path."""
-    critic_lr: float = Field(1e-4, gt=0)
+    lr: float = Field(1e-4, gt=0)
     """AdamW learning rate of the critic (the peak, when a schedule is set)."""
-    critic_lr_schedule: Literal[LR_SCHEDULES] = "constant"
+    lr_schedule: Literal[LR_SCHEDULES] = "constant"
     """Critic learning-rate schedule (as lr_schedule)."""
-    critic_lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
     """Policy steps of linear critic learning-rate warm-up."""
-    critic_max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
     """Critic gradient clipping by global norm, once per optimizer step."""
     value_clip: float | None = Field(0.2, gt=0)
     """Clip of the critic's new values around the step-start values (null = plain squared error)."""
-    critic_warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
     """First policy steps that train the critic only (the policy is unchanged; versions still move)."""
-    critic_targets: Literal[CRITIC_TARGETS] = "gae"
+    targets: Literal[CRITIC_TARGETS] = "gae"
     """Critic regression targets: GAE returns, or V-trace targets (corrected for stale data)."""
     vtrace_rho_bar: float = Field(1.0, gt=0)
     """V-trace truncation of the TD-error weights rho."""
     vtrace_c_bar: float = Field(1.0, gt=0)
     """V-trace truncation of the trace coefficients c."""
 
-    sanity_ratio_tolerance: float = Field(1e-3, gt=0)
-    """Sanity check (first mini-batch, proximal pass): a max |ratio - 1| above this warns."""
-    sanity_kl_tolerance: float = Field(1e-6, gt=0)
-    """Sanity check: a KL(current || proximal) above this (nats per token) warns."""
+
+class StalenessSettings(BaseModel):
+    """``learner.staleness``: How old a sample may be (eta) and the adaptive controller that may move it."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     max_staleness: int = Field(1, ge=0)
     """eta: how many policy steps behind the learner a sample may be (0 = strict on-policy)."""
     stale_policy: Literal[STALE_POLICIES] = "drop"
     """What happens to buffered samples that exceed max_staleness after it shrinks."""
-    lease_timeout_s: float = Field(120.0, gt=0)
-    """Seconds a rollout server has to return an assignment before it is re-issued."""
-    max_abs_reward: float = Field(1e6, gt=0)
-    """A sample whose |reward| is above this is refused (acked invalid, counted): one broken
-    reward of 1e30 would overflow the batch's float32 statistics and skip the whole step."""
-    max_inflight_per_server: int = Field(0, ge=0)
-    """Samples one rollout server may be generating at once, below what it offers (0 = what it
-    offers: its max_concurrency). Lowering it live takes effect as its leases finish."""
-    staleness_controller: Literal[STALENESS_CONTROLLERS] = "fixed"
+    controller: Literal[STALENESS_CONTROLLERS] = "fixed"
     """fixed: eta is max_staleness. adaptive: eta moves within [min_staleness, max_staleness],
     down when the importance weights degrade, back up when they recover (learner/serve/staleness.py)."""
     min_staleness: int = Field(0, ge=0)
     """Adaptive controller: the lowest eta it goes to."""
-    staleness_ess_min: float = Field(0.5, gt=0, le=1)
+    ess_min: float = Field(0.5, gt=0, le=1)
     """Adaptive controller: a step whose importance-weight ESS ratio is below this cuts eta by one."""
-    staleness_mismatch_kl_max: float = Field(0.1, gt=0)
+    mismatch_kl_max: float = Field(0.1, gt=0)
     """Adaptive controller: a step whose mismatch KL (behavior to proximal, nats per token) is above
     this cuts eta by one."""
-    staleness_ess_recover: float = Field(0.7, gt=0, le=1)
+    ess_recover: float = Field(0.7, gt=0, le=1)
     """Adaptive controller: a healthy step has an ESS ratio at least this (>= staleness_ess_min)."""
-    staleness_mismatch_kl_recover: float = Field(0.05, gt=0)
+    mismatch_kl_recover: float = Field(0.05, gt=0)
     """Adaptive controller: a healthy step has a mismatch KL at most this (<= staleness_mismatch_kl_max)."""
-    staleness_recover_steps: int = Field(5, ge=1)
+    recover_steps: int = Field(5, ge=1)
     """Adaptive controller: healthy steps in a row before eta grows back by one."""
+
+
+class DataSettings(BaseModel):
+    """``learner.data``: The training prompts: where they come from and how they are formatted and ordered."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     dataset: str = "builtin:arith"
     """Prompt source: builtin:arith, a .jsonl / .json / .parquet file, or a directory written by
@@ -379,19 +490,33 @@ class LearnerConfig(BaseModel):
     length_buckets: int = Field(0, ge=0)
     """Sample prompts of similar length together: rows are sorted into this many length buckets
     and each batch's prompts come from one bucket (0 = off)."""
-    eval_data: str | None = None
+
+
+class EvaluationSettings(BaseModel):
+    """``learner.evaluation``: Held-out evaluation rounds."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    data: str | None = None
     """Held-out prompts (same formats as dataset) for evaluation; never trained on."""
-    eval_every: int = Field(0, ge=0)
+    every: int = Field(0, ge=0)
     """Evaluate every this many policy steps (0 = never), greedily, outside the staleness gate."""
-    eval_prompts: int = Field(0, ge=0)
+    prompts: int = Field(0, ge=0)
     """Prompts per evaluation, the same ones every round (0 = all of eval_data; a built-in task
     needs a number)."""
-    eval_temperature: float = Field(1e-6, ge=1e-6, le=1e6)
+    temperature: float = Field(1e-6, ge=1e-6, le=1e6)
     """Sampling temperature of evaluation assignments (1e-6, the wire's smallest: greedy on both
     engines; vLLM samples greedily below 1e-5)."""
-    eval_correct_threshold: float = 1.0
+    correct_threshold: float = 1.0
     """An evaluation sample counts as correct (eval_accuracy) when its reward is at least this
     (1.0: an exact-match reward's full score)."""
+
+
+class SamplingSettings(BaseModel):
+    """``learner.sampling``: What every training assignment asks the engines for."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
     top_p: float = Field(1.0, ge=1e-9, le=1)
@@ -399,21 +524,21 @@ class LearnerConfig(BaseModel):
     max_new_tokens: int = Field(4, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     """Completion length limit sent with every assignment; a longer completion is refused."""
 
-    weights_chunk_bytes: int = Field(64 << 20, ge=1024)
-    """Size of one weight chunk on the wire (bucket size)."""
-    run_dir: str = "runs/default"
-    """Directory for metrics.jsonl and the learner's endpoint file."""
-    seed: int = 0
-    """Seed for the prompt order and torch."""
-    exit_on_finish: bool = True
-    """Exit after the last step; false keeps /metrics and control up until SIGTERM or `ctl stop`."""
-    threads: int = Field(0, ge=0)
-    """torch intra-op threads (0 = torch's default)."""
-    metrics_sinks: list[Literal[METRICS_SINKS]] = Field(default_factory=lambda: ["jsonl"])
-    """Where step statistics go besides Prometheus: jsonl (RUN_DIR/metrics.jsonl, always written)
-    and tensorboard (RUN_DIR/tensorboard/<run id>/, needs the tensorboard extra)."""
 
-    # ---- model and device (issue 10) ----
+class WeightsSettings(BaseModel):
+    """``learner.weights``: How published weights travel."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    chunk_bytes: int = Field(64 << 20, ge=1024)
+    """Size of one weight chunk on the wire (bucket size)."""
+
+
+class RuntimeSettings(BaseModel):
+    """``learner.runtime``: Where and in what precision the policy (and critic, reference) compute."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Where the policy (and critic, reference) train: auto (cuda when there is one, else cpu),
     cpu, cuda, cuda:N."""
@@ -432,98 +557,285 @@ class LearnerConfig(BaseModel):
     the matrix products it saves (the demo's step ~20 % less on one thread, tests/bench)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, about a third more compute)."""
-    lora: LoraSettings | None = None
-    """Train a LoRA adapter (PEFT) instead of the full model; the reference is the base model
-    (adapter disabled) and publishes carry the adapter only (null = full fine-tuning)."""
+    disable_dropout: bool = True
+    """Zero every dropout of policy and critic (else the ratio is not 1 at the first mini-batch)."""
 
-    # ---- DeepSpeed (issue 11) ----
-    deepspeed: DeepSpeedSettings | None = None
-    """Train the policy (and critic) as DeepSpeed engines, data-parallel over the ranks of the
-    launch (ZeRO stage, precision, offload: learner/train/ds_config.py); null = plain PyTorch."""
 
-    # ---- checkpoints (issue 10) ----
+class CheckpointSettings(BaseModel):
+    """``learner.checkpoint``: When checkpoints are written, how many are kept, and what a failed one does."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
     save_every: int = Field(50, ge=0)
     """Write a checkpoint every this many policy steps (0 = only on SIGTERM / ctl stop and at the end)."""
     keep_last: int = Field(5, ge=1)
     """Complete checkpoints kept; older ones are deleted after a new one is complete."""
-    checkpoint_dir: str | None = None
+    dir: str | None = None
     """Where checkpoints go (null = RUN_DIR/checkpoints)."""
-    checkpoint_failure: Literal[CHECKPOINT_FAILURES] = "continue"
+    failure: Literal[CHECKPOINT_FAILURES] = "continue"
     """A checkpoint that cannot be written (disk full, not writable): log an error event and go on
     training (the previous checkpoint stays), or stop the run cleanly."""
 
-    # ---- reliability and security (issue 14) ----
+
+class LearnerConfig(BaseModel):
+    """Everything the learner process needs besides the model path: a few run-wide keys and one
+    section per component (docs/configuration.md lists every key; ``slipstream config --keys``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    total_steps: int = Field(200, ge=1)
+    """Policy steps to train; the learner (and `slipstream run`) stops after the last one."""
+    run_dir: str = "runs/default"
+    """Directory for metrics.jsonl and the learner's endpoint file."""
+    seed: int = 0
+    """Seed for the prompt order and torch."""
+    exit_on_finish: bool = True
+    """Exit after the last step; false keeps /metrics and control up until SIGTERM or `ctl stop`."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads (0 = torch's default)."""
+    metrics_sinks: list[Literal[METRICS_SINKS]] = Field(default_factory=lambda: ["jsonl"])
+    """Where step statistics go besides Prometheus: jsonl (RUN_DIR/metrics.jsonl, always written)
+    and tensorboard (RUN_DIR/tensorboard/<run id>/, needs the tensorboard extra)."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (PEFT) instead of the full model; the reference is the base model
+    (adapter disabled) and publishes carry the adapter only (null = full fine-tuning)."""
+    deepspeed: DeepSpeedSettings | None = None
+    """Train the policy (and critic) as DeepSpeed engines, data-parallel over the ranks of the
+    launch (ZeRO stage, precision, offload: learner/train/ds_config.py); null = plain PyTorch."""
     security: LearnerSecurity = Field(default_factory=LearnerSecurity)
     """CURVE encryption and client allow-lists on the rollout, weights and control sockets (off by
     default; see learner/serve/security.py)."""
-    weights_failure_limit: int = Field(3, ge=1)
-    """Circuit breaker: a rollout server reporting this many weight fetches or updates failed in a
-    row gets no new work (an event says so) until it applies a published version."""
     rollout_log: RolloutLogSettings | None = None
     """Durable log of every accepted result, written before its Ack; after a crash and --resume the
     accepted-but-untrained samples come back from it (null = off; see learner/state/rollout_log.py)."""
 
+    network: NetworkSettings = Field(default_factory=NetworkSettings)
+    """Where the learner listens and how much a peer may send (its sockets and /metrics)."""
+    servers: ServersSettings = Field(default_factory=ServersSettings)
+    """How the learner treats rollout servers: timeouts, leases, refusals, the weights circuit breaker."""
+    batch: BatchSettings = Field(default_factory=BatchSettings)
+    """What one policy step trains on and how it is cut into passes."""
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    """The policy's AdamW and its learning-rate schedule."""
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    """Advantages, the PPO loss, importance correction of stale samples and the sanity check."""
+    kl: KlSettings = Field(default_factory=KlSettings)
+    """The KL term to the reference policy."""
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    """What the trainer does to rewards before the advantages."""
+    critic: CriticSettings = Field(default_factory=CriticSettings)
+    """The critic (advantage: gae): its model, optimizer and targets."""
+    staleness: StalenessSettings = Field(default_factory=StalenessSettings)
+    """How old a sample may be (eta) and the adaptive controller that may move it."""
+    data: DataSettings = Field(default_factory=DataSettings)
+    """The training prompts: where they come from and how they are formatted and ordered."""
+    evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
+    """Held-out evaluation rounds."""
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    """What every training assignment asks the engines for."""
+    weights: WeightsSettings = Field(default_factory=WeightsSettings)
+    """How published weights travel."""
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    """Where and in what precision the policy (and critic, reference) compute."""
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    """When checkpoints are written, how many are kept, and what a failed one does."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """A key of the flat layout (before the sections) is refused with its new place."""
+        if isinstance(data, dict):
+            for key in data:
+                if key in MOVED_KEYS:
+                    raise ValueError(f"{key} moved to {MOVED_KEYS[key]}")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
-        if self.advantage in GROUP_ADVANTAGE_METHODS and self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for advantage={self.advantage} "
+        alg, batch, kl, critic, st, rt = (self.algorithm, self.batch, self.kl, self.critic,
+                                          self.staleness, self.runtime)
+        if alg.advantage in GROUP_ADVANTAGE_METHODS and batch.group_size < 2:
+            raise ValueError(f"batch.group_size must be >= 2 for algorithm.advantage={alg.advantage} "
                              "(a group of one has no baseline)")
         # Sampling below neutral: refused rather than recomputed with the same truncation. The
         # engines report log-probs of the truncated, renormalized distribution; a recompute of the
         # full one would make every weight w = π/μ < 1, and truncating in the learner would put the
         # gradient through the nucleus boundary (and give −inf where the two nuclei differ). top_k
         # has no key: the learner always sends 0 (neutral).
-        if self.top_p < 1.0:
-            raise ValueError(f"top_p={self.top_p} is not supported: the learner recomputes log-probs "
-                             "of the untruncated distribution; set top_p: 1.0")
-        if self.advantage != "gae":
-            for key, value, neutral in (("critic_warmup_steps", self.critic_warmup_steps, 0),
-                                        ("critic_targets", self.critic_targets, "gae")):
+        if self.sampling.top_p < 1.0:
+            raise ValueError(f"sampling.top_p={self.sampling.top_p} is not supported: the learner "
+                             "recomputes log-probs of the untruncated distribution; set top_p: 1.0")
+        if alg.advantage != "gae":
+            for key, value, neutral in (("critic.warmup_steps", critic.warmup_steps, 0),
+                                        ("critic.targets", critic.targets, "gae")):
                 if value != neutral:
-                    raise ValueError(f"{key}={value!r} needs a critic: set advantage: gae "
+                    raise ValueError(f"{key}={value!r} needs a critic: set algorithm.advantage: gae "
                                      f"(or {key}: {neutral!r})")
-        if self.staleness_controller == "adaptive":
-            if self.min_staleness > self.max_staleness:
-                raise ValueError(f"min_staleness={self.min_staleness} is above max_staleness="
-                                 f"{self.max_staleness}")
-            if (self.staleness_ess_recover < self.staleness_ess_min
-                    or self.staleness_mismatch_kl_recover > self.staleness_mismatch_kl_max):
+        if st.controller == "adaptive":
+            if st.min_staleness > st.max_staleness:
+                raise ValueError(f"staleness.min_staleness={st.min_staleness} is above "
+                                 f"staleness.max_staleness={st.max_staleness}")
+            if st.ess_recover < st.ess_min or st.mismatch_kl_recover > st.mismatch_kl_max:
                 raise ValueError("the adaptive staleness controller's recover thresholds must be at "
-                                 "least as strict as its shrink ones (staleness_ess_recover >= "
-                                 "staleness_ess_min, staleness_mismatch_kl_recover <= "
-                                 "staleness_mismatch_kl_max)")
-        if self.kl_controller == "adaptive" and self.kl_coef == 0:
-            raise ValueError("kl_controller=adaptive needs kl_coef > 0 (its start value; "
+                                 "least as strict as its shrink ones (staleness.ess_recover >= "
+                                 "staleness.ess_min, staleness.mismatch_kl_recover <= "
+                                 "staleness.mismatch_kl_max)")
+        if kl.controller == "adaptive" and kl.coef == 0:
+            raise ValueError("kl.controller=adaptive needs kl.coef > 0 (its start value; "
                              "the controller scales it)")
-        if self.autocast != "none" and self.dtype not in ("auto", "float32"):
-            raise ValueError(f"autocast={self.autocast} computes in {self.autocast} over float32 "
-                             f"weights, but dtype={self.dtype}: set dtype: float32 (or auto), or "
-                             "autocast: none")
-        if self.autocast != "none" and self.deepspeed is not None:
-            raise ValueError(f"autocast={self.autocast} with deepspeed: DeepSpeed owns the "
-                             "precision; set deepspeed.precision: bf16 and autocast: none")
-        if self.clip_anchor == "behavior" and self.target_kl is not None:
-            raise ValueError("target_kl stops a step by its distance from pi_prox, but with "
+        if rt.autocast != "none" and rt.dtype not in ("auto", "float32"):
+            raise ValueError(f"runtime.autocast={rt.autocast} computes in {rt.autocast} over float32 "
+                             f"weights, but runtime.dtype={rt.dtype}: set dtype: float32 (or auto), "
+                             "or autocast: none")
+        if rt.autocast != "none" and self.deepspeed is not None:
+            raise ValueError(f"runtime.autocast={rt.autocast} with deepspeed: DeepSpeed owns the "
+                             "precision; set deepspeed.precision: bf16 and runtime.autocast: none")
+        if alg.clip_anchor == "behavior" and alg.target_kl is not None:
+            raise ValueError("algorithm.target_kl stops a step by its distance from pi_prox, but with "
                              "clip_anchor: behavior the ratio is taken against the behavior policy; "
                              "set target_kl: null or clip_anchor: proximal")
-        if self.eval_every and self.eval_data is None:
-            raise ValueError("eval_every > 0 needs eval_data (held-out prompts); set eval_data, or "
-                             "eval_every: 0")
-        if self.mini_batch_samples > self.batch_samples:
-            raise ValueError(f"mini_batch_samples={self.mini_batch_samples} is larger than the batch "
-                             f"({self.batch_samples} samples); set it <= batch_prompts * group_size, "
-                             "or 0 for the whole batch")
+        if self.evaluation.every and self.evaluation.data is None:
+            raise ValueError("evaluation.every > 0 needs evaluation.data (held-out prompts); set "
+                             "evaluation.data, or evaluation.every: 0")
+        if batch.mini_batch_samples > batch.batch_samples:
+            raise ValueError(f"batch.mini_batch_samples={batch.mini_batch_samples} is larger than the "
+                             f"batch ({batch.batch_samples} samples); set it <= batch_prompts * "
+                             "group_size, or 0 for the whole batch")
         return self
 
-    @property
-    def batch_samples(self) -> int:
-        return self.batch_prompts * self.group_size
 
-    @property
-    def uses_reference(self) -> bool:
-        """A KL term to the reference exists (in the reward or in the loss)."""
-        return self.kl_coef > 0
+# ---- keys by path: what ctl and `slipstream config --keys` use ---------------------------------
 
-    @property
-    def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+@dataclass(frozen=True)
+class LiveKey:
+    """A setting ``slipstream ctl set`` may change while the run is live."""
+
+    path: str
+    """Its place in the learner config (``staleness.max_staleness``)."""
+    when: Literal["now", "next step"]
+    """now: the consumer reads it at its next use (or is told at once); next step: the trainer's
+    copy of the config gets it between steps, so no step sees half a change."""
+    consumer: str
+    """Who applies it."""
+
+
+LIVE_KEYS: dict[str, LiveKey] = {k.path: k for k in (
+    LiveKey("staleness.max_staleness", "now", "the buffer's staleness gate"),
+    LiveKey("staleness.stale_policy", "now", "the buffer (samples past the limit)"),
+    LiveKey("servers.max_inflight_per_server", "now", "admission, at its next dispatch"),
+    LiveKey("sampling.temperature", "now", "every assignment issued from then on"),
+    LiveKey("algorithm.is_mode", "next step", "the trainer"),
+    LiveKey("algorithm.is_cap", "next step", "the trainer"),
+    LiveKey("algorithm.clip_anchor", "next step", "the trainer"),
+    LiveKey("algorithm.target_kl", "next step", "the trainer"),
+    LiveKey("kl.coef", "next step", "the trainer (and its KL controller's value)"),
+    LiveKey("optimizer.lr", "next step", "the trainer's optimizer"),
+)}
+
+
+STEP_SETTINGS = tuple(k for k, live in LIVE_KEYS.items() if live.when == "next step")
+"""Live keys the trainer reads during a step: its copy of the config gets them between steps."""
+
+
+def field_paths(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of ``model`` by dotted path -> its pydantic ``FieldInfo`` (sections and
+    optional blocks such as ``lora`` are walked into; a list or a plain value is a leaf)."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        sub = _model_of(info.annotation)
+        if sub is not None:
+            out.update(field_paths(sub, path + "."))
+        else:
+            out[path] = info
+    return out
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside ``annotation`` (``X`` or ``X | None``), else None."""
+    import typing
+
+    for a in (annotation, *typing.get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def resolve_key(key: str) -> str:
+    """The learner config path ``key`` names: a dotted path (``optimizer.lr``) or, for short, a
+    leaf name that only one section has (``max_staleness``). ``KeyError`` with one line saying what
+    to write instead: an old flat key's new place, or the closest paths."""
+    import difflib
+
+    paths = field_paths(LearnerConfig)
+    if key in paths:
+        return key
+    leaves = [p for p in paths if p.rsplit(".", 1)[-1] == key]
+    if "." not in key and len(leaves) == 1:
+        return leaves[0]
+    if key in MOVED_KEYS:
+        raise KeyError(f"{key} moved to {MOVED_KEYS[key]}")
+    if len(leaves) > 1:
+        raise KeyError(f"{key} is ambiguous: {' or '.join(leaves)}")
+    close = difflib.get_close_matches(key, list(paths), n=3, cutoff=0.6)
+    raise KeyError(f"unknown key {key!r}" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+
+
+def changed_paths(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of the dumped config ``new`` that differs from ``old`` (a
+    section that is null on one side and not on the other counts as one leaf)."""
+    out = []
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            out += changed_paths(before, value, f"{prefix}{key}.")
+        elif value != before:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def get_path(cfg: BaseModel, path: str) -> Any:
+    node = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def set_path(cfg: BaseModel, path: str, value: Any) -> None:
+    """Assign (validated by the section's model) the value at ``path``."""
+    *parents, leaf = path.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, leaf, value)
+
+
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def describe_field(info: Any) -> str:
+    """What a config field takes, from its definition: "an integer >= 0", "one of drop, correct",
+    "a number > 0, or null (off)"."""
+    return _takes(info.annotation, info.metadata)
+
+
+def _takes(annotation: Any, metadata: list = ()) -> str:
+    import typing
+    from types import UnionType
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, UnionType):
+        rest = [a for a in args if a is not type(None)]
+        text = " or ".join(_takes(a, metadata) for a in rest)
+        return f"{text}, or null (off)" if len(rest) < len(args) else text
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is list:
+        return f"a list (each {_takes(args[0]) if args else 'any value'})"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "a section (below)"
+    bounds = [f"{op} {getattr(m, attr)}" for m in metadata for attr, op in _BOUNDS
+              if getattr(m, attr, None) is not None]
+    return " ".join([_KINDS.get(annotation, getattr(annotation, "__name__", str(annotation))),
+                     " and ".join(bounds)]).strip()

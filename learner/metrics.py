@@ -1,6 +1,6 @@
 """Prometheus metrics of the learner, and the metrics.jsonl log of every policy step.
 
-Served by :class:`protocol.http.HttpEndpoint` (``/metrics`` and ``/healthz``) from the learner's
+Served by :class:`protocol.plumbing.http.HttpEndpoint` (``/metrics`` and ``/healthz``) from the learner's
 own registry. Labels are bounded: socket names, ack statuses, refusal reasons, server ids.
 """
 

@@ -1,6 +1,8 @@
 """slipstream wire protocol: message types, msgpack codec, validation, errors.
 
-Imports the stdlib, msgpack, numpy, pyzmq and xxhash only — never torch (docs/design.md §2).
+The process plumbing the services share but that is not the wire format (event log, sockets,
+CURVE, the HTTP endpoint) is ``protocol.plumbing``. Imports the stdlib, msgpack, numpy, pyzmq and
+xxhash only — never torch (docs/design.md §2).
 """
 
 from protocol.codec import (
@@ -24,6 +26,7 @@ from protocol.messages import (
     Error,
     Heartbeat,
     Hello,
+    LoraSpec,
     Message,
     RolloutResult,
     Sample,
@@ -39,7 +42,7 @@ from protocol.messages import (
 
 __all__ = [
     "ACK_STATUSES", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Ack", "Assignment",
-    "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "Message", "ProtocolError",
+    "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "LoraSpec", "Message", "ProtocolError",
     "RolloutResult", "Sample", "SamplingParams", "StartupError", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
     "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",
     "new_message_id", "parse_sample_id", "sample_id",

@@ -15,7 +15,7 @@ socket layer, not here); every frame is plain msgpack, nothing is ever pickled::
     frame 2.. raw     bytes of ``Frame`` fields, in declaration order (weight chunks), zero-copy
 
 Arrays (``Array`` fields: token ids, log-probs, versions) are msgpack bin holding the raw
-little-endian bytes of a 1-D array. Their dtypes travel with them: every sample ends with
+little-endian bytes of a 1-D array. Their dtypes travel with them: every sample carries
 ``array_dtypes``, the numpy dtype strings of its four arrays in field order
 (``"<i4,<i4,<f4,<i4"``), which a receiver checks (another declaration is refused, never
 misread); the shape of a 1-D array is its byte length / item size, checked against the other
@@ -26,7 +26,7 @@ arrays of the sample. (An ``Assignment``'s prompt ids are ``<i4`` by the schema.
      prompt_token_ids: bin <i4, completion_token_ids: bin <i4, behavior_logprobs: bin <f4,
      token_versions: bin <i4, reward: float, reward_parts: {str: float}, finish_reason: str,
      timing: {str: float}, completion_text: str, failed: str | nil, metadata: {str: any},
-     array_dtypes: str]
+     array_dtypes: str, sampling_temperature: float | nil]
 
 so ``msgpack.unpackb`` reads any frame, ``dict(zip(wire_field_names(cls), body))`` names the
 values, and ``np.frombuffer(sample[5], "<i4")`` is the completion.
@@ -79,7 +79,7 @@ from protocol.schema import (
     frame_fields,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (3, 2)
+PROTOCOL_VERSION: tuple[int, int] = (3, 3)
 
 MAX_HEADER_BYTES = 4096
 MAX_BODY_BYTES = 256 << 20      # 256 MiB: a result with thousands of long samples still fits

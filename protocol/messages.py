@@ -24,8 +24,9 @@ append new fields at the end, with a default, and never reorder, remove or retyp
 major version (tests/protocol pins it). Field kinds (see ``schema``) define the wire form and the
 validation applied on decode (``Struct.to_wire_checked`` / ``from_wire_checked``, the reference
 path). ``Sample`` and ``RolloutResult``, the messages that carry every token, also
-have hand-written ``to_wire`` / ``from_wire`` (``_sample_fast`` at the bottom): the same wire form
-and the same checks in one pass, handing anything unusual to the reference path.
+have hand-written ``to_wire`` / ``from_wire``: the same wire form, and on decode the same checks
+in one pass over all of a result's samples (``_samples_fast`` at the bottom, the one fast check of
+a Sample), handing anything unusual to the reference path.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ _STR, _INT, _NAT, _FLOAT, _BOOL = Str(), Int(), Int(min_value=0), Float(), Bool(
 _MAP, _FMAP = PlainMap(), FloatMap()
 _I32, _F32_FINITE = Array("int32"), Array("float32", finite=True)
 _I32_NON_NEGATIVE = Array("int32", non_negative=True)
+_TEMPERATURE_MIN, _TEMPERATURE_MAX = 1e-6, 1e6
+_TEMPERATURE = Float(min_value=_TEMPERATURE_MIN, max_value=_TEMPERATURE_MAX)
 _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype("<f4")
 _ndarray = np.ndarray
 
@@ -74,6 +77,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior log-probs, versions
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")
+LORA_BIASES = ("none", "all", "lora_only")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _ACK_STATUS_SET = frozenset(ACK_STATUSES)
 _STR_TYPE = frozenset((str,))
@@ -108,7 +112,10 @@ class Sample(Struct):
     # array is 1-D, so its shape is its byte length / item size. Fixed by this protocol version;
     # a receiver refuses any other value instead of misreading the bytes.
     array_dtypes: str = wire(_STR, default="<i4,<i4,<f4,<i4")
-
+    # The temperature the completion was sampled at (protocol 3.3): the server echoes its
+    # assignment's, the learner's intake overwrites it with the one it issued (None: unknown, an
+    # older sender; the trainer then uses the run's temperature).
+    sampling_temperature: float | None = wire(Optional(_TEMPERATURE), default=None)
 
     def cross_check(self, where: str) -> None:
         if self.array_dtypes != SAMPLE_ARRAY_DTYPES:
@@ -143,12 +150,13 @@ class Sample(Struct):
             if (p.dtype is _INT32 and c.dtype is _INT32 and lp.dtype is _FLOAT32
                     and v.dtype is _INT32 and p.ndim == 1 and c.ndim == 1 and lp.ndim == 1
                     and v.ndim == 1 and FAST_PATHS_CURRENT):
-                reward = self.reward
+                reward, tau = self.reward, self.sampling_temperature
                 return [self.sample_id, self.assignment_id, self.group_index, self.group_size,
                         p.tobytes(), c.tobytes(), lp.tobytes(), v.tobytes(),
                         reward if type(reward) is float else float(reward), self.reward_parts,
                         self.finish_reason, self.timing, self.completion_text, self.failed,
-                        self.metadata, SAMPLE_ARRAY_DTYPES]
+                        self.metadata, SAMPLE_ARRAY_DTYPES,
+                        tau if tau is None or type(tau) is float else float(tau)]
         except AttributeError:
             pass
         return self.to_wire_checked()
@@ -159,9 +167,9 @@ class Sample(Struct):
         either accepts it too (an int reward, a field an older sender omitted) or raises the
         error that names the field."""
         if FAST_PATHS_CURRENT:
-            sample = _sample_fast(body)
-            if sample is not None:
-                return sample
+            samples = _samples_fast([body])
+            if samples is not None:
+                return samples[0]
         return cls.from_wire_checked(body, where)
 
     @property
@@ -202,7 +210,7 @@ class SamplingParams(Struct):
     learner recomputes log-probs with the same ``temperature``.
     """
 
-    temperature: float = wire(Float(min_value=1e-6, max_value=1e6), default=1.0)
+    temperature: float = wire(_TEMPERATURE, default=1.0)
     top_p: float = wire(Float(min_value=1e-9, max_value=1.0), default=1.0)
     top_k: int = wire(_NAT, default=0)  # 0 = no top-k truncation
     max_new_tokens: int = wire(Int(1, MAX_NEW_TOKENS_LIMIT), default=16)
@@ -292,16 +300,11 @@ class RolloutResult(Message):
             server_id, samples = body[0], body[1]
             if (type(server_id) is str and type(samples) is list
                     and len(server_id) <= MAX_STR_CHARS and len(samples) <= MAX_LIST_ITEMS):
-                if len(samples) == 1:
-                    sample = _sample_fast(samples[0])
-                    if sample is not None:
-                        return cls(server_id, [sample])
-                else:
-                    # Several: the arrays checked once for all (anything unusual in any sample
-                    # and the checked path decodes them all, naming the sample and field).
-                    out = _samples_fast(samples)
-                    if out is not None:
-                        return cls(server_id, out)
+                # Anything unusual in any sample and the checked path decodes them all, naming
+                # the sample and field.
+                out = _samples_fast(samples)
+                if out is not None:
+                    return cls(server_id, out)
         return cls.from_wire_checked(body, where)
 
 
@@ -344,6 +347,30 @@ class Ack(Message):
 
 
 @record
+class LoraSpec(Struct):
+    """The adapter of a LoRA publish (protocol 3.3): the PEFT ``LoraConfig`` fields a rollout
+    engine needs to build the learner's adapter (the HF engine passes them to ``LoraConfig``,
+    vLLM's writes them into ``adapter_config.json``)."""
+
+    r: int = wire(Int(1, 1 << 16))
+    lora_alpha: float = wire(Float(min_value=0.0))
+    lora_dropout: float = wire(Float(min_value=0.0, max_value=1.0))
+    target_modules: list[str] = wire(StrList())  # module names as PEFT resolved them, sorted
+    bias: str = wire(_STR, default="none")          # these three: PEFT's defaults
+    use_rslora: bool = wire(_BOOL, default=False)
+    fan_in_fan_out: bool = wire(_BOOL, default=False)
+
+    def cross_check(self, where: str) -> None:
+        if self.bias not in LORA_BIASES:
+            raise ProtocolError(f"{where}.bias: {self.bias!r} not in {LORA_BIASES}")
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """The fields as ``LoraConfig`` keyword arguments."""
+        return {**{name: getattr(self, name) for name, _ in self.FIELDS},
+                "target_modules": list(self.target_modules)}
+
+
+@record
 class WeightsAvailable(Message):
     """Manifest of a published version: tensors laid end to end, cut into ``num_chunks`` chunks."""
 
@@ -356,11 +383,15 @@ class WeightsAvailable(Message):
     num_chunks: int = wire(_NAT)
     checksum: str = wire(_STR)  # over the chunk checksums, see protocol.weights
     chunk_checksums: list[str] = wire(StrList(), default_factory=list)
-    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)  # e.g. the LoRA config
+    metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
+    # The adapter of a "lora" publish (protocol 3.3; None from an older learner, or for "full").
+    lora: LoraSpec | None = wire(Optional(Nested(LoraSpec)), default=None)
 
     def cross_check(self, where: str) -> None:
         if self.kind not in WEIGHT_KINDS:
             raise ProtocolError(f"{where}.kind: {self.kind!r} not in {WEIGHT_KINDS}")
+        if self.lora is not None and self.kind != "lora":
+            raise ProtocolError(f"{where}.lora: a LoRA adapter in a {self.kind!r} publish")
         expect = -(-self.total_bytes // self.chunk_bytes)
         if self.num_chunks != expect:
             raise ProtocolError(f"{where}.num_chunks: {self.num_chunks} != ceil(total_bytes / "
@@ -438,111 +469,52 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# The hot path: a Sample decoded in one pass, without the per-field loop.
+# The hot path: the samples of a message decoded in one pass, without the per-field loop.
 #
 # The fast path below knows these fields by position. If Sample.FIELDS changes (a field added), the
 # fast paths switch themselves off until they are taught the new field, and a test fails to say so.
 _SAMPLE_FAST_FIELDS = (
     "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
     "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
-    "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes")
+    "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes",
+    "sampling_temperature")
 FAST_PATHS_CURRENT = (tuple(name for name, _ in Sample.FIELDS) == _SAMPLE_FAST_FIELDS
                       and tuple(name for name, _ in RolloutResult.FIELDS) == ("server_id", "samples"))
 _frombuffer = np.frombuffer
 _isfinite = math.isfinite
+_join = b"".join
 _PLAIN_TYPES = PLAIN_TYPES
 _N_SAMPLE_FIELDS = len(_SAMPLE_FAST_FIELDS)
-
-
-def _sample_fast(w: Any) -> Sample | None:
-    """The Sample if the wire array ``w`` passes every check of ``Sample.from_wire_checked``;
-    else None, and the checked path decides (and names the field).
-
-    Never accepts more than the checked path (tests/protocol checks both). Written for the
-    interpreter: only checks that 3.11 specialises (``type(x) is T``, int and float compares), no
-    call per field, array lengths checked on the byte strings with Python ints before any array
-    exists, then four ``frombuffer`` views and two reductions.
-    """
-    if type(w) is not list:
-        return None
-    try:
-        (sample_id, assignment_id, group_index, group_size, prompt, completion, logprobs, versions,
-         reward, reward_parts, finish_reason, timing, text, failed, metadata, dtypes) = w
-    except ValueError:
-        # More values: a newer minor version appended fields, ignored. Fewer: an older sender
-        # left out defaulted fields, which the checked path fills in.
-        return _sample_fast(w[:_N_SAMPLE_FIELDS]) if len(w) > _N_SAMPLE_FIELDS else None
-    if not (type(sample_id) is str and type(assignment_id) is str and type(text) is str
-            and type(finish_reason) is str and type(group_index) is int
-            and type(group_size) is int and type(reward) is float
-            and type(reward_parts) is dict and type(timing) is dict and type(metadata) is dict
-            and type(prompt) is bytes and type(completion) is bytes and type(logprobs) is bytes
-            and type(versions) is bytes
-            and 0 <= group_index < group_size
-            and reward - reward == 0.0                  # finite: inf - inf and NaN - NaN are NaN
-            and finish_reason in FINISH_REASONS
-            and dtypes == SAMPLE_ARRAY_DTYPES
-            and (failed is None or (type(failed) is str and len(failed) <= MAX_STR_CHARS))
-            # Size limits as sums: a sum within the limit puts every part within it (a message
-            # over the sum but within each limit takes the checked path, which accepts it).
-            and len(sample_id) + len(assignment_id) + len(text) <= MAX_STR_CHARS
-            and len(reward_parts) + len(timing) + len(metadata) <= MAX_MAP_ITEMS
-            # arrays: all four dtypes are 4 bytes wide; one length for the three per-token ones
-            and (n := len(completion)) == len(logprobs) == len(versions)
-            and not (len(prompt) | n) & 3 and len(prompt) + n <= _MAX_ARRAY_BYTES):
-        return None
-    for k, x in reward_parts.items():
-        if type(k) is not str or type(x) is not float or x - x:    # x - x: 0.0, or NaN if not finite
-            return None
-    for k, x in timing.items():
-        if type(k) is not str or type(x) is not float or x - x:
-            return None
-    # schema.is_plain(metadata), inlined: one call per sample instead of one per value (hot path).
-    for k, x in metadata.items():
-        if type(k) is not str:
-            return None
-        t = type(x)
-        if t is str:
-            if len(x) > MAX_STR_CHARS:
-                return None
-        elif t not in _PLAIN_TYPES and not is_plain(x, 1):
-            return None
-    logprobs = _frombuffer(logprobs, _FLOAT32)
-    versions = _frombuffer(versions, _INT32)
-    # x·x is NaN/inf iff some x is (or it overflows; then the checked path decides exactly).
-    # argmin + item is about 3x cheaper than min() for a 1k-element array.
-    if n and not (_isfinite(logprobs.dot(logprobs)) and versions.item(versions.argmin()) >= 0):
-        return None
-    return Sample(sample_id, assignment_id, group_index, group_size, _frombuffer(prompt, _INT32),
-                  _frombuffer(completion, _INT32), logprobs, versions, reward, reward_parts,
-                  finish_reason, timing, text, failed, metadata)
+_MAX_ARRAY_BYTES = 4 * MAX_ARRAY_ITEMS
 
 
 def _samples_fast(ws: list) -> list[Sample] | None:
-    """``_sample_fast`` for the several wire samples of one result, with the array checks made
-    once per result: each kind of per-token array of all samples joined into one buffer (one
-    copy, of which the samples' arrays are then slices, instead of one ``frombuffer`` an array),
-    one finiteness check over all log-probs and one minimum over all versions. None if any
-    sample fails anything: the caller hands the whole result to the checked path, which names
-    the sample and field. Samples that repeat the previous sample's prompt bytes (a group's)
-    share one prompt array.
+    """The Samples of the wire arrays ``ws`` (one for ``Sample.from_wire``, all of a result's for
+    ``RolloutResult.from_wire``) if every one passes every check of ``Sample.from_wire_checked``;
+    else None, and the checked path decides (and names the sample and field).
 
-    The per-sample checks are ``_sample_fast``'s, written out again in this loop (a call per
-    sample costs what they do); tests/protocol checks both against the checked path.
+    The one fast check of a Sample; it never accepts more than the checked path (tests/protocol
+    checks both). Written for the interpreter: per sample only checks that 3.11 specialises
+    (``type(x) is T``, int and float compares), no call per field, array lengths checked on the
+    byte strings with Python ints before any array exists. Then, once for all the samples: each
+    kind of per-token array joined into one buffer (one copy; none for one sample), one
+    ``frombuffer`` each, one finiteness check over all log-probs and one minimum over all
+    versions; the samples' arrays are slices of those. Samples that repeat the previous sample's
+    prompt bytes (a group's) share one prompt array.
     """
     fields = []
-    completions, logprobs, versions = [], [], []
     for w in ws:
         if type(w) is not list:
             return None
-        if len(w) > _N_SAMPLE_FIELDS:
-            w = w[:_N_SAMPLE_FIELDS]        # a newer minor version appended fields: ignored
-        try:
-            (sample_id, assignment_id, group_index, group_size, prompt, completion, logprob,
-             version, reward, reward_parts, finish_reason, timing, text, failed, metadata,
-             dtypes) = w
-        except ValueError:                  # an older sender: the checked path fills defaults
-            return None
+        if len(w) != _N_SAMPLE_FIELDS:
+            if len(w) > _N_SAMPLE_FIELDS:
+                w = w[:_N_SAMPLE_FIELDS]        # a newer minor version appended fields: ignored
+            elif len(w) == _N_SAMPLE_FIELDS - 1:
+                w = [*w, None]                  # a 3.2 sender: no sampling_temperature
+            else:                               # older still: the checked path fills defaults
+                return None
+        (sample_id, assignment_id, group_index, group_size, prompt, completion, logprob, version,
+         reward, reward_parts, finish_reason, timing, text, failed, metadata, dtypes, tau) = w
         if not (type(sample_id) is str and type(assignment_id) is str and type(text) is str
                 and type(finish_reason) is str and type(group_index) is int
                 and type(group_size) is int and type(reward) is float
@@ -550,21 +522,28 @@ def _samples_fast(ws: list) -> list[Sample] | None:
                 and type(prompt) is bytes and type(completion) is bytes and type(logprob) is bytes
                 and type(version) is bytes
                 and 0 <= group_index < group_size
-                and reward - reward == 0.0
+                and reward - reward == 0.0              # finite: inf - inf and NaN - NaN are NaN
                 and finish_reason in FINISH_REASONS
                 and dtypes == SAMPLE_ARRAY_DTYPES
                 and (failed is None or (type(failed) is str and len(failed) <= MAX_STR_CHARS))
+                # NaN fails both compares
+                and (tau is None or (type(tau) is float
+                                     and _TEMPERATURE_MIN <= tau <= _TEMPERATURE_MAX))
+                # Size limits as sums: a sum within the limit puts every part within it (a sample
+                # over the sum but within each limit takes the checked path, which accepts it).
                 and len(sample_id) + len(assignment_id) + len(text) <= MAX_STR_CHARS
                 and len(reward_parts) + len(timing) + len(metadata) <= MAX_MAP_ITEMS
+                # arrays: all four dtypes are 4 bytes wide; one length for the three per-token ones
                 and (n := len(completion)) == len(logprob) == len(version)
                 and not (len(prompt) | n) & 3 and len(prompt) + n <= _MAX_ARRAY_BYTES):
             return None
         for k, x in reward_parts.items():
-            if type(k) is not str or type(x) is not float or x - x:
+            if type(k) is not str or type(x) is not float or x - x:    # x - x: 0.0, or NaN if not finite
                 return None
         for k, x in timing.items():
             if type(k) is not str or type(x) is not float or x - x:
                 return None
+        # schema.is_plain(metadata), inlined: one call per sample instead of one per value.
         for k, x in metadata.items():
             if type(k) is not str:
                 return None
@@ -575,33 +554,38 @@ def _samples_fast(ws: list) -> list[Sample] | None:
             elif t not in _PLAIN_TYPES and not is_plain(x, 1):
                 return None
         fields.append(w)
-        completions.append(completion)
-        logprobs.append(logprob)
-        versions.append(version)
-    all_logprobs = _frombuffer(_join(logprobs), _FLOAT32)
-    all_versions = _frombuffer(_join(versions), _INT32)
+    one = len(fields) == 1      # then the loop's names still hold that sample's values
+    if one:
+        all_logprobs, all_versions = _frombuffer(logprob, _FLOAT32), _frombuffer(version, _INT32)
+    else:
+        all_logprobs = _frombuffer(_join([w[6] for w in fields]), _FLOAT32)
+        all_versions = _frombuffer(_join([w[7] for w in fields]), _INT32)
+    # x·x is NaN/inf iff some x is (or it overflows; then the checked path decides exactly).
+    # argmin + item is about 3x cheaper than min() for a 1k-element array.
     if len(all_versions) and not (_isfinite(all_logprobs.dot(all_logprobs))
                                   and all_versions.item(all_versions.argmin()) >= 0):
         return None
-    all_completions = _frombuffer(_join(completions), _INT32)
+    if one:
+        return [Sample(sample_id, assignment_id, group_index, group_size,
+                       _frombuffer(prompt, _INT32), _frombuffer(completion, _INT32), all_logprobs,
+                       all_versions, reward, reward_parts, finish_reason, timing, text, failed,
+                       metadata, SAMPLE_ARRAY_DTYPES, tau)]
+    all_completions = _frombuffer(_join([w[5] for w in fields]), _INT32)
     out = []
     start = 0
     last_prompt, prompt_ids = None, None
     for (sample_id, assignment_id, group_index, group_size, prompt, completion, _, _, reward,
-         reward_parts, finish_reason, timing, text, failed, metadata, _) in fields:
+         reward_parts, finish_reason, timing, text, failed, metadata, _, tau) in fields:
         if prompt != last_prompt:
             last_prompt, prompt_ids = prompt, _frombuffer(prompt, _INT32)
         end = start + (len(completion) >> 2)
         out.append(Sample(sample_id, assignment_id, group_index, group_size, prompt_ids,
                           all_completions[start:end], all_logprobs[start:end],
                           all_versions[start:end], reward, reward_parts, finish_reason, timing,
-                          text, failed, metadata))
+                          text, failed, metadata, SAMPLE_ARRAY_DTYPES, tau))
         start = end
     return out
 
-
-_join = b"".join
-_MAX_ARRAY_BYTES = 4 * MAX_ARRAY_ITEMS
 
 # The fast finiteness check may overflow (|x| > 1.8e19) or meet a signalling NaN; numpy would
 # print a RuntimeWarning for what is only a hint to take the exact path. Scoped to this module.

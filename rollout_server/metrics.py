@@ -1,6 +1,6 @@
 """Prometheus metrics of a rollout server (names ``slipstream_rollout_*`` + the shared version).
 
-Served by :class:`protocol.http.HttpEndpoint` (``/metrics`` and ``/healthz``) through
+Served by :class:`protocol.plumbing.http.HttpEndpoint` (``/metrics`` and ``/healthz``) through
 :meth:`RolloutMetrics.render`. The registry also re-exports the process-wide default registry, so
 vLLM's ``vllm:*`` metrics and prometheus-client's ``process_*`` ones stay reachable.
 
@@ -114,5 +114,5 @@ class RolloutMetrics:
         return self.registry.get_sample_value("slipstream_rollout_errors_total", {"kind": kind}) or 0.0
 
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus exposition for :class:`protocol.http.HttpEndpoint`."""
+        """The Prometheus exposition for :class:`protocol.plumbing.http.HttpEndpoint`."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

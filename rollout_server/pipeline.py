@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import protocol
-from protocol.process import trace
+from protocol.plumbing.process import trace
 from rollout_server.engine import Completion, GenRequest
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import Scored
@@ -258,7 +258,7 @@ class Pipeline:
                 completion_token_ids=c.token_ids, behavior_logprobs=c.logprobs,
                 token_versions=c.versions, reward=sc.total, reward_parts=sc.parts or {},
                 finish_reason=c.finish_reason, timing={"generate_s": gen_s, "reward_s": reward_s},
-                completion_text=text, failed=sc.failed))
+                completion_text=text, failed=sc.failed, sampling_temperature=a.sampling.temperature))
         return out
 
     async def failed_samples(self, a: protocol.Assignment, reason: str) -> list[protocol.Sample]:

@@ -49,9 +49,9 @@ import zmq
 
 import protocol
 from protocol.codec import MAX_FRAME_BYTES
-from protocol.process import trace
-from protocol.security import CurveClient
-from protocol.sockets import make_socket
+from protocol.plumbing.curve import CurveClient
+from protocol.plumbing.process import trace
+from protocol.plumbing.sockets import make_socket
 from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.engine import WeightUpdate
 from rollout_server.metrics import RolloutMetrics
@@ -256,7 +256,7 @@ class WeightsReceiver:
                 # the engine's copy into its model is the only full pass over the bytes here.
                 update = WeightUpdate(version=m.version, kind=m.kind,
                                       tensors=unflatten_chunks(chunks, m.chunk_bytes, m.tensors),
-                                      lora_config=m.metadata.get("lora", {}))
+                                      lora_config={} if m.lora is None else m.lora.peft_kwargs())
                 del chunks
                 await self.apply(update)
                 trace("rollout.applied")

@@ -67,10 +67,10 @@ import zmq.asyncio
 
 import protocol
 from protocol.codec import MAX_BODY_BYTES, MAX_HEADER_BYTES
-from protocol.http import HttpEndpoint
-from protocol.process import EventLog, cancel_all, supervise
-from protocol.security import CurveClient, load_key_pair, load_public_key
-from protocol.sockets import check_endpoint, make_socket
+from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
+from protocol.plumbing.http import HttpEndpoint
+from protocol.plumbing.process import EventLog, cancel_all, supervise
+from protocol.plumbing.sockets import check_endpoint, make_socket
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 from rollout_server.engines import create_engine

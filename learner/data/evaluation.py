@@ -116,15 +116,15 @@ class Evaluation:
         ``eval_data``, formatted and tokenized like the training prompts."""
         source = PromptSource.from_config(cfg, tokenizer=tokenizer, encode=encode, evaluation=True)
         rows = source.rows                      # None: an endless built-in task
-        if rows is None and not cfg.eval_prompts:
-            raise protocol.StartupError(f"learner.eval_prompts: eval_data {cfg.eval_data} is an endless "
+        if rows is None and not cfg.evaluation.prompts:
+            raise protocol.StartupError(f"learner.evaluation.prompts: eval_data {cfg.evaluation.data} is an endless "
                                         "built-in task; set eval_prompts to a number of prompts")
-        n = cfg.eval_prompts if rows is None else min(cfg.eval_prompts or rows, rows)   # each row once
+        n = cfg.evaluation.prompts if rows is None else min(cfg.evaluation.prompts or rows, rows)   # each row once
         prompts = [{**p, "prompt_id": f"e{i}"} for i, p in enumerate(source.take(n))]
-        sampling = protocol.SamplingParams(temperature=cfg.eval_temperature, top_p=1.0, top_k=0,
-                                           max_new_tokens=cfg.max_new_tokens)
-        return cls(prompts, prefix=f"{run_id}-e", every=cfg.eval_every, sampling=sampling,
-                   lease_timeout_s=cfg.lease_timeout_s, correct_threshold=cfg.eval_correct_threshold,
+        sampling = protocol.SamplingParams(temperature=cfg.evaluation.temperature, top_p=1.0, top_k=0,
+                                           max_new_tokens=cfg.sampling.max_new_tokens)
+        return cls(prompts, prefix=f"{run_id}-e", every=cfg.evaluation.every, sampling=sampling,
+                   lease_timeout_s=cfg.servers.lease_timeout_s, correct_threshold=cfg.evaluation.correct_threshold,
                    **kwargs)
 
     # ---- rounds --------------------------------------------------------------------------------

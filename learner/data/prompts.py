@@ -1,6 +1,6 @@
 """Prompt sources: a built-in task (:mod:`learner.data.tasks`) or a dataset file, as a seeded stream.
 
-Sources (``learner.dataset``; ``learner.eval_data`` takes the same):
+Sources (``learner.data.dataset``; ``learner.evaluation.data`` takes the same):
 
     builtin:NAME         a built-in task: an endless stream drawn with Random(seed * 1_000_003 + i)
     FILE.jsonl           one JSON object per line (read here: errors name the line)
@@ -78,7 +78,7 @@ from learner.data.tasks import get_task, is_builtin
 from protocol.errors import ProtocolError, StartupError
 from protocol.schema import check_plain
 
-WHAT = "learner.dataset"
+WHAT = "learner.data.dataset"
 FORMATS = ".jsonl, .json, .parquet or a datasets save_to_disk directory"
 MAX_BUILTIN_SKIPS = 10_000
 """Consecutive built-in draws over max_prompt_tokens before the stream gives up."""
@@ -116,7 +116,7 @@ def make_row(record: Any, where: str, prompt_key: str = "prompt", answer_key: st
     """One checked row ``{"prompt": str | messages, "answer": str, "metadata": dict}``."""
     if not isinstance(record, dict) or prompt_key not in record or answer_key not in record:
         raise StartupError(f"{what}: {where}: each row needs an object with {prompt_key!r} and "
-                           f"{answer_key!r} (learner.prompt_key / learner.answer_key name them)")
+                           f"{answer_key!r} (learner.data.prompt_key / learner.data.answer_key name them)")
     prompt, answer = record[prompt_key], record[answer_key]
     if isinstance(prompt, (list, tuple)) or (isinstance(prompt, np.ndarray) and prompt.dtype == object):
         prompt = [_plain(m, where) for m in prompt]
@@ -206,7 +206,7 @@ def _read_saved(path: Path, split: str, what: str) -> list:
                            f"{_first_line(e)}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise StartupError(f"{what}: {path} has no split {split!r} (learner.dataset_split); "
+            raise StartupError(f"{what}: {path} has no split {split!r} (learner.data.dataset_split); "
                                f"splits: {', '.join(ds)}")
         ds = ds[split]
     return ds.to_list()
@@ -261,15 +261,15 @@ class Formatter:
         self.encode = encode or default_encode(tokenizer)
         self.what = what
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
-        fix = "give the tokenizer a chat_template, or set learner.chat_template: never"
+        fix = "give the tokenizer a chat_template, or set learner.data.chat_template: never"
         if chat_template == "always" and not self.has_template:
-            raise StartupError(f"learner.chat_template: always, but the policy tokenizer has no chat "
+            raise StartupError(f"learner.data.chat_template: always, but the policy tokenizer has no chat "
                                f"template ({fix})")
         if system_prompt is not None and chat_template == "never":
-            raise StartupError("learner.system_prompt needs the chat template, but "
-                               "learner.chat_template is never (unset system_prompt, or use auto)")
+            raise StartupError("learner.data.system_prompt needs the chat template, but "
+                               "learner.data.chat_template is never (unset system_prompt, or use auto)")
         if system_prompt is not None and not self.has_template:
-            raise StartupError("learner.system_prompt is set, but the policy tokenizer has no chat "
+            raise StartupError("learner.data.system_prompt is set, but the policy tokenizer has no chat "
                                "template to put it in (unset system_prompt, or give the tokenizer one)")
 
     def __call__(self, prompt: str | list, where: str) -> tuple[str, np.ndarray]:
@@ -277,7 +277,7 @@ class Formatter:
         use = self.mode == "always" or (self.mode == "auto" and (messages or self.system_prompt is not None))
         if not use:
             if messages:
-                why = ("learner.chat_template is never" if self.mode == "never"
+                why = ("learner.data.chat_template is never" if self.mode == "never"
                        else "the policy tokenizer has no chat template")
                 raise StartupError(f"{self.what}: {where}: the prompt is chat messages but {why} "
                                    "(give the tokenizer a chat_template, or plain-text prompts)")
@@ -342,15 +342,15 @@ class PromptSource:
                     on_skip: Callable[[str, int], None] = lambda reason, n: None) -> PromptSource:
         """The training stream (or, with ``evaluation``, the eval_data prompts: one pass, no
         buckets, a seed of their own) of a :class:`learner.config.LearnerConfig`."""
-        common = dict(split=cfg.dataset_split, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                      chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
-                      max_prompt_tokens=cfg.max_prompt_tokens, tokenizer=tokenizer, encode=encode,
+        common = dict(split=cfg.data.dataset_split, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                      chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt,
+                      max_prompt_tokens=cfg.data.max_prompt_tokens, tokenizer=tokenizer, encode=encode,
                       on_skip=on_skip)
         if evaluation:
-            return cls(cfg.eval_data, cfg.seed + 1, shuffle=cfg.shuffle, epochs=0, what="learner.eval_data",
+            return cls(cfg.evaluation.data, cfg.seed + 1, shuffle=cfg.data.shuffle, epochs=0, what="learner.evaluation.data",
                        **common)
-        return cls(cfg.dataset, cfg.seed, shuffle=cfg.shuffle, epochs=cfg.epochs,
-                   length_buckets=cfg.length_buckets, batch_prompts=cfg.batch_prompts, **common)
+        return cls(cfg.data.dataset, cfg.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs,
+                   length_buckets=cfg.data.length_buckets, batch_prompts=cfg.batch.batch_prompts, **common)
 
     # ---- tokenizer ---------------------------------------------------------------------------
     def attach(self, tokenizer, encode: Callable[[str], np.ndarray] | None = None) -> None:
@@ -364,7 +364,7 @@ class PromptSource:
                     break
             else:
                 raise StartupError(f"{self.what}: the first 100 prompts of {self.spec} are all longer "
-                                   f"than learner.max_prompt_tokens={self.max_prompt_tokens}")
+                                   f"than learner.data.max_prompt_tokens={self.max_prompt_tokens}")
             return
         where = self._where
         rendered = [self._format(r["prompt"], where(i)) for i, r in enumerate(self._rows)]
@@ -376,7 +376,7 @@ class PromptSource:
         if not self._kept:
             longest = min(len(ids) for ids in self._ids)
             raise StartupError(f"{self.what}: every row of {self.spec} is longer than "
-                               f"learner.max_prompt_tokens={limit} (the shortest has {longest} tokens)")
+                               f"learner.data.max_prompt_tokens={limit} (the shortest has {longest} tokens)")
         if dropped:
             self._skip("too_long", dropped)
         if self.length_buckets:
@@ -402,7 +402,7 @@ class PromptSource:
         self.unused = n - self.total
         if self.total == 0:
             raise StartupError(f"{self.what}: {self.spec} gives {n} prompts in {self.epochs} epoch(s), "
-                               f"fewer than one batch (learner.batch_prompts={self.batch_prompts})")
+                               f"fewer than one batch (learner.batch.batch_prompts={self.batch_prompts})")
 
     # ---- the stream --------------------------------------------------------------------------
     @property
@@ -542,5 +542,5 @@ def check_dataset(cfg) -> None:
     """Open (and so check) the training dataset and eval_data of a LearnerConfig, without a
     tokenizer: what ``slipstream`` runs before it starts anything."""
     PromptSource.from_config(cfg)
-    if cfg.eval_data is not None:
+    if cfg.evaluation.data is not None:
         PromptSource.from_config(cfg, evaluation=True)

@@ -18,7 +18,7 @@ probe and keeps the logits path. Every pass of a trainer goes through the same f
 same chunking, so a no-grad pass and a gradient forward at the same weights and rows compute the
 same numbers bit for bit (the trainer's sanity check relies on it).
 
-Mixed precision (``autocast``, ``learner.autocast``): the model's forward runs under
+Mixed precision (``autocast``, ``learner.runtime.autocast``): the model's forward runs under
 ``torch.autocast`` in that dtype (its matrix multiplications in bfloat16; the weights, their
 gradients and the optimizer stay in the training dtype), and the head's projection, the
 log-softmax and the entropy run outside it, in float32, on the decoder's last hidden state (the

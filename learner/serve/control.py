@@ -1,69 +1,68 @@
 """Control: the commands of ``slipstream ctl`` against a live learner.
 
     status                 the run's state (version, buffer, servers, counters, settings)
-    get   {key}            one config value (any LearnerConfig field); without a key, status
-    set   {key, value}     change a runtime setting (``settable`` in the status)
+    get   {key}            one config value (any learner config path, e.g. optimizer.lr, or a
+                           whole section); without a key, status
+    set   {key, value}     change a live setting (``settable`` in the status;
+                           learner.config.LIVE_KEYS says who applies each, and when)
     pause                  no new work to the servers and no new policy step until resume
     resume                 undo pause
     checkpoint             write a checkpoint now (between steps)
     stop                   stop the learner (as SIGTERM: a final checkpoint, then out)
 
-``set`` assigns through the pydantic ``LearnerConfig`` (``validate_assignment=True``), so the
-config object stays the truth and a bad value is refused by the same validation, with the same
-message, as in a config file. Where a setting takes effect:
+Keys are config paths (``staleness.max_staleness``); a leaf name only one section has may stand
+for its path (``max_staleness``); an old flat key or a typo gets its new place or the closest
+paths (learner.config.resolve_key). ``set`` assigns through the pydantic section
+(``validate_assignment=True``) and then validates the whole config again, so the config object
+stays the truth and a bad value is refused by the same validation, with the same message, as in
+a config file. Where a setting takes effect (``LIVE_KEYS``):
 
-- at once, on the loop: ``max_staleness``, ``stale_policy`` (the buffer),
-  ``max_inflight_per_server`` (admission; at the next dispatch), ``temperature`` (every
-  assignment issued from now on; a re-issued one keeps its own). Samples already generated keep
+- at once, on the loop: ``staleness.max_staleness``, ``staleness.stale_policy`` (the buffer),
+  ``servers.max_inflight_per_server`` (admission; at the next dispatch), ``sampling.temperature``
+  (every assignment issued from now on; a re-issued one keeps its own). Samples already generated keep
   the temperature they were drawn at: intake stamps each with its assignment's, and the trainer
-  recomputes every row at its own (learner.train.batching.SAMPLING_TEMPERATURE), so a batch that mixes
+  recomputes every row at its own (``Sample.sampling_temperature``), so a batch that mixes
   the two temperatures is still corrected exactly;
-- at the next policy step: ``is_mode``, ``is_cap``, ``clip_anchor``, ``kl_coef``, ``target_kl``, ``lr``. A step runs
+- at the next policy step: ``algorithm.is_mode``, ``algorithm.is_cap``, ``algorithm.clip_anchor``,
+  ``algorithm.target_kl``, ``kl.coef``, ``optimizer.lr``. A step runs
   in a worker thread and reads its config throughout, so the trainer has its own copy, and the
   changes reach it between steps (:meth:`Control.before_step`): no step sees half a change.
 
 Every change is a ``control_set`` event (old → new), counted in
 ``slipstream_control_changes_total{key}``, and numeric settings are exported as
 ``slipstream_setting{key}``. Every refusal is ``ControlReply(ok=False)`` whose error says what is
-allowed: the commands, the settable keys, or what the key takes ("max_staleness takes an integer
->= 0"); the run is untouched.
+allowed: the commands, the settable keys, or what the key takes ("staleness.max_staleness takes
+an integer >= 0"); the run is untouched.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 import protocol
 from buffer import RolloutBuffer
-from learner.config import LearnerConfig
+from learner.config import (
+    LIVE_KEYS,
+    STEP_SETTINGS,
+    LearnerConfig,
+    describe_field,
+    field_paths,
+    get_path,
+    resolve_key,
+    set_path,
+)
 from learner.metrics import LearnerMetrics
 
 COMMANDS = ("status", "get", "set", "pause", "resume", "checkpoint", "stop")
-STEP_SETTINGS = ("is_mode", "is_cap", "clip_anchor", "kl_coef", "target_kl", "lr")
-"""Settings the trainer reads during a step: applied to its copy of the config between steps."""
-_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def describe(name: str) -> str:
-    """What config field ``name`` takes, from its definition: "an integer >= 0", "one of drop, correct"."""
-    f = LearnerConfig.model_fields[name]
-    annotation, nullable = f.annotation, False
-    if get_origin(annotation) in (Union, UnionType) and type(None) in get_args(annotation):
-        rest = [a for a in get_args(annotation) if a is not type(None)]
-        annotation, nullable = (rest[0] if len(rest) == 1 else annotation), True
-    if get_origin(annotation) is Literal:
-        text = "one of " + ", ".join(map(str, get_args(annotation)))
-    else:
-        bounds = [f"{op} {getattr(m, attr)}" for m in f.metadata for attr, op in _BOUNDS
-                  if getattr(m, attr, None) is not None]
-        text = " ".join([_KINDS.get(annotation, str(annotation)), " and ".join(bounds)]).strip()
-    return f"{text}, or null (off)" if nullable else text
+def describe(path: str) -> str:
+    """What learner config key ``path`` takes: "an integer >= 0", "one of drop, correct"."""
+    return describe_field(field_paths(LearnerConfig)[path])
 
 
 class Control:
@@ -95,21 +94,18 @@ class Control:
         self.resumed = asyncio.Event()            # clear while paused: the train loop waits on it
         self.resumed.set()
         self._pending: dict[str, Any] = {}        # step settings not yet applied to the trainer
-        # The runtime settings: a key is settable exactly when something applies it to the run.
+        # What applies each live key (LIVE_KEYS) to the run; those read at use time need nothing.
         self.appliers: dict[str, Callable[[Any], None]] = {
-            "max_staleness": buffer.set_max_staleness,
-            "stale_policy": buffer.set_stale_policy,
-            "max_inflight_per_server": lambda n: None,      # admission reads cfg at each dispatch
-            "temperature": lambda t: None,                  # read for every new assignment
-            "kl_coef": self._check_kl_coef,
-            **{k: lambda v: None for k in STEP_SETTINGS if k != "kl_coef"},
+            "staleness.max_staleness": buffer.set_max_staleness,
+            "staleness.stale_policy": buffer.set_stale_policy,
+            "kl.coef": self._check_kl_coef,
         }
         for key in self.settable:
-            self._export(key, getattr(cfg, key))
+            self._export(key, get_path(cfg, key))
 
     @property
     def settable(self) -> list[str]:
-        return sorted(self.appliers)
+        return sorted(LIVE_KEYS)
 
     @property
     def paused(self) -> bool:
@@ -118,10 +114,10 @@ class Control:
     def _check_kl_coef(self, value: float) -> None:
         if value > 0 and not self.has_reference():
             raise ValueError("this run has no reference policy (it started with kl_coef 0); "
-                             "restart with kl_coef > 0 to use a KL term")
+                             "restart with kl.coef > 0 to use a KL term")
 
     def _export(self, key: str, value: Any) -> None:
-        if key == "max_staleness":
+        if key == "staleness.max_staleness":
             self.metrics.max_staleness.set(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             self.metrics.setting.labels(key=key).set(value)
@@ -132,8 +128,8 @@ class Control:
         """Hand the step settings changed since the last step to ``trainer`` (call between steps,
         on the loop, while no step runs)."""
         for key, value in self._pending.items():
-            setattr(trainer.cfg, key, value)
-            if key == "kl_coef":
+            set_path(trainer.cfg, key, value)
+            if key == "kl.coef":
                 trainer.kl_controller.value = float(value)   # adaptive: restarts from the new value
             self.log("control_applied", key=key, value=value)
         self._pending.clear()
@@ -183,16 +179,21 @@ class Control:
 
     def full_status(self) -> dict:
         return {**self.status(), "paused": self.paused, "settable": self.settable,
-                **{k: getattr(self.cfg, k) for k in self.settable},
+                **{k: get_path(self.cfg, k) for k in self.settable},
                 "pending": dict(self._pending)}
 
     def _get(self, args: dict) -> protocol.ControlReply:
         key = args.get("key")
         if key is None:
             return self._ok(self.full_status())
-        if not isinstance(key, str) or key not in LearnerConfig.model_fields:
-            return self._error(f"unknown key {key!r}; keys: {', '.join(LearnerConfig.model_fields)}")
-        value = getattr(self.cfg, key)
+        if not isinstance(key, str):
+            return self._error(f"get takes a key (a config path such as optimizer.lr), not {key!r}")
+        if key not in LearnerConfig.model_fields:      # a section or a run-wide key, else a path
+            try:
+                key = resolve_key(key)
+            except KeyError as e:
+                return self._error(e.args[0])
+        value = get_path(self.cfg, key)
         if isinstance(value, BaseModel):          # a config block (security, lora): its plain fields
             value = value.model_dump(mode="json")
         return self._ok({key: value})
@@ -202,22 +203,31 @@ class Control:
         settable = ", ".join(self.settable)
         if "key" not in args or "value" not in args:
             return self._error(f"set takes args {{key, value}}; settable: {settable}")
-        if not isinstance(key, str) or key not in self.appliers:
-            return self._error(f"unknown setting {key!r}; settable: {settable}")
-        old = getattr(self.cfg, key)
+        if not isinstance(key, str):
+            return self._error(f"set takes a key (a config path), not {key!r}; settable: {settable}")
         try:
-            setattr(self.cfg, key, value)
+            key = resolve_key(key)
+        except KeyError as e:
+            return self._error(f"{e.args[0]}; settable: {settable}")
+        if key not in LIVE_KEYS:
+            return self._error(f"{key} is not a live setting (restart with it changed); settable: {settable}")
+        old = get_path(self.cfg, key)
+        *parents, leaf = key.split(".")
+        section = get_path(self.cfg, ".".join(parents)) if parents else self.cfg
+        try:
+            set_path(self.cfg, key, value)
+            LearnerConfig.model_validate(self.cfg.model_dump())    # the checks across sections
         except ValidationError as e:
-            # pydantic has already stored the value when a check across fields (the model
-            # validator) refuses it: put the old one back, unvalidated (it was valid before)
-            self.cfg.__dict__[key] = old
+            # the section may already hold the value when a check across fields refuses it: put
+            # the old one back, unvalidated (it was valid before)
+            section.__dict__[leaf] = old
             why = e.errors()[0].get("msg", str(e))
             return self._error(f"bad value {value!r} for {key}: {why} ({key} takes {describe(key)})")
-        new = getattr(self.cfg, key)
+        new = get_path(self.cfg, key)
         try:
-            self.appliers[key](new)
+            self.appliers.get(key, lambda v: None)(new)
         except ValueError as e:               # the component refused: keep config and run in step
-            setattr(self.cfg, key, old)
+            section.__dict__[leaf] = old
             return self._error(f"cannot set {key} to {new!r}: {e}")
         if key in STEP_SETTINGS:
             self._pending[key] = new

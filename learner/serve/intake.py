@@ -17,7 +17,7 @@ crashed the step once) or that is not what was asked for:
                  overflows the group statistics in float32 and makes the whole step NaN)
 
 A sample that passes is stamped with the sampling temperature of the assignment the learner issued
-(``metadata["sampling_temperature"]``, :meth:`Intake.stamp`), which the trainer's passes use.
+(``Sample.sampling_temperature``, :meth:`Intake.stamp`), which the trainer's passes use.
 
 A sample failing one is acknowledged ``invalid`` (final: the server forgets it) and counted in
 ``slipstream_samples_invalid_total{reason}``; its slot stays in flight, so the assignment is
@@ -38,7 +38,6 @@ import numpy as np
 import protocol
 from buffer import AckStatus, RolloutBuffer
 from learner.metrics import LearnerMetrics
-from learner.train.batching import SAMPLING_TEMPERATURE
 
 REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt", "reward")
 
@@ -104,7 +103,7 @@ class Intake:
                 return "version", f"token version {newest} is newer than the learner's {version}"
         limit = self.max_abs_reward()
         if not abs(s.reward) <= limit:
-            return "reward", f"reward {s.reward!r} is beyond ±{limit:g} (learner.max_abs_reward)"
+            return "reward", f"reward {s.reward!r} is beyond ±{limit:g} (learner.servers.max_abs_reward)"
         if assignment is not None and not same_prompt:
             return "prompt", f"prompt_token_ids differ from assignment {s.assignment_id!r}'s prompt"
         return None
@@ -127,16 +126,14 @@ class Intake:
         return payload if isinstance(payload, protocol.Assignment) else None
 
     def stamp(self, s: protocol.Sample, assignment: protocol.Assignment | None | bool = False) -> None:
-        """Write the temperature the learner asked for into ``s.metadata`` (learner.train.batching's
-        :data:`SAMPLING_TEMPERATURE`; a server's own value under that key is replaced): the
+        """Write the temperature the learner asked for into ``s.sampling_temperature`` (the
+        server's own value is replaced; no assignment of ours: no value of theirs, None): the
         trainer recomputes the sample's log-probs at the temperature it was sampled at, even after
         a live ``ctl set temperature``."""
         if assignment is False:
             assignment = self.assignment(s.assignment_id)
-        if assignment is not None:
-            s.metadata = {**s.metadata, SAMPLING_TEMPERATURE: float(assignment.sampling.temperature)}
-        elif SAMPLING_TEMPERATURE in s.metadata:      # no assignment of ours: no value of theirs
-            s.metadata = {k: v for k, v in s.metadata.items() if k != SAMPLING_TEMPERATURE}
+        s.sampling_temperature = (None if assignment is None
+                                  else float(assignment.sampling.temperature))
 
     async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Check and put every sample of ``msg``; the Ack to send back (one status per sample).

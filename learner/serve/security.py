@@ -1,4 +1,4 @@
-"""The learner's ``security`` config block and the CURVE setup of its sockets (protocol.security).
+"""The learner's ``security`` config block and the CURVE setup of its sockets (protocol.plumbing.curve).
 
     learner:
       security:
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import zmq
 
 from learner.config import LearnerSecurity
-from protocol.security import AllowList, Authenticator, CurveServer, load_key_pair
+from protocol.plumbing.curve import AllowList, Authenticator, CurveServer, load_key_pair
 
 SOCKETS = ("rollout", "weights", "control")
 """The learner's CURVE sockets; each is its own ZAP domain (so refusals are counted per socket)."""

@@ -71,9 +71,9 @@ from learner.state.rollout_log import LearnerRolloutLog, RolloutLogFailed
 from learner.state.run_state import RunState
 from learner.train.distributed import make_trainer
 from learner.train.trainer import SkippedStep
-from protocol.http import HttpEndpoint
-from protocol.process import EventLog, cancel_all, supervise, trace
-from protocol.sockets import advertised_host, bind, make_socket
+from protocol.plumbing.http import HttpEndpoint
+from protocol.plumbing.process import EventLog, cancel_all, supervise, trace
+from protocol.plumbing.sockets import advertised_host, bind, make_socket
 
 
 def vocab_size(trainer) -> int:
@@ -113,16 +113,16 @@ class LearnerService:
         self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-train")
         self.checkpoints = LearnerCheckpoints(self)
         self.rollout_log = LearnerRolloutLog(self, cfg.rollout_log) if cfg.rollout_log else None
-        self.buffer = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=cfg.group_size,
-                                    max_staleness=cfg.max_staleness, stale_policy=cfg.stale_policy,
-                                    lease_timeout_s=cfg.lease_timeout_s)
+        self.buffer = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=cfg.batch.group_size,
+                                    max_staleness=cfg.staleness.max_staleness, stale_policy=cfg.staleness.stale_policy,
+                                    lease_timeout_s=cfg.servers.lease_timeout_s)
         # Read at each scrape, not set after every result (two locked sets per message).
         self.metrics.buffered.set_function(lambda: self.buffer.pending_samples)
         self.metrics.inflight.set_function(lambda: self.buffer.inflight_samples)
         self.prompts: PromptSource | None = None      # built in _load: it needs the tokenizer
         self.evaluation: Evaluation | None = None     # eval_every > 0 (learner.data.evaluation)
         self.data_done = asyncio.Event()              # a finite dataset is used up (next_batch)
-        self.weights = WeightsServer(cfg.weights_chunk_bytes)
+        self.weights = WeightsServer(cfg.weights.chunk_bytes)
         self.publisher = Publisher(   # checksums, install and announcement beside the next step
             self.weights, lambda m: self.admission.announce(m), stopped=lambda: self.stopping.is_set(),
             observe_wait=self.metrics.publish_wait_seconds.observe,
@@ -131,11 +131,11 @@ class LearnerService:
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
-        staleness = None if cfg.staleness_controller == "fixed" else StalenessController(
-            min_staleness=cfg.min_staleness, ess_min=cfg.staleness_ess_min,
-            mismatch_kl_max=cfg.staleness_mismatch_kl_max, ess_recover=cfg.staleness_ess_recover,
-            mismatch_kl_recover=cfg.staleness_mismatch_kl_recover,
-            recover_steps=cfg.staleness_recover_steps)
+        staleness = None if cfg.staleness.controller == "fixed" else StalenessController(
+            min_staleness=cfg.staleness.min_staleness, ess_min=cfg.staleness.ess_min,
+            mismatch_kl_max=cfg.staleness.mismatch_kl_max, ess_recover=cfg.staleness.ess_recover,
+            mismatch_kl_recover=cfg.staleness.mismatch_kl_recover,
+            recover_steps=cfg.staleness.recover_steps)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.finished = False
@@ -148,18 +148,20 @@ class LearnerService:
         self.admission = Admission(
             self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
-            server_timeout_s=cfg.server_timeout_s, reannounce_s=cfg.reannounce_s,
-            weights_failure_limit=cfg.weights_failure_limit,
-            max_inflight=lambda: self.cfg.max_inflight_per_server)
+            server_timeout_s=cfg.servers.server_timeout_s, reannounce_s=cfg.servers.reannounce_s,
+            weights_failure_limit=cfg.servers.weights_failure_limit,
+            max_inflight=lambda: self.cfg.servers.max_inflight_per_server)
         self.ingress = ResultIngress(    # results in bursts, their Acks when the loop stops reading
-            receive=self.receive_result, evaluation=lambda: self.evaluation,
-            group_size=lambda: self.cfg.group_size, hold=lambda: self.rollout_log is None,
-            send=self._send_rollout, lose=lambda srv: self.admission.lose(srv, "unreachable"),
-            after=self.update_gauges, dispatch=self.admission.dispatch)
+            # (looked up at each call: tests and benchmarks put spies on the service's methods)
+            receive=lambda msg: self.receive_result(msg), evaluation=lambda: self.evaluation,
+            group_size=lambda: self.cfg.batch.group_size, hold=lambda: self.rollout_log is None,
+            send=lambda identity, msg: self._send_rollout(identity, msg),
+            lose=lambda srv: self.admission.lose(srv, "unreachable"),
+            after=lambda: self.update_gauges(), dispatch=lambda: self.admission.dispatch())
         self.records = StepRecords(
             run=self.state, metrics=self.metrics, log=self.log, buffer=self.buffer,
-            admission=self.admission, staleness=staleness, max_staleness=lambda: self.cfg.max_staleness,
-            sanity_tolerances=lambda: (self.cfg.sanity_ratio_tolerance, self.cfg.sanity_kl_tolerance),
+            admission=self.admission, staleness=staleness, max_staleness=lambda: self.cfg.staleness.max_staleness,
+            sanity_tolerances=lambda: (self.cfg.algorithm.sanity_ratio_tolerance, self.cfg.algorithm.sanity_kl_tolerance),
             clock=time.time)
         self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
                                stop=self.stopping.set, after_set=self.admission.dispatch,
@@ -230,10 +232,10 @@ class LearnerService:
         if cfg.security.curve:     # the ZAP handler runs before any socket binds
             self.curve = LearnerCurve(cfg.security, self.ctx,
                                       on_denied=lambda s: self.metrics.auth_denied.labels(socket=s).inc())
-        specs = (("rollout", cfg.rollout_port, cfg.max_message_bytes, cfg.send_hwm),
-                 ("weights", cfg.weights_port, cfg.weights_max_message_bytes, cfg.weights_send_hwm),
-                 ("control", cfg.control_port, cfg.control_max_message_bytes, cfg.send_hwm))
-        host = advertised_host(cfg.bind_host)
+        specs = (("rollout", cfg.network.rollout_port, cfg.network.max_message_bytes, cfg.network.send_hwm),
+                 ("weights", cfg.network.weights_port, cfg.network.weights_max_message_bytes, cfg.network.weights_send_hwm),
+                 ("control", cfg.network.control_port, cfg.network.control_max_message_bytes, cfg.network.send_hwm))
+        host = advertised_host(cfg.network.bind_host)
         for name, port, max_bytes, hwm in specs:
             sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=max_bytes, hwm=hwm,
                                curve=self.curve.server(name) if self.curve else None)
@@ -242,10 +244,10 @@ class LearnerService:
                 # even while the dead process's connection has not timed out yet.
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self.sockets[name] = RouterSocket(sock, name, self.metrics, self.log)
-            port = bind(sock, cfg.bind_host, port, f"learner.{name}_port")
+            port = bind(sock, cfg.network.bind_host, port, f"learner.network.{name}_port")
             self.endpoints[name] = f"tcp://{host}:{port}"
-        http_port = self.http.serve(cfg.metrics_host, cfg.metrics_port, "learner.metrics_port")
-        base = f"http://{cfg.metrics_host}:{http_port}"
+        http_port = self.http.serve(cfg.network.metrics_host, cfg.network.metrics_port, "learner.network.metrics_port")
+        base = f"http://{cfg.network.metrics_host}:{http_port}"
         self.endpoints.update(metrics=f"{base}/metrics", healthz=f"{base}/healthz")
 
     @property
@@ -281,10 +283,10 @@ class LearnerService:
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
         self.trainer = make_trainer(self.cfg.model_copy(deep=True), self.model_path)   # DeepSpeed or not
         self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
-        self.weights.metadata = dict(self.trainer.publish_metadata())
+        self.weights.lora = self.trainer.publish_lora()
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
-                             max_new_tokens=lambda: self.cfg.max_new_tokens,
-                             max_abs_reward=lambda: self.cfg.max_abs_reward,
+                             max_new_tokens=lambda: self.cfg.sampling.max_new_tokens,
+                             max_abs_reward=lambda: self.cfg.servers.max_abs_reward,
                              version=lambda: self.version, metrics=self.metrics, log=self.log)
         self._load_prompts()
         warm_save_imports()
@@ -297,7 +299,7 @@ class LearnerService:
         tok, encode = self.trainer.tokenizer, self.trainer.encode_prompt
         self.prompts = PromptSource.from_config(self.cfg, tokenizer=tok, encode=encode, on_skip=(
             lambda reason, n: self.metrics.prompts_skipped.labels(reason=reason).inc(n)))
-        if self.cfg.eval_every:
+        if self.cfg.evaluation.every:
             self.evaluation = Evaluation.from_config(
                 self.cfg, tokenizer=tok, encode=encode, run_id=self.run_id, version=lambda: self.version,
                 metrics=self.metrics, record=self.records.eval_round, log=self.log)
@@ -344,7 +346,7 @@ class LearnerService:
         self.admission.close()
         out = self.run_dir / "final"
         await self.on_train_thread(self.trainer.save_policy, out)   # the model, or the PEFT adapter
-        deadline = time.monotonic() + self.cfg.final_sync_s
+        deadline = time.monotonic() + self.cfg.servers.final_sync_s
         while not self.admission.all_at(self.version) and time.monotonic() < deadline:
             self.admission.versions_changed.clear()
             try:
@@ -438,7 +440,7 @@ class LearnerService:
     def update_gauges(self) -> None:
         p = self.prompts
         if (p is not None and p.exhausted and not self.buffer.inflight_samples
-                and self.buffer.ready_samples < self.cfg.batch_samples):
+                and self.buffer.ready_samples < self.cfg.batch.batch_samples):
             self.data_done.set()
 
     # ---- admission plumbing ----------------------------------------------------------------
@@ -456,8 +458,8 @@ class LearnerService:
 
     def sampling(self) -> protocol.SamplingParams:
         cfg = self.cfg
-        return protocol.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                                       max_new_tokens=cfg.max_new_tokens)
+        return protocol.SamplingParams(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=0,
+                                       max_new_tokens=cfg.sampling.max_new_tokens)
 
     def _new_assignment(self) -> protocol.Assignment | None:
         p = next(self.prompts, None)
@@ -474,14 +476,14 @@ class LearnerService:
         self.assignment_counter += 1
         return protocol.Assignment(
             assignment_id=f"{self.run_id}-a{self.assignment_counter}", prompt_id=p["prompt_id"],
-            prompt_token_ids=p["prompt_token_ids"], group_size=self.cfg.group_size,
+            prompt_token_ids=p["prompt_token_ids"], group_size=self.cfg.batch.group_size,
             version=self.version, prompt_text=p["prompt"], sampling=self.sampling(),
             metadata={"answer": p["answer"], **p.get("metadata", {})},
-            deadline_s=self.cfg.lease_timeout_s)
+            deadline_s=self.cfg.servers.lease_timeout_s)
 
     async def expiry_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.expiry_interval_s)
+            await asyncio.sleep(self.cfg.servers.expiry_interval_s)
             await self.admission.tick()
             self.update_gauges()
 

@@ -47,7 +47,7 @@ import torch
 
 import protocol
 from learner.train.weights import copy_into, layout
-from protocol.process import trace
+from protocol.plumbing.process import trace
 from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
 
@@ -122,13 +122,15 @@ class WeightsServer:
     """Published versions (newest ``keep``) and the answer to every ``WeightChunkRequest``."""
 
     def __init__(self, chunk_bytes: int, kind: str = "full", keep: int = 2,
-                 metadata: dict[str, Any] | None = None, buffers: HostBuffers | None = None):
+                 metadata: dict[str, Any] | None = None, buffers: HostBuffers | None = None,
+                 lora: protocol.LoraSpec | None = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.chunk_bytes = chunk_bytes
         self.kind = kind
         self.keep = keep
         self.metadata = dict(metadata or {})
+        self.lora = lora                   # the adapter of a "lora" publish (its manifests' lora)
         self.buffers = buffers if buffers is not None else HostBuffers()
         self._versions: OrderedDict[int, Snapshot] = OrderedDict()
 
@@ -160,7 +162,7 @@ class WeightsServer:
         snap.manifest = protocol.WeightsAvailable(
             version=snap.version, kind=self.kind, tensors=snap.specs, total_bytes=snap.nbytes,
             chunk_bytes=self.chunk_bytes, num_chunks=len(chunks), checksum=combine_checksums(sums),
-            chunk_checksums=sums, metadata=dict(self.metadata))
+            chunk_checksums=sums, metadata=dict(self.metadata), lora=self.lora)
         snap.chunks = chunks
         return snap
 

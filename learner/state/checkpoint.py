@@ -59,7 +59,7 @@ import xxhash
 
 from learner.state.tree import decode_tree, encode_tree, rng_state, set_rng_state
 from protocol.errors import StartupError
-from protocol.process import fsync_path
+from protocol.plumbing.process import fsync_path
 
 FORMAT = "slipstream-checkpoint"
 FORMAT_VERSION = 1

@@ -43,7 +43,7 @@ class LearnerCheckpoints:
 
         self.svc = svc
         cfg = svc.cfg
-        self.store = Checkpointer(cfg.checkpoint_dir or Path(cfg.run_dir) / "checkpoints", cfg.keep_last)
+        self.store = Checkpointer(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints", cfg.checkpoint.keep_last)
         self.saved_version = 0                # version 0 is the model as loaded: never saved
         self.failed_stop = False
         self.resumed_from: Path | None = None
@@ -90,8 +90,8 @@ class LearnerCheckpoints:
             svc.prompts.load_state_dict(st["data"])
             svc.buffer.load_state_dict(st["buffer"])
             # The config given now wins for the runtime settings the buffer holds (η, stale policy).
-            svc.buffer.set_max_staleness(svc.cfg.max_staleness)
-            svc.buffer.set_stale_policy(svc.cfg.stale_policy)
+            svc.buffer.set_max_staleness(svc.cfg.staleness.max_staleness)
+            svc.buffer.set_stale_policy(svc.cfg.staleness.stale_policy)
         except (ValueError, KeyError, TypeError) as e:
             raise checkpoint_error(ckpt.path, f"state.json does not fit this learner: {str(e)[:300]}") from None
         self.saved_version = svc.version
@@ -181,12 +181,12 @@ class LearnerCheckpoints:
         svc = self.svc
         self.m_failures.inc()
         code = errno.errorcode.get(getattr(e, "errno", None) or -1, None)
-        stop = svc.cfg.checkpoint_failure == "stop"
+        stop = svc.cfg.checkpoint.failure == "stop"
         svc.log("checkpoint_failed", level="error", version=version, reason=reason,
                 directory=str(self.store.root), error=f"{type(e).__name__}: {e}"[:500], errno=code,
                 action="stopping (checkpoint_failure: stop)" if stop else
                 "training goes on; the previous checkpoint is intact",
-                hint="free disk space or make the directory writable (learner.checkpoint_dir)")
+                hint="free disk space or make the directory writable (learner.checkpoint.dir)")
         if stop:
             self.failed_stop = True
             svc.stopping.set()
@@ -220,7 +220,7 @@ class LearnerCheckpoints:
         """The train loop's batch: saves first when one is due; once stopping, parks for good (the
         stop cancels it there, where no batch is held)."""
         svc = self.svc
-        every = svc.cfg.save_every
+        every = svc.cfg.checkpoint.save_every
         if every and svc.version % every == 0 and svc.version > self.saved_version \
                 and not svc.stopping.is_set():
             await self.save("periodic", wait=False)

@@ -79,7 +79,7 @@ import numpy as np
 
 import protocol
 from learner.config import FSYNC_POLICIES, RolloutLogSettings
-from protocol.process import fsync_path
+from protocol.plumbing.process import fsync_path
 
 MAGIC = b"SRL1"
 _HEAD = struct.Struct("<4sII")          # magic, payload length, crc32(length bytes + payload)

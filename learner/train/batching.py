@@ -26,13 +26,7 @@ import torch
 
 import protocol
 
-__all__ = ["SAMPLING_TEMPERATURE", "BatchTensors", "collate", "plan_updates", "sampling_temperature", "take"]
-
-SAMPLING_TEMPERATURE = "sampling_temperature"
-"""The ``Sample.metadata`` key the learner stamps at intake with the temperature of the assignment
-it issued (overwriting whatever a server put there). Every pass recomputes a row's log-probs at
-its own sampling temperature, so ``ctl set temperature`` is safe while older samples are still
-buffered, and the stamp travels with the sample into checkpoints and the rollout log."""
+__all__ = ["BatchTensors", "collate", "plan_updates", "sampling_temperature", "take"]
 
 
 @dataclass
@@ -82,12 +76,13 @@ def take(x: torch.Tensor, idx: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def sampling_temperature(s: protocol.Sample, default: float) -> float:
-    """The temperature ``s`` was sampled at: the learner's stamp (:data:`SAMPLING_TEMPERATURE`,
-    written at intake from the assignment it issued), else ``default`` (the run's temperature)."""
-    value = s.metadata.get(SAMPLING_TEMPERATURE) if s.metadata else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 1e-6 <= value <= 1e6:
-        return float(value)
-    return float(default)
+    """The temperature ``s`` was sampled at: ``s.sampling_temperature``, which intake stamps with
+    the temperature of the assignment the learner issued (overwriting the server's), else
+    ``default`` (the run's temperature). Every pass recomputes a row's log-probs at its own
+    sampling temperature, so ``ctl set temperature`` is safe while older samples are still
+    buffered; the stamp travels with the sample into checkpoints and the rollout log."""
+    value = s.sampling_temperature
+    return float(default if value is None else value)
 
 
 def collate(samples: list[protocol.Sample], pad_id: int, temperature: float = 1.0) -> BatchTensors:
@@ -129,7 +124,7 @@ def plan_updates(batch_rows: int, epochs: int, mini_batch: int, micro_batch: int
     ``mini_batch`` 0 (or >= the batch) means the whole batch. With one update in all, rows keep
     their order; otherwise every epoch draws a permutation from ``generator``.
 
-    ``micro_tokens`` > 0 (``learner.micro_batch_tokens``, with ``seq_lens``: each row's prompt +
+    ``micro_tokens`` > 0 (``learner.batch.micro_batch_tokens``, with ``seq_lens``: each row's prompt +
     completion tokens): each mini-batch's rows are taken longest first and cut into micro-batches
     of at most ``micro_batch`` rows whose padded size (rows × the longest) stays within
     ``micro_tokens`` (a longer row goes alone), so short rows are not padded to the long ones

@@ -1,4 +1,4 @@
-"""Where the learner's models live and in which dtype: ``learner.device`` / ``learner.dtype`` made
+"""Where the learner's models live and in which dtype: ``learner.runtime.device`` / ``learner.runtime.dtype`` made
 concrete (the rollout side has its own resolver; the packages never import each other).
 
 ``auto`` device: the first CUDA device when torch sees one, else the CPU. ``auto`` dtype:
@@ -26,10 +26,10 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise StartupError(f"learner.device={device}: torch sees no CUDA device here; "
-                               "set learner.device: cpu (or auto)")
+            raise StartupError(f"learner.runtime.device={device}: torch sees no CUDA device here; "
+                               "set learner.runtime.device: cpu (or auto)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise StartupError(f"learner.device={device}: only {torch.cuda.device_count()} CUDA "
+            raise StartupError(f"learner.runtime.device={device}: only {torch.cuda.device_count()} CUDA "
                                f"device(s) here; use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return dev
 
@@ -41,4 +41,4 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise StartupError(f"learner.dtype={dtype!r}: use auto, {', '.join(_DTYPES)}") from None
+        raise StartupError(f"learner.runtime.dtype={dtype!r}: use auto, {', '.join(_DTYPES)}") from None

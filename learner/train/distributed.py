@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 
 from buffer import Batch
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, changed_paths, set_path
 from learner.train.batching import BatchTensors
 from learner.train.ds_config import engine_config
 from learner.train.ds_group import (
@@ -118,25 +118,25 @@ class DeepSpeedTrainer(Trainer):
         ds = cfg.deepspeed
         if ds is None:
             raise StartupError("DeepSpeedTrainer needs a learner.deepspeed section")
-        if cfg.dtype not in ("auto", "float32"):
-            raise StartupError(f"learner.dtype={cfg.dtype} with learner.deepspeed: load in float32 "
+        if cfg.runtime.dtype not in ("auto", "float32"):
+            raise StartupError(f"learner.runtime.dtype={cfg.runtime.dtype} with learner.deepspeed: load in float32 "
                                "(dtype: auto or float32) and set learner.deepspeed.precision "
                                "(bf16 / fp16) for the engines' precision")
         self.group = group or join_group(ds)
         self.ds = ds
         check_precision(ds)
         # The engines decide the device (one per rank) and cast to their precision themselves.
-        super().__init__(cfg.model_copy(update={"device": self.group.device, "dtype": "float32"}),
-                         model_path)
+        runtime = cfg.runtime.model_copy(update={"device": self.group.device, "dtype": "float32"})
+        super().__init__(cfg.model_copy(update={"runtime": runtime}), model_path)
         world = self.group.world
         self.engine, *_ = deepspeed.initialize(
             model=self.model, optimizer=self.optimizer, dist_init_required=False,
-            config=engine_config(ds, cfg.max_grad_norm, world))
+            config=engine_config(ds, cfg.optimizer.max_grad_norm, world))
         self.critic_engine = None
         if self.critic is not None:
             self.critic_engine, *_ = deepspeed.initialize(
                 model=self.critic, optimizer=self.critic_optimizer, dist_init_required=False,
-                config=engine_config(ds, cfg.critic_max_grad_norm, world))
+                config=engine_config(ds, cfg.critic.max_grad_norm, world))
         # Every pass goes through the engine's forward (it starts DeepSpeed's per-micro-batch
         # bookkeeping: without it ZeRO-3 keeps only the last micro-batch's gradients).
         self.forward.model = self.engine
@@ -175,8 +175,13 @@ class DeepSpeedTrainer(Trainer):
             return Trainer.step(self, batch)
 
     def _do_step(self, cfg: dict, batch: dict) -> dict[str, float]:
-        """A worker: rank 0's live config (``ctl set`` changes it between steps), then the step."""
-        self.cfg = LearnerConfig(**{**cfg, "device": self.group.device, "dtype": "float32"})
+        """A worker: what changed in rank 0's config since the last step (``ctl set`` changes it
+        between steps; each changed key validated by its section, not the whole config again),
+        then the step. The device and dtype stay this rank's own."""
+        mine = self.cfg.model_dump(mode="json")
+        for key, value in changed_paths(mine, cfg):
+            if key not in ("runtime.device", "runtime.dtype"):
+                set_path(self.cfg, key, value)
         return Trainer.step(self, batch_from_wire(batch))
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -567,7 +572,7 @@ def make_trainer(cfg: LearnerConfig, model_path: str) -> Trainer:
 
 def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
     """A rank other than 0: build the same trainer, then run rank 0's commands until ``stop``."""
-    from protocol.process import EventLog
+    from protocol.plumbing.process import EventLog
 
     log = EventLog(f"learner-rank{group.rank}")
     trainer = DeepSpeedTrainer(cfg, model_path, group)

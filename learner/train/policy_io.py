@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from protocol import LoraSpec
 from protocol.errors import StartupError
+from protocol.schema import wire_field_names
 
-LORA_PUBLISH_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora",
-                       "fan_in_fan_out")
-"""The PEFT ``LoraConfig`` fields a LoRA publish carries (``metadata["lora"]``): what a rollout
-engine needs to build the same adapter (the HF engine passes them to ``LoraConfig``, vLLM's writes
-them into ``adapter_config.json``)."""
+LORA_PUBLISH_FIELDS = wire_field_names(LoraSpec)
+"""The PEFT ``LoraConfig`` fields a LoRA publish carries (``WeightsAvailable.lora``, a
+``protocol.LoraSpec``): what a rollout engine needs to build the same adapter (the HF engine
+passes them to ``LoraConfig``, vLLM's writes them into ``adapter_config.json``)."""
 
 
 def attn_kwargs(attn_implementation: str) -> dict[str, str]:
-    """``from_pretrained``'s keyword for ``learner.attn_implementation`` (none for auto);
+    """``from_pretrained``'s keyword for ``learner.runtime.attn_implementation`` (none for auto);
     StartupError when it needs a package this environment lacks."""
     if attn_implementation == "auto":
         return {}
@@ -24,7 +25,7 @@ def attn_kwargs(attn_implementation: str) -> dict[str, str]:
         from transformers.utils import is_flash_attn_2_available
 
         if not is_flash_attn_2_available():
-            raise StartupError("learner.attn_implementation: flash_attention_2 needs the flash-attn "
+            raise StartupError("learner.runtime.attn_implementation: flash_attention_2 needs the flash-attn "
                                "package and a CUDA GPU; use sdpa or eager")
     return {"attn_implementation": attn_implementation}
 
@@ -41,9 +42,9 @@ def adamw(params, **kw) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, **kw)
 
 
-def lora_publish_fields(model) -> dict:
+def lora_publish_fields(model) -> LoraSpec:
     """The :data:`LORA_PUBLISH_FIELDS` of a PEFT model's live adapter config (target modules as
-    PEFT resolved them, e.g. ``all-linear`` -> the module names, sorted; plain msgpack types)."""
+    PEFT resolved them, e.g. ``all-linear`` -> the module names, sorted)."""
     live = model.peft_config["default"]
     out = {}
     for name in LORA_PUBLISH_FIELDS:
@@ -51,7 +52,7 @@ def lora_publish_fields(model) -> dict:
         if isinstance(value, (set, frozenset, list, tuple)):
             value = sorted(value)
         out[name] = value
-    return out
+    return LoraSpec(**out)
 
 
 def publish_tensors(model, *, lora: bool) -> list[tuple[str, torch.Tensor]]:
@@ -101,11 +102,11 @@ def load_policy(cfg, model_path: str, dtype: torch.dtype, device: torch.device):
     from learner.train.dropout import disable_dropout
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn_kwargs(cfg.attn_implementation))
-    if cfg.disable_dropout:
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn_kwargs(cfg.runtime.attn_implementation))
+    if cfg.runtime.disable_dropout:
         disable_dropout(model)          # the base's; an adapter's lora.dropout is the config's
     model.to(device)
-    if cfg.gradient_checkpointing:
+    if cfg.runtime.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     lora_config = None
@@ -119,6 +120,6 @@ def load_policy(cfg, model_path: str, dtype: torch.dtype, device: torch.device):
         except ValueError as e:             # e.g. target modules not found in the model
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise StartupError(f"learner.lora: {msg[:300]}") from None
-        if cfg.gradient_checkpointing:
+        if cfg.runtime.gradient_checkpointing:
             model.enable_input_require_grads()   # the frozen embedding's output needs grad
     return tokenizer, model, lora_config

@@ -27,11 +27,11 @@ def sequence_scores(cfg: LearnerConfig, rewards: torch.Tensor, lengths: torch.Te
                     moments: ops.RunningMoments) -> torch.Tensor:
     """Scores (B,) from raw rewards (B,) and completion lengths (B,); updates ``moments`` under
     ``reward_norm: running`` (the running statistics include this batch, as TRL's)."""
-    s = ops.length_penalty(rewards.float(), lengths, cfg.length_penalty, cfg.max_new_tokens)
-    s = ops.clip_rewards(s, cfg.reward_clip)
-    if cfg.reward_norm == "batch":
+    s = ops.length_penalty(rewards.float(), lengths, cfg.reward.length_penalty, cfg.sampling.max_new_tokens)
+    s = ops.clip_rewards(s, cfg.reward.clip)
+    if cfg.reward.norm == "batch":
         s = ops.batch_normalize(s)
-    elif cfg.reward_norm == "running":
+    elif cfg.reward.norm == "running":
         moments.update(s)
         s = moments.normalize(s).float()
     return s
@@ -69,20 +69,20 @@ def advantages_and_targets(
     the start of the step (``gae``); behavior and proximal log-probs: for V-trace targets.
     """
     targets = None
-    if cfg.advantage in ops.GROUP_ADVANTAGE_METHODS:
-        adv = _group_advantages(rewards_t.sum(dim=-1), group_sizes, cfg.advantage)  # (B,)
+    if cfg.algorithm.advantage in ops.GROUP_ADVANTAGE_METHODS:
+        adv = _group_advantages(rewards_t.sum(dim=-1), group_sizes, cfg.algorithm.advantage)  # (B,)
         adv = adv[:, None] * mask                                                  # (B, L-1)
-    elif cfg.advantage == "reinforce_pp":
-        adv = ops.reinforce_pp_advantages(rewards_t, mask, gamma=cfg.gamma)
-    elif cfg.advantage == "gae":
+    elif cfg.algorithm.advantage == "reinforce_pp":
+        adv = ops.reinforce_pp_advantages(rewards_t, mask, gamma=cfg.algorithm.gamma)
+    elif cfg.algorithm.advantage == "gae":
         if values is None:
             raise ValueError("advantage gae needs the critic's values")
-        adv, targets = ops.gae(rewards_t, values, mask, gamma=cfg.gamma, lam=cfg.lam)
-        if cfg.critic_targets == "vtrace":
+        adv, targets = ops.gae(rewards_t, values, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam)
+        if cfg.critic.targets == "vtrace":
             targets, _ = ops.vtrace(behavior_logprobs, proximal_logprobs, rewards_t, values, mask,
-                                    gamma=cfg.gamma, rho_bar=cfg.vtrace_rho_bar, c_bar=cfg.vtrace_c_bar)
+                                    gamma=cfg.algorithm.gamma, rho_bar=cfg.critic.vtrace_rho_bar, c_bar=cfg.critic.vtrace_c_bar)
     else:
-        raise ValueError(f"unknown advantage estimator {cfg.advantage!r}")
-    if cfg.whiten_advantages and cfg.advantage != "reinforce_pp":
+        raise ValueError(f"unknown advantage estimator {cfg.algorithm.advantage!r}")
+    if cfg.algorithm.whiten_advantages and cfg.algorithm.advantage != "reinforce_pp":
         adv = ops.masked_whiten(adv, mask)
     return adv.float(), targets

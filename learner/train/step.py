@@ -183,14 +183,14 @@ def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, 
             stats.update(ops.merge_stats(s.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
         stats.update(s.m2po_stats)
     if s.sanity_on and log.sanity.tokens:
-        stats.update(log.sanity.stats(cfg.sanity_ratio_tolerance, cfg.sanity_kl_tolerance))
+        stats.update(log.sanity.stats(cfg.algorithm.sanity_ratio_tolerance, cfg.algorithm.sanity_kl_tolerance))
     if s.use_kl:
         stats["ref_kl"], stats["ref_kl_seq"] = ref_kl
         stats["kl_coef"] = s.beta
         stats["kl_coef_next"] = s.kl_next
-        if not cfg.kl_in_reward:
+        if not cfg.kl.in_reward:
             stats["kl_loss"] = mean("kl_loss")
-    if cfg.entropy_coef > 0:
+    if cfg.algorithm.entropy_coef > 0:
         stats["entropy_bonus"] = mean("entropy_bonus")
     if critic:
         stats["critic_lr"] = s.critic_lr

@@ -47,6 +47,7 @@ from learner.train.reference import ReferencePolicy
 from learner.train.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.train.schedules import lr_factor
 from learner.train.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog, step_stats
+from protocol import LoraSpec
 
 __all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
 
@@ -58,7 +59,7 @@ class Trainer:
     """Owns the policy model, its tokenizer and optimizer; the reference and the critic when the
     config uses them.
 
-    Device and dtype: ``learner.device`` / ``learner.dtype`` (:mod:`learner.train.devices`). The weights
+    Device and dtype: ``learner.runtime.device`` / ``learner.runtime.dtype`` (:mod:`learner.train.devices`). The weights
     are held and updated in that dtype (bfloat16: no float32 master copy, so an update smaller than
     about 1/256 of a weight rounds away; LoRA adapters stay float32, PEFT's default); batches are
     collated on the CPU and moved to the device; log-probs, entropies and all of ``ops`` compute in
@@ -67,15 +68,15 @@ class Trainer:
     LoRA (``learner.lora``): the policy is wrapped by PEFT and only the adapter's parameters are
     trained (and in the optimizer); the reference is the base with the adapter disabled; a publish
     (:meth:`named_tensors`) carries the adapter's tensors under ``get_peft_model_state_dict`` names,
-    with :meth:`publish_metadata` the adapter config.
+    with :meth:`publish_lora` the adapter config.
     """
 
     def __init__(self, cfg: LearnerConfig, model_path: str):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(cfg.runtime.device)
         # Mixed precision keeps float32 weights (dtype auto included) and computes under autocast.
-        self.autocast = None if cfg.autocast == "none" else getattr(torch, cfg.autocast)
-        self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(cfg.dtype, self.device)
+        self.autocast = None if cfg.runtime.autocast == "none" else getattr(torch, cfg.runtime.autocast)
+        self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(cfg.runtime.dtype, self.device)
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -83,7 +84,7 @@ class Trainer:
         self.model = model
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(self.trainable, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
         self.forward = LogprobForward(self.model, autocast=self.autocast)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -92,30 +93,30 @@ class Trainer:
         # learner validates results against it before accepting them).
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
         self.reference: ReferencePolicy | None = None
-        if cfg.uses_reference:
+        if cfg.kl.uses_reference:
             if cfg.lora is not None:
                 self.reference = ReferencePolicy.adapter_disabled(self.model, autocast=self.autocast)
             else:
-                self.reference = ReferencePolicy.copy_of(self.model, "cpu" if cfg.reference_on_cpu else None,
+                self.reference = ReferencePolicy.copy_of(self.model, "cpu" if cfg.kl.reference_on_cpu else None,
                                                          autocast=self.autocast)
         self.critic: Critic | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
-        if cfg.uses_critic:
-            self.critic = Critic(cfg.critic_model or model_path, dtype=self.dtype,
-                                 **attn_kwargs(cfg.attn_implementation))
-            if cfg.disable_dropout:
+        if cfg.algorithm.uses_critic:
+            self.critic = Critic(cfg.critic.model or model_path, dtype=self.dtype,
+                                 **attn_kwargs(cfg.runtime.attn_implementation))
+            if cfg.runtime.disable_dropout:
                 disable_dropout(self.critic)
             self.critic.to(self.device)
-            if cfg.gradient_checkpointing:
+            if cfg.runtime.gradient_checkpointing:
                 self.critic.backbone.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
             self.critic.train()
-            self.critic_optimizer = adamw(self.critic.parameters(), lr=cfg.critic_lr,
-                                          weight_decay=cfg.weight_decay)
-        if cfg.kl_controller == "adaptive":
-            self.kl_controller = ops.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+            self.critic_optimizer = adamw(self.critic.parameters(), lr=cfg.critic.lr,
+                                          weight_decay=cfg.optimizer.weight_decay)
+        if cfg.kl.controller == "adaptive":
+            self.kl_controller = ops.AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
         else:
-            self.kl_controller = ops.FixedKLController(cfg.kl_coef)
+            self.kl_controller = ops.FixedKLController(cfg.kl.coef)
         self.reward_moments = ops.RunningMoments()
 
     # ---- what the service uses -------------------------------------------------------------
@@ -131,11 +132,11 @@ class Trainer:
         """``lora`` (adapter tensors only) or ``full`` — the manifests' ``kind``."""
         return "lora" if self.lora_config is not None else "full"
 
-    def publish_metadata(self) -> dict:
-        """What a publish's manifest carries besides the tensors: for LoRA ``{"lora": {...}}``, the
+    def publish_lora(self) -> LoraSpec | None:
+        """The adapter a LoRA publish's manifest carries (``WeightsAvailable.lora``): the
         ``LoraConfig`` fields of :data:`LORA_PUBLISH_FIELDS` (target modules as PEFT resolved them,
-        e.g. ``all-linear`` -> the module names, sorted; plain msgpack types)."""
-        return {} if self.lora_config is None else {"lora": lora_publish_fields(self.model)}
+        e.g. ``all-linear`` -> the module names, sorted); None for full weights."""
+        return None if self.lora_config is None else lora_publish_fields(self.model)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What a publish sends. Full: every parameter in the training dtype, tied parameters once
@@ -234,9 +235,9 @@ class Trainer:
         would. Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` reject have weight 0.
         """
         cfg = self.cfg
-        if cfg.is_mode != "none" or not bool(flagged.any()):
-            w, keep, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.is_mode,
-                                                 cap=cfg.is_cap, veto=cfg.is_veto)
+        if cfg.algorithm.is_mode != "none" or not bool(flagged.any()):
+            w, keep, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.algorithm.is_mode,
+                                                 cap=cfg.algorithm.is_cap, veto=cfg.algorithm.is_veto)
             return w, keep, [(st, int((mask != 0).sum()))]
         weights = torch.zeros_like(proximal)                                       # (b, L-1)
         keep = torch.zeros_like(mask)
@@ -245,7 +246,7 @@ class Trainer:
             if not bool(rows.any()):
                 continue
             w, k, st = ops.importance_weights(proximal[rows], behavior[rows], mask[rows], mode=mode,
-                                              cap=cfg.is_cap, veto=cfg.is_veto)
+                                              cap=cfg.algorithm.is_cap, veto=cfg.algorithm.is_veto)
             weights[rows] = w.to(weights.dtype)
             keep[rows] = k
             parts.append((st, int((mask[rows] != 0).sum())))
@@ -253,15 +254,15 @@ class Trainer:
 
     def _set_learning_rates(self, version: int) -> tuple[float, float]:
         cfg = self.cfg
-        lr = cfg.lr * lr_factor(cfg.lr_schedule, version, cfg.lr_warmup_steps, cfg.total_steps,
-                                cfg.min_lr_ratio)
+        lr = cfg.optimizer.lr * lr_factor(cfg.optimizer.lr_schedule, version, cfg.optimizer.lr_warmup_steps, cfg.total_steps,
+                                cfg.optimizer.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         critic_lr = 0.0
         if self.critic_optimizer is not None:
-            critic_lr = cfg.critic_lr * lr_factor(cfg.critic_lr_schedule, version,
-                                                  cfg.critic_lr_warmup_steps, cfg.total_steps,
-                                                  cfg.min_lr_ratio)
+            critic_lr = cfg.critic.lr * lr_factor(cfg.critic.lr_schedule, version,
+                                                  cfg.critic.lr_warmup_steps, cfg.total_steps,
+                                                  cfg.optimizer.min_lr_ratio)
             for g in self.critic_optimizer.param_groups:
                 g["lr"] = critic_lr
         return lr, critic_lr
@@ -336,7 +337,7 @@ class Trainer:
         flags = list(batch.needs_correction) or [False] * B
         if len(flags) != B:
             raise ValueError(f"Trainer.step: {len(flags)} needs_correction flags for {B} samples")
-        bt = collate(batch.samples, self.pad_id, cfg.temperature)
+        bt = collate(batch.samples, self.pad_id, cfg.sampling.temperature)
         low, top = int(bt.input_ids.min()), int(bt.input_ids.max())
         if low < 0 or top >= self.vocab_size:   # the learner refuses such results; never index past
             bad = low if low < 0 else top
@@ -345,24 +346,24 @@ class Trainer:
         s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool, device=self.device),
                      version=int(batch.version))
         s.lr, s.critic_lr = self._set_learning_rates(s.version)
-        s.train_policy = self.critic is None or s.version >= cfg.critic_warmup_steps
+        s.train_policy = self.critic is None or s.version >= cfg.critic.warmup_steps
         s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
-        s.mini = cfg.mini_batch_samples if 0 < cfg.mini_batch_samples < B else B
-        s.n_updates = cfg.ppo_epochs * -(-B // s.mini)
+        s.mini = cfg.batch.mini_batch_samples if 0 < cfg.batch.mini_batch_samples < B else B
+        s.n_updates = cfg.batch.ppo_epochs * -(-B // s.mini)
         s.beta = self.kl_controller.value
         s.use_kl = self.reference is not None and s.beta > 0
-        s.group_sizes = list(batch.group_sizes) or [cfg.group_size] * (B // cfg.group_size)
+        s.group_sizes = list(batch.group_sizes) or [cfg.batch.group_size] * (B // cfg.batch.group_size)
         # Rows whose proximal log-probs must be the current weights' (all, or the flagged ones).
-        s.current_rows = cfg.recompute_logprobs or bool(s.flagged.any())
-        s.needed_early = (s.use_kl and cfg.kl_in_reward) or (
-            self.critic is not None and cfg.critic_targets == "vtrace")
+        s.current_rows = cfg.algorithm.recompute_logprobs or bool(s.flagged.any())
+        s.needed_early = (s.use_kl and cfg.kl.in_reward) or (
+            self.critic is not None and cfg.critic.targets == "vtrace")
         s.separate = s.current_rows and (s.needed_early or (s.train_policy and (
-            s.n_updates > 1 or cfg.m2po_threshold is not None)))
-        s.sanity_on = s.separate and cfg.recompute_logprobs and s.train_policy
+            s.n_updates > 1 or cfg.algorithm.m2po_threshold is not None)))
+        s.sanity_on = s.separate and cfg.algorithm.recompute_logprobs and s.train_policy
         s.moments_before = self.reward_moments.state_dict()
-        if cfg.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
-            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator,
-                                  bt.seq_lens, cfg.micro_batch_tokens)
+        if cfg.reward.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
+            s.plan = plan_updates(B, cfg.batch.ppo_epochs, s.mini, cfg.batch.micro_batch_samples, s.generator,
+                                  bt.seq_lens, cfg.batch.micro_batch_tokens)
         return s
 
     @staticmethod
@@ -371,7 +372,7 @@ class Trainer:
         return [rows for mb in s.plan[0] for rows in mb]
 
     def _proximal_of(self, s: StepData, pass_lp: torch.Tensor) -> torch.Tensor:
-        if self.cfg.recompute_logprobs:
+        if self.cfg.algorithm.recompute_logprobs:
             return pass_lp
         return torch.where(s.flagged[:, None], pass_lp, s.bt.behavior_logprobs)
 
@@ -380,14 +381,14 @@ class Trainer:
         all at the step's starting weights, over the first epoch's micro-batches (the batch's
         order before a PF-PPO resampling, which draws the plan afterwards)."""
         chunks = (self._first_micro_batches(s) if s.plan
-                  else list(torch.arange(len(s.bt)).split(self.cfg.micro_batch_samples)))
+                  else list(torch.arange(len(s.bt)).split(self.cfg.batch.micro_batch_samples)))
         if s.use_kl:
             with phases("reference"):
                 s.ref_lp = self._reference_pass(s.bt, chunks)                       # (B, L-1)
         if self.critic is not None:
             with phases("values"):
                 s.old_values = self._values_pass(s.bt, chunks)                      # (B, L-1)
-        if s.separate and (s.needed_early or self.cfg.batch_filter == "pf_ppo"):
+        if s.separate and (s.needed_early or self.cfg.reward.batch_filter == "pf_ppo"):
             with phases("proximal"):
                 s.prox_pass = self._proximal_pass(s.bt, chunks)
 
@@ -402,14 +403,14 @@ class Trainer:
             early_prox = bt.behavior_logprobs
         s.scores = sequence_scores(cfg, bt.rewards, bt.lengths, self.reward_moments)   # (B,)
         kl_tok = None
-        if s.use_kl and cfg.kl_in_reward:
-            kl_tok = ops.kl_estimate(early_prox, s.ref_lp, cfg.kl_kind)            # (B, L-1)
+        if s.use_kl and cfg.kl.in_reward:
+            kl_tok = ops.kl_estimate(early_prox, s.ref_lp, cfg.kl.kind)            # (B, L-1)
         s.rewards_t = token_rewards(s.scores, bt.mask, kl_tok, s.beta)             # (B, L-1)
         s.adv, s.targets = advantages_and_targets(cfg, s.rewards_t, bt.mask, s.group_sizes,
                                                   s.old_values, bt.behavior_logprobs, early_prox)
-        if cfg.batch_filter == "pf_ppo":
+        if cfg.reward.batch_filter == "pf_ppo":
             B = len(bt)
-            w = ops.pf_ppo_weights(s.rewards_t.sum(dim=-1), cfg.pf_ppo_method, cfg.pf_ppo_weight_pow)
+            w = ops.pf_ppo_weights(s.rewards_t.sum(dim=-1), cfg.reward.pf_ppo_method, cfg.reward.pf_ppo_weight_pow)
             idx = ops.pf_ppo_resample(w.cpu(), B, generator=s.generator)           # (B,) CPU generator
             s.filter_stats = {"pf_ppo_unique_fraction": len(set(idx.tolist())) / B}
             s.bt = bt.select(idx)
@@ -417,8 +418,8 @@ class Trainer:
                 value = getattr(s, name)
                 if value is not None:
                     setattr(s, name, value[idx])
-            s.plan = plan_updates(B, cfg.ppo_epochs, s.mini, cfg.micro_batch_samples, s.generator,
-                                  s.bt.seq_lens, cfg.micro_batch_tokens)
+            s.plan = plan_updates(B, cfg.batch.ppo_epochs, s.mini, cfg.batch.micro_batch_samples, s.generator,
+                                  s.bt.seq_lens, cfg.batch.micro_batch_tokens)
 
     def _proximal_and_weights(self, s: StepData, phases: Phases) -> None:
         """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),
@@ -437,9 +438,9 @@ class Trainer:
                 return
             s.weights, kept, s.is_parts = self._importance(s.proximal, bt.behavior_logprobs, bt.mask,
                                                            s.flagged)
-            if cfg.m2po_threshold is not None:
+            if cfg.algorithm.m2po_threshold is not None:
                 keep, s.m2po_stats = ops.m2po_mask(s.proximal, bt.behavior_logprobs, kept,
-                                                   cfg.m2po_threshold)
+                                                   cfg.algorithm.m2po_threshold)
                 s.weights = torch.where(keep, s.weights, torch.zeros_like(s.weights))
 
     def _update(self, s: StepData, start: float) -> UpdateLog:
@@ -450,8 +451,8 @@ class Trainer:
         for epoch, minibatches in enumerate(s.plan):
             for m, micros in enumerate(minibatches):
                 mb = self._accumulate(s, log, micros, epoch, first=(epoch == 0 and m == 0))
-                if (cfg.target_kl is not None and s.train_policy and log.applied > 0
-                        and ops.merge_stats(mb.pg_parts)["approx_kl"] > cfg.target_kl):
+                if (cfg.algorithm.target_kl is not None and s.train_policy and log.applied > 0
+                        and ops.merge_stats(mb.pg_parts)["approx_kl"] > cfg.algorithm.target_kl):
                     log.early_stopped = True               # this mini-batch's gradients are dropped
                     self._zero_grad()
                     return log
@@ -484,9 +485,9 @@ class Trainer:
         """(policy, critic) gradient norms before clipping, each clipped once (0.0 where unused)."""
         gn = cn = 0.0
         if s.train_policy:
-            gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm))
+            gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.optimizer.max_grad_norm))
         if self.critic is not None:
-            cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.critic_max_grad_norm))
+            cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.critic.max_grad_norm))
         return gn, cn
 
     def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
@@ -529,7 +530,7 @@ class Trainer:
                     first: bool) -> MiniBatch:
         """Forward and backward of one mini-batch's micro-batches (gradients accumulate)."""
         cfg, bt = self.cfg, s.bt
-        normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.loss_agg)
+        normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.algorithm.loss_agg)
         self._zero_grad()
         mb = MiniBatch()
         for rows in self._local_micro_batches(micros):
@@ -543,7 +544,7 @@ class Trainer:
                 values = self.critic(sub.input_ids, sub.attention_mask)               # (b, L-1)
                 vf_loss, vf_stats = ops.value_loss(
                     values, take(s.old_values, rows, L), take(s.targets, rows, L), mask,
-                    clip=cfg.value_clip, agg=cfg.loss_agg, normalizer=normalizer)
+                    clip=cfg.critic.value_clip, agg=cfg.algorithm.loss_agg, normalizer=normalizer)
                 self._backward(vf_loss, "critic")
                 mb.add("vf_loss", vf_loss)
                 mb.vf_parts.append((vf_stats, n_tok))
@@ -555,13 +556,13 @@ class Trainer:
         cfg = self.cfg
         L = sub.input_ids.shape[1]
         mask, behavior = sub.mask, sub.behavior_logprobs
-        logprobs, entropy = self._logprobs(sub, "grad" if cfg.entropy_coef > 0 else "stat")  # (b, L-1)
+        logprobs, entropy = self._logprobs(sub, "grad" if cfg.algorithm.entropy_coef > 0 else "stat")  # (b, L-1)
         if epoch == 0:
             log.entropy_sum += float(ops.masked_sum(entropy.detach(), mask))
             log.entropy_tokens += float(mask.sum())
         current = logprobs.detach()
         if s.proximal is None:                                      # the single-step shortcut
-            prox = current if cfg.recompute_logprobs else torch.where(s.flagged[rows, None], current, behavior)
+            prox = current if cfg.algorithm.recompute_logprobs else torch.where(s.flagged[rows, None], current, behavior)
             log.filled[rows, :L - 1] = prox
             w, _, parts = self._importance(prox, behavior, mask, s.flagged[rows])
             s.is_parts.extend(parts)
@@ -570,21 +571,21 @@ class Trainer:
         if first and s.sanity_on:
             log.sanity.add(current, prox, mask)
         anchor = prox
-        if cfg.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
+        if cfg.algorithm.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
             w, anchor = ops.behavior_anchored_weights(w, prox, behavior, mask), behavior
         pg_loss, pg_stats = ops.ppo_policy_loss(
-            logprobs, anchor, take(s.adv, rows, L), mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip, is_weights=w, agg=cfg.loss_agg, normalizer=normalizer)
+            logprobs, anchor, take(s.adv, rows, L), mask, clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
+            dual_clip=cfg.algorithm.dual_clip, is_weights=w, agg=cfg.algorithm.loss_agg, normalizer=normalizer)
         total = pg_loss
         mb.add("pg_loss", pg_loss)
-        if s.use_kl and not cfg.kl_in_reward:
-            kl_val, _ = ops.kl_loss(logprobs, take(s.ref_lp, rows, L), mask, cfg.kl_kind, cfg.loss_agg,
+        if s.use_kl and not cfg.kl.in_reward:
+            kl_val, _ = ops.kl_loss(logprobs, take(s.ref_lp, rows, L), mask, cfg.kl.kind, cfg.algorithm.loss_agg,
                                     normalizer)
             total = total + s.beta * kl_val
             mb.add("kl_loss", kl_val)
-        if cfg.entropy_coef > 0:
-            ent_val, _ = ops.entropy_loss(entropy, mask, cfg.loss_agg, normalizer)
-            total = total - cfg.entropy_coef * ent_val
+        if cfg.algorithm.entropy_coef > 0:
+            ent_val, _ = ops.entropy_loss(entropy, mask, cfg.algorithm.loss_agg, normalizer)
+            total = total - cfg.algorithm.entropy_coef * ent_val
             mb.add("entropy_bonus", ent_val)
         self._backward(total, "policy")
         mb.add("loss", total)
@@ -594,6 +595,6 @@ class Trainer:
         """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting
         policy and the reference (behavior log-probs where neither a pass nor a forward ran)."""
         source = log.filled if (s.proximal is not None or s.train_policy) else s.bt.behavior_logprobs
-        kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl_kind)                   # (B, L-1)
+        kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl.kind)                   # (B, L-1)
         return float(ops.masked_mean(kl, s.bt.mask)), float(ops.masked_sum(kl, s.bt.mask, dim=-1).mean())
 

@@ -37,7 +37,7 @@ interpreter of a separate environment with ``trl==1.16.0``; never a slipstream d
 same model directory, prompts (same task, same seed), reward, batch, max_completion_length,
 temperature, learning rate, beta = 0, once per ``--trl-threads`` entry (default 1 and 2 torch
 threads) and once per ``--trl-bf16-threads`` entry with TRL's own mixed precision (``bf16=True``,
-default one run at 1 thread: the demo trains under ``learner.autocast: bfloat16``, so TRL gets its
+default one run at 1 thread: the demo trains under ``learner.runtime.autocast: bfloat16``, so TRL gets its
 bf16 too); the fastest TRL row is the baseline of the ``x TRL`` column. Without that interpreter the TRL rows
 are skipped with a note. ``--collect DIR`` re-reads the runs a killed invocation left in DIR.
 
@@ -95,7 +95,7 @@ WORKLOADS = {
                  "max_new_tokens": 64, "reward": "exact_match",
                  # Rows of like lengths per forward/backward (the same gradient): the step
                  # 0.17-0.20 -> 0.11-0.12 s at eta 0 (bench_learner.py --longtail: 0.70x).
-                 "sets": {"learner.micro_batch_tokens": 1024}},
+                 "sets": {"learner.batch.micro_batch_tokens": 1024}},
 }
 LR, TEMPERATURE = 3.0e-4, 1.0
 BODIES = {
@@ -140,16 +140,16 @@ def model_for(work: str, body: str | None) -> str:
 def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path, args) -> dict:
     """One ``slipstream run``; its step rows and wall time."""
     w = WORKLOADS[work]
-    devices = {} if args.device == "auto" else {"learner.device": args.device, "rollout.device": args.device}
-    sets = {"model": model_for(work, args.body), "learner.dataset": w["dataset"],
-            "learner.max_new_tokens": w["max_new_tokens"], "learner.total_steps": steps,
-            "learner.max_staleness": eta, "learner.is_mode": is_mode,
-            "learner.batch_prompts": BATCH_PROMPTS, "learner.group_size": GROUP,
-            "learner.lr": LR, "learner.temperature": TEMPERATURE,
+    devices = {} if args.device == "auto" else {"learner.runtime.device": args.device, "rollout.device": args.device}
+    sets = {"model": model_for(work, args.body), "learner.data.dataset": w["dataset"],
+            "learner.sampling.max_new_tokens": w["max_new_tokens"], "learner.total_steps": steps,
+            "learner.staleness.max_staleness": eta, "learner.algorithm.is_mode": is_mode,
+            "learner.batch.batch_prompts": BATCH_PROMPTS, "learner.batch.group_size": GROUP,
+            "learner.optimizer.lr": LR, "learner.sampling.temperature": TEMPERATURE,
             "learner.threads": args.learner_threads, "rollout.threads": args.rollout_threads,
-            "learner.seed": args.seed, "rollout.seed": args.seed, "learner.save_every": 0,
-            "learner.run_dir": str(run_dir), "learner.metrics_port": 0, "rollout.metrics_port": 0,
-            "learner.rollout_port": 0, "learner.weights_port": 0, "learner.control_port": 0,
+            "learner.seed": args.seed, "rollout.seed": args.seed, "learner.checkpoint.save_every": 0,
+            "learner.run_dir": str(run_dir), "learner.network.metrics_port": 0, "rollout.metrics_port": 0,
+            "learner.network.rollout_port": 0, "learner.network.weights_port": 0, "learner.network.control_port": 0,
             # A heartbeat (the servers' idle ratio) every 0.5 s, not 2: a 60-step run lasts ~3 s.
             "rollout.heartbeat_interval_s": 0.5, **w.get("sets", {}), **devices,
             **dict(kv.split("=", 1) for kv in args.set)}

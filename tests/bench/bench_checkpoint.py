@@ -30,6 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 from buffer import Batch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.state.checkpoint import Checkpointer  # noqa: E402
@@ -74,7 +77,7 @@ def bench(name: str, repeat: int, workdir: Path) -> dict:
     from safetensors.torch import load_file, save_file
 
     model_dir = _model_dir(name, workdir)
-    cfg = LearnerConfig(group_size=4, batch_prompts=2, micro_batch_samples=8, threads=2, seed=0)
+    cfg = LearnerConfig(**nested(group_size=4, batch_prompts=2, micro_batch_samples=8, threads=2, seed=0))
     tr = Trainer(cfg, model_dir)
     tr.step(_batch(tr.vocab_size))
     fresh = Trainer(cfg, model_dir)

@@ -6,7 +6,7 @@
 At η = 0 a cycle is serial: the learner steps, publishes, the server fetches and applies the new
 weights, gets its work, generates, scores and sends, and the learner takes the batch. Each run is
 bench_async.py's ``slipstream run`` of the workload at η = 0 with ``SLIPSTREAM_TRACE`` set, so the
-learner and the server append their trace points (``protocol.process.trace``) to one file. For
+learner and the server append their trace points (``protocol.plumbing.process.trace``) to one file. For
 every cycle from one ``learner.step_end`` to the next (after ``--skip`` warm-up steps) each
 point's time is its last occurrence in the cycle, taken from the cycle's start; the table shows
 the medians per run of that time ("at") and of the part before it ("+"). Parts that run side by
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async import REPO, WORKLOADS, slipstream_run  # noqa: E402
 
-from protocol.process import TRACE_ENV  # noqa: E402
+from protocol.plumbing.process import TRACE_ENV  # noqa: E402
 
 POINTS = [
     # (point, the part that ends there)

@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -60,13 +63,13 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
     from learner.train.distributed import DeepSpeedTrainer, join_group, worker_main
     from learner.train.trainer import Trainer
 
-    cfg = LearnerConfig(**FIELDS, deepspeed={"zero_stage": stage, "timeout_s": 600, "heartbeat_s": 30,
-                                             "publish_bucket_bytes": 1 << 20})
+    cfg = LearnerConfig(**nested(**FIELDS, deepspeed={"zero_stage": stage, "timeout_s": 600, "heartbeat_s": 30,
+                                             "publish_bucket_bytes": 1 << 20}))
     group = join_group(cfg.deepspeed)
     if group.rank != 0:
         return worker_main(cfg, model_dir, group)
     ds = DeepSpeedTrainer(cfg, model_dir, group)
-    plain = Trainer(LearnerConfig(**FIELDS), model_dir)
+    plain = Trainer(LearnerConfig(**nested(FIELDS)), model_dir)
     batch = demo_batch(plain.tokenizer)
     times: dict[str, list[float]] = {"plain": [], "ds": []}
     gathers = []

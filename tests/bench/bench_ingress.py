@@ -89,6 +89,9 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from load_client import group  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 import protocol  # noqa: E402
 
 GROUP = 8
@@ -254,14 +257,14 @@ class Ingress:
         from learner.serve.intake import Intake
         from learner.serve.service import LearnerService
 
-        cfg = LearnerConfig(rollout_port=0, weights_port=0, control_port=0, metrics_port=0,
+        cfg = LearnerConfig(**nested(rollout_port=0, weights_port=0, control_port=0, metrics_port=0,
                             run_dir=str(run_dir), batch_prompts=8, group_size=GROUP,
                             max_staleness=1_000_000_000, lease_timeout_s=3600, server_timeout_s=3600,
-                            max_new_tokens=tokens)
+                            max_new_tokens=tokens))
         svc = self.svc = LearnerService(cfg, "unused: the model is not loaded")
         svc._open()
-        svc.intake = Intake(svc.buffer, vocab_size=32_000, max_new_tokens=lambda: cfg.max_new_tokens,
-                            max_abs_reward=lambda: cfg.max_abs_reward, version=lambda: svc.version,
+        svc.intake = Intake(svc.buffer, vocab_size=32_000, max_new_tokens=lambda: cfg.sampling.max_new_tokens,
+                            max_abs_reward=lambda: cfg.servers.max_abs_reward, version=lambda: svc.version,
                             metrics=svc.metrics, log=svc.log)
         svc.prompts = Prompts()
         self.endpoint = svc.endpoints["rollout"]

@@ -20,7 +20,7 @@ pass accounted for). Timing: median of ``--repeats`` interleaved rounds (each co
 per round) after warm-up; one torch thread by default (see ``bench_ops.py`` for why).
 Where the update's time goes is measured with cProfile over the same steps (``--profile``).
 ``--longtail``: a batch of completions of 2–65 tokens (builtin:longtail's lengths) under the demo's
-learner settings, in one pass against ``learner.micro_batch_tokens`` budgets (rows of like lengths
+learner settings, in one pass against ``learner.batch.micro_batch_tokens`` budgets (rows of like lengths
 per pass, less padding), interleaved, × the one pass.
 
 Measured (2 shared cores, one thread, medians of 20): bare 76–82 ms; ``grpo_1step`` 1.11–1.12×
@@ -50,6 +50,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
 
 import protocol  # noqa: E402
 from buffer import Batch  # noqa: E402
@@ -112,7 +115,7 @@ def longtail(model_dir: str, tokenizer, threads: int, repeats: int) -> dict:
     """``LONGTAIL_CONFIGS`` interleaved on one long-tail batch: step medians, × the one pass."""
     batch = longtail_batch(tokenizer)
     bt = collate(batch.samples, tokenizer.pad_token_id)
-    trainers = {n: Trainer(LearnerConfig(threads=threads, **kw), model_dir) for n, kw in LONGTAIL_CONFIGS.items()}
+    trainers = {n: Trainer(LearnerConfig(**nested(threads=threads, **kw)), model_dir) for n, kw in LONGTAIL_CONFIGS.items()}
     steps: dict[str, list[float]] = {n: [] for n in trainers}
     for r in range(3 + repeats):                              # 3 warm-up rounds
         for n, tr in trainers.items():
@@ -210,10 +213,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also show where grpo_1step's time goes")
     ap.add_argument("--attn", action="store_true",
                     help="also the demo's learner settings (one micro-batch, autocast bfloat16) "
-                         "with sdpa and with eager attention (learner.attn_implementation)")
+                         "with sdpa and with eager attention (learner.runtime.attn_implementation)")
     ap.add_argument("--longtail", action="store_true",
                     help="also a long-tail batch (completions of 2-65 tokens) in one pass against "
-                         "learner.micro_batch_tokens budgets")
+                         "learner.batch.micro_batch_tokens budgets")
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_learner.json"))
     args = ap.parse_args()
     repeats = 8 if args.quick else args.repeats
@@ -227,7 +230,7 @@ def main() -> None:
     configs = dict(CONFIGS)
     if args.attn:
         configs.update({f"demo_{attn}": dict(DEMO_SETTINGS, attn_implementation=attn) for attn in ("sdpa", "eager")})
-    trainers = {name: Trainer(LearnerConfig(threads=args.threads, **kw), str(tmp)) for name, kw in configs.items()}
+    trainers = {name: Trainer(LearnerConfig(**nested(threads=args.threads, **kw)), str(tmp)) for name, kw in configs.items()}
     servers = {name: WeightsServer(64 << 20) for name in configs}
     versions = dict.fromkeys(configs, 0)
     for _ in range(3):                                       # warm-up

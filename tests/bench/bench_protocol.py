@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
 import protocol  # noqa: E402
 from protocol import RolloutResult, Sample, WeightChunk, decode, encode  # noqa: E402
 from protocol.codec import _pack, _unpackb, decode_header  # noqa: E402
-from protocol.messages import _sample_fast  # noqa: E402
+from protocol.messages import _samples_fast  # noqa: E402
 from protocol.weights import chunk_checksum  # noqa: E402
 
 PROMPT_TOKENS = 128
@@ -229,7 +229,7 @@ def breakdown(rounds: int, target_s: float) -> dict[str, float]:
         "  unpackb(header)": lambda: _unpackb(frames[0]),
         "  unpackb(body)": lambda: _unpackb(frames[1]),
         "  RolloutResult.from_wire": lambda: RolloutResult.from_wire(body),
-        "    _sample_fast": lambda: _sample_fast(sw),
+        "    _samples_fast([sample])": lambda: _samples_fast([sw]),
         "    Sample(...) constructor": lambda: Sample(
             s.sample_id, s.assignment_id, 0, 8, s.prompt_token_ids, s.completion_token_ids, lp, tv,
             1.0, s.reward_parts, "stop", s.timing, s.completion_text, None, s.metadata),

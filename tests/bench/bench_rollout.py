@@ -144,14 +144,15 @@ async def _publish_to_applied(svc, publisher, version: int, named, kind: str, lo
     t0 = time.perf_counter()
     manifest = await asyncio.to_thread(publisher.publish, version, named)
     if lora_cfg:
-        manifest.metadata["lora"] = lora_cfg
+        manifest.lora = protocol.LoraSpec(**lora_cfg)
     manifest = protocol.decode(protocol.encode(manifest))      # as the server receives it
     t1 = time.perf_counter()
     buf = await svc.receiver.fetch(manifest)
     t2 = time.perf_counter()
     tensors = unflatten(buf, manifest.tensors)
     apply_s = await svc.engine.update_weights(WeightUpdate(version=version, kind=kind, tensors=tensors,
-                                                           lora_config=manifest.metadata.get("lora", {})))
+                                                           lora_config=manifest.lora.peft_kwargs()
+                                                           if manifest.lora else {}))
     t3 = time.perf_counter()
     assert svc.engine.version == version
     return {"total_s": t3 - t0, "publish_s": t1 - t0, "fetch_s": t2 - t1, "apply_s": apply_s,

@@ -29,6 +29,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 from learner.models.builtin import build_model, build_tokenizer  # noqa: E402
 from learner.state.checkpoint import effective_trained_ids  # noqa: E402
 
@@ -101,11 +104,11 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = {"model": str(tmp / "model"),
-           "learner": {"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+           "learner": nested({"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                        "total_steps": 10_000, "batch_prompts": 2, "group_size": 2, "max_new_tokens": 4,
                        "max_staleness": 2, "run_dir": str(tmp / "run"), "save_every": 3, "keep_last": 3,
                        "threads": 1, "lease_timeout_s": 600, "server_timeout_s": 30, "reannounce_s": 1.0,
-                       "rollout_log": {"fsync": a.fsync}},
+                       "rollout_log": {"fsync": a.fsync}}),
            "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
                        "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
                        "threads": 1, "drain_timeout_s": 5, "exit_on_learner_finished": False}}

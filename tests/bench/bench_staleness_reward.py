@@ -57,10 +57,10 @@ def run_one(eta: int, mode: str, seed: int, steps: int, run_dir: Path, args) -> 
     args.seed = seed
     mode, _, anchor = mode.partition("/")
     every = args.eval_every or max(1, steps // 8)
-    args.set = [f"learner.eval_data={bench_async.WORKLOADS['demo']['dataset']}",
-                f"learner.eval_every={every}", f"learner.eval_prompts={args.eval_prompts}",
-                f"learner.eval_temperature={bench_async.TEMPERATURE}",
-                *([f"learner.clip_anchor={anchor}"] if anchor else []), *args.extra_set]
+    args.set = [f"learner.evaluation.data={bench_async.WORKLOADS['demo']['dataset']}",
+                f"learner.evaluation.every={every}", f"learner.evaluation.prompts={args.eval_prompts}",
+                f"learner.evaluation.temperature={bench_async.TEMPERATURE}",
+                *([f"learner.algorithm.clip_anchor={anchor}"] if anchor else []), *args.extra_set]
     bench_async.slipstream_run("demo", eta, mode, steps, run_dir, args)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     evals = sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["eval_version"])

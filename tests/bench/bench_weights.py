@@ -67,6 +67,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 for p in (str(ROOT), str(ROOT / "tests" / "bench"), str(ROOT / "tests" / "learner")):
     if p not in sys.path:
@@ -83,8 +86,8 @@ med = statistics.median
 def learner_config(dtype: str, lora: dict | None = None, **kw):
     from learner.config import LearnerConfig
 
-    return LearnerConfig(device="cpu", dtype=dtype, lora=lora,
-                         run_dir=kw.pop("run_dir", tempfile.mkdtemp(prefix="bench-weights-")), **kw)
+    return LearnerConfig(**nested(device="cpu", dtype=dtype, lora=lora,
+                         run_dir=kw.pop("run_dir", tempfile.mkdtemp(prefix="bench-weights-")), **kw))
 
 
 # ---- the learner's side (child process) ---------------------------------------------------------
@@ -111,10 +114,10 @@ async def _learner_side(conn, model_dir, dtype, lora, chunk_bytes) -> None:
     from learner.serve.router import RouterSocket
     from learner.serve.weights_server import Publisher, WeightsServer
     from learner.train.trainer import Trainer
-    from protocol.sockets import make_socket
+    from protocol.plumbing.sockets import make_socket
 
     trainer = Trainer(learner_config(dtype, lora), model_dir)
-    ws = WeightsServer(chunk_bytes, kind=trainer.publish_kind, metadata=trainer.publish_metadata())
+    ws = WeightsServer(chunk_bytes, kind=trainer.publish_kind, lora=trainer.publish_lora())
     ctx = zmq.asyncio.Context()
     sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=16)
     router = RouterSocket(sock, "weights", LearnerMetrics(), lambda *a, **k: None)
@@ -156,7 +159,7 @@ async def raw_fetch(ctx, endpoint: str, total: int, chunk_bytes: int, window: in
     requests in flight (as the receiver does), nothing checked or copied."""
     import zmq
 
-    from protocol.sockets import make_socket
+    from protocol.plumbing.sockets import make_socket
 
     sock = make_socket(ctx, zmq.DEALER, max_message_bytes=chunk_bytes + (64 << 10), hwm=16)
     sock.connect(endpoint)

@@ -42,6 +42,10 @@ from bench_async import BATCH_PROMPTS, GROUP, LR, REPO, TEMPERATURE, WORKLOADS  
 
 sys.path.insert(0, str(REPO))
 import ops  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 from buffer import Batch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.data.tasks import get_task  # noqa: E402
@@ -99,10 +103,10 @@ def samples_of(rows: list[dict], model) -> list[Sample]:
 
 
 def our_gradient(model_dir: Path, rows: list[dict], overrides: dict, threads: int) -> dict:
-    cfg = LearnerConfig(group_size=GROUP, batch_prompts=BATCH_PROMPTS, micro_batch_samples=len(rows),
+    cfg = LearnerConfig(**nested(group_size=GROUP, batch_prompts=BATCH_PROMPTS, micro_batch_samples=len(rows),
                         lr=LR, max_grad_norm=1e9, is_mode="none", temperature=TEMPERATURE,
                         attn_implementation="eager", autocast="none", seed=1, threads=threads,
-                        **overrides)
+                        **overrides))
     tr = Trainer(cfg, str(model_dir))
     grads: dict[str, torch.Tensor] = {}
     step = tr.optimizer.step

@@ -14,29 +14,38 @@ from deploy.config import ConfigError, load_config
 def test_default_config_loads():
     cfg = load_config()
     assert cfg.model == "builtin:tiny-arith"
-    assert cfg.learner.batch_samples == cfg.learner.batch_prompts * cfg.learner.group_size
+    assert cfg.learner.batch.batch_samples == cfg.learner.batch.batch_prompts * cfg.learner.batch.group_size
 
 
 def test_overrides_parse_yaml_scalars(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("learner:\n  lr: 0.001\n")
-    cfg = load_config(f, ["learner.lr=1e-4", "learner.max_staleness=3", "rollout.server_id=s7",
-                          "learner.recompute_logprobs=false"])
-    assert cfg.learner.lr == pytest.approx(1e-4)
-    assert cfg.learner.max_staleness == 3
+    f.write_text("learner:\n  optimizer:\n    lr: 0.001\n")
+    cfg = load_config(f, ["learner.optimizer.lr=1e-4", "learner.staleness.max_staleness=3", "rollout.server_id=s7",
+                          "learner.algorithm.recompute_logprobs=false"])
+    assert cfg.learner.optimizer.lr == pytest.approx(1e-4)
+    assert cfg.learner.staleness.max_staleness == 3
     assert cfg.rollout.server_id == "s7"
-    assert cfg.learner.recompute_logprobs is False
+    assert cfg.learner.algorithm.recompute_logprobs is False
 
 
 @pytest.mark.parametrize("text, overrides, needle", [
-    ("learner:\n  lr: abc\n", [], "learner.lr"),
+    ("learner:\n  optimizer:\n    lr: abc\n", [], "learner.optimizer.lr"),
     ("learner:\n  lrr: 0.1\n", [], "learner.lrr: unknown key"),
-    ("learner:\n  max_staleness: -1\n", [], "learner.max_staleness"),
+    ("learner:\n  optimizer:\n    lrr: 0.1\n", [], "learner.optimizer.lrr: unknown key; did you mean optimizer.lr or"),
+    # the flat layout (before the sections): its new place, for a file and for --set
+    ("learner:\n  lr: 0.001\n", [], "learner.lr: moved to learner.optimizer.lr"),
+    ("", ["learner.max_staleness=2"], "learner.max_staleness: moved to learner.staleness.max_staleness"),
+    ("", ["learner.kl_coef=0.1"], "learner.kl_coef: moved to learner.kl.coef"),
+    ("learner:\n  staleness:\n    max_staleness: -1\n", [], "learner.staleness.max_staleness"),
     ("learner: [1, 2\n", [], "not valid YAML at line"),
     ("- 1\n- 2\n", [], "top level must be a mapping"),
-    ("", ["learner.group_size=1"], "group_size must be >= 2"),
-    ("", ["learner.is_mode=bogus"], "learner.is_mode"),
+    ("", ["learner.batch.group_size=1"], "group_size must be >= 2"),
+    ("", ["learner.algorithm.is_mode=bogus"], "learner.algorithm.is_mode"),
     ("", ["nonsense"], "expected KEY=VALUE"),
+    ("rollout:\n  vllm:\n    weight_transfer: zmq\n", [],
+     "rollout.vllm: Value error, weight_transfer was removed (full weights always travel over ZeroMQ): "
+     "delete rollout.vllm.weight_transfer from the config"),
+    ("rollout:\n  vllm:\n    weight_transfr: zmq\n", [], "rollout.vllm.weight_transfr: unknown key"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, text, overrides, needle):
     f = tmp_path / "c.yaml"
@@ -45,6 +54,16 @@ def test_bad_config_is_one_clear_line(tmp_path, text, overrides, needle):
         load_config(f, overrides)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_an_old_flat_key_exits_2_with_its_new_place(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  max_new_tokens: 8\n")
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "learner", "--config", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "learner.max_new_tokens: moved to learner.sampling.max_new_tokens" in r.stderr
 
 
 def test_missing_file_is_config_error(tmp_path):
@@ -83,6 +102,6 @@ def test_the_task_names_the_reward_unless_the_config_does(tmp_path):
     f.write_text("rollout:\n  reward: [builtin:exact_numeric, builtin:format]\n")
     assert load_config(f).rollout.reward == ["builtin:exact_numeric", "builtin:format"]
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["learner.dataset=builtin:arithmetic"])
+        load_config(None, ["learner.data.dataset=builtin:arithmetic"])
     assert "unknown built-in task 'builtin:arithmetic'; known: builtin:arith" in str(e.value)
     assert "\n" not in str(e.value)

@@ -125,6 +125,6 @@ def test_the_launcher_pins_only_where_the_split_fits(monkeypatch, capsys):
     cfg.launcher.pin_cores = False
     assert launcher._thread_split(cfg) == (1, 1, {})
     cfg.launcher.pin_cores = True
-    cfg.learner.max_staleness = 0                               # the learner takes both cores
+    cfg.learner.staleness.max_staleness = 0                               # the learner takes both cores
     assert launcher._thread_split(cfg) == (2, 1, {})
     assert "[run] cores" not in capsys.readouterr().out

@@ -68,15 +68,15 @@ def test_the_config_is_a_slipstream_config_with_the_pods_overrides():
         for assignment in args.overrides:                # $(POD_IP) / $(POD_NAME): set by kubelet
             apply_override(data, assignment.replace("$(POD_IP)", "10.0.0.7").replace("$(POD_NAME)", "r-1"))
     cfg = SlipstreamConfig.model_validate(data)
-    assert cfg.learner.bind_host == "10.0.0.7" and cfg.rollout.server_id == "r-1"
+    assert cfg.learner.network.bind_host == "10.0.0.7" and cfg.rollout.server_id == "r-1"
     assert cfg.learner.security.curve and cfg.rollout.security.curve
-    assert cfg.rollout.learner == f"tcp://slipstream-learner:{cfg.learner.rollout_port}"
+    assert cfg.rollout.learner == f"tcp://slipstream-learner:{cfg.learner.network.rollout_port}"
 
 
 def test_services_select_their_pods_on_the_ports_the_config_binds():
     cfg = SlipstreamConfig.model_validate(_config())
-    binds = {"rollout": cfg.learner.rollout_port, "weights": cfg.learner.weights_port,
-             "control": cfg.learner.control_port, "metrics": cfg.learner.metrics_port}
+    binds = {"rollout": cfg.learner.network.rollout_port, "weights": cfg.learner.network.weights_port,
+             "control": cfg.learner.network.control_port, "metrics": cfg.learner.network.metrics_port}
     for service, workload, ports in (
             ("slipstream-learner", _one("StatefulSet", "slipstream-learner"), binds),
             ("slipstream-rollout", _one("Deployment", "slipstream-rollout"), {"metrics": cfg.rollout.metrics_port})):

@@ -15,13 +15,13 @@ from conftest import require_smollm2
 from deploy.config import load_config
 from learner.data.tasks import get_task
 from protocol.errors import StartupError
-from protocol.sockets import advertised_host
+from protocol.plumbing.sockets import advertised_host
 from rollout_server.rewards import exact_numeric
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 PRESETS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
-FREE_PORTS = ["--set", "learner.rollout_port=0", "--set", "learner.weights_port=0",
-              "--set", "learner.control_port=0", "--set", "learner.metrics_port=0",
+FREE_PORTS = ["--set", "learner.network.rollout_port=0", "--set", "learner.network.weights_port=0",
+              "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0",
               "--set", "rollout.metrics_port=0"]
 
 
@@ -35,8 +35,8 @@ def test_preset_loads_and_validates(name):
     cfg = load_config(CONFIGS / name)
     assert cfg.learner.run_dir                      # every preset names where its run goes
     # A preset on a built-in task is scored by that task's reward unless it says otherwise.
-    if cfg.learner.dataset.startswith("builtin:"):
-        assert cfg.rollout.reward == get_task(cfg.learner.dataset).reward
+    if cfg.learner.data.dataset.startswith("builtin:"):
+        assert cfg.rollout.reward == get_task(cfg.learner.data.dataset).reward
 
 
 def test_smollm2_lora_preset():
@@ -44,11 +44,11 @@ def test_smollm2_lora_preset():
     lc = cfg.learner
     assert cfg.model == "builtin:smollm2-135m"
     assert lc.lora is not None and lc.lora.r == 16 and lc.lora.target_modules == "all-linear"
-    assert lc.advantage == "grpo" and lc.dataset == "builtin:word_arith"
+    assert lc.algorithm.advantage == "grpo" and lc.data.dataset == "builtin:word_arith"
     assert cfg.rollout.reward == "builtin:exact_numeric"
-    assert lc.chat_template == "always" and "####" in lc.system_prompt
-    assert lc.eval_data == "builtin:word_arith" and lc.eval_every > 0 and lc.eval_prompts > 0
-    assert lc.eval_every <= lc.total_steps          # held-out accuracy before and after training
+    assert lc.data.chat_template == "always" and "####" in lc.data.system_prompt
+    assert lc.evaluation.data == "builtin:word_arith" and lc.evaluation.every > 0 and lc.evaluation.prompts > 0
+    assert lc.evaluation.every <= lc.total_steps          # held-out accuracy before and after training
 
 
 def test_vllm_cpu_is_smollm2_lora_on_vllm():
@@ -57,7 +57,7 @@ def test_vllm_cpu_is_smollm2_lora_on_vllm():
     vl = load_config(CONFIGS / "vllm-cpu.yaml")
     assert vl.rollout.engine == "vllm" and vl.rollout.vllm.enable_lora
     assert vl.rollout.vllm.max_lora_rank >= vl.learner.lora.r
-    assert vl.rollout.vllm.max_model_len >= 256 + vl.learner.max_new_tokens
+    assert vl.rollout.vllm.max_model_len >= 256 + vl.learner.sampling.max_new_tokens
     assert vl.model == hf.model
     skip = {"run_dir"}
     assert ({k: v for k, v in vl.learner.model_dump().items() if k not in skip}
@@ -68,21 +68,21 @@ def test_vllm_cpu_is_smollm2_lora_on_vllm():
 def test_ppo_critic_preset():
     cfg = load_config(CONFIGS / "ppo-critic.yaml")
     assert cfg.model == "builtin:tiny-arith"
-    assert cfg.learner.advantage == "gae" and cfg.learner.uses_critic
-    assert cfg.learner.critic_warmup_steps > 0 and cfg.learner.critic_lr > 0
+    assert cfg.learner.algorithm.advantage == "gae" and cfg.learner.algorithm.uses_critic
+    assert cfg.learner.critic.warmup_steps > 0 and cfg.learner.critic.lr > 0
 
 
 def test_multi_node_preset_is_reachable_across_nodes():
     cfg = load_config(CONFIGS / "multi-node.yaml")
     lc, rc = cfg.learner, cfg.rollout
-    assert lc.deepspeed is not None and lc.device == "cuda" and rc.engine == "vllm"
+    assert lc.deepspeed is not None and lc.runtime.device == "cuda" and rc.engine == "vllm"
     # The learner advertises its weights endpoint from bind_host: a wildcard would become
     # 127.0.0.1, which no other node can reach.
-    assert advertised_host(lc.bind_host) == lc.bind_host != "127.0.0.1"
-    assert rc.learner == f"tcp://{lc.bind_host}:{lc.rollout_port}"
-    assert lc.metrics_host == rc.metrics_host == "0.0.0.0"
+    assert advertised_host(lc.network.bind_host) == lc.network.bind_host != "127.0.0.1"
+    assert rc.learner == f"tcp://{lc.network.bind_host}:{lc.network.rollout_port}"
+    assert lc.network.metrics_host == rc.metrics_host == "0.0.0.0"
     text = (CONFIGS / "multi-node.yaml").read_text()
-    for port in (lc.rollout_port, lc.weights_port, lc.control_port, lc.metrics_port, rc.metrics_port):
+    for port in (lc.network.rollout_port, lc.network.weights_port, lc.network.control_port, lc.network.metrics_port, rc.metrics_port):
         assert str(port) in text.split("model:")[0], port       # each port is in the header notes
 
 
@@ -152,9 +152,9 @@ def test_smollm2_lora_preset_runs(tmp_path, subprocess_env, process_groups):
     run_dir = tmp_path / "run"
     r = process_groups.run(
         [sys.executable, "-m", "deploy.cli", "run", "--config", str(CONFIGS / "smollm2-lora.yaml"),
-         *FREE_PORTS, "--set", "learner.total_steps=2", "--set", "learner.batch_prompts=2",
-         "--set", "learner.group_size=4", "--set", "learner.max_new_tokens=8",
-         "--set", "learner.eval_prompts=2", "--set", "learner.eval_every=2",
+         *FREE_PORTS, "--set", "learner.total_steps=2", "--set", "learner.batch.batch_prompts=2",
+         "--set", "learner.batch.group_size=4", "--set", "learner.sampling.max_new_tokens=8",
+         "--set", "learner.evaluation.prompts=2", "--set", "learner.evaluation.every=2",
          "--set", f"learner.run_dir={run_dir}"],
         timeout=600, env=subprocess_env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -70,7 +70,7 @@ def test_replay_prints_the_statistics(tmp_path, capsys):
 def test_replay_train_runs_trainer_steps_on_logged_batches(tmp_path, tiny_model_dir, capsys):
     make_log(tmp_path)
     code = main(["replay", str(tmp_path), "--train", "--model", tiny_model_dir, "--steps", "2",
-                 "--set", "learner.batch_prompts=2", "--set", "learner.group_size=2",
+                 "--set", "learner.batch.batch_prompts=2", "--set", "learner.batch.group_size=2",
                  "--set", "learner.threads=1", "--out", str(tmp_path / "policy")])
     assert code == 0 and (tmp_path / "policy" / "config.json").is_file()
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]

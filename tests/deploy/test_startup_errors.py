@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import yaml
+from config_kit import nested
 
 from deploy import launcher
 from deploy.cli import main
@@ -25,6 +26,8 @@ def _one_line(err: str) -> str:
 
 def _config(tmp_path, **sections) -> str:
     f = tmp_path / "c.yaml"
+    if "learner" in sections:            # flat names for short (config_kit.nested)
+        sections["learner"] = nested(sections["learner"])
     f.write_text(yaml.safe_dump(sections))
     return str(f)
 
@@ -54,10 +57,10 @@ def test_learner_endpoint_in_the_config_is_checked_too(tmp_path, capsys):
 def test_missing_dataset_under_run_fails_before_any_process(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["run", "--set", f"model={NO_MODEL}", "--set", f"learner.run_dir={run_dir}",
-                 "--set", f"learner.dataset={tmp_path / 'nope.jsonl'}"]) == 2
+                 "--set", f"learner.data.dataset={tmp_path / 'nope.jsonl'}"]) == 2
     captured = capsys.readouterr()
     line = _one_line(captured.err)
-    assert "learner.dataset" in line and "nope.jsonl" in line and "no such file" in line
+    assert "learner.data.dataset" in line and "nope.jsonl" in line and "no such file" in line
     assert "pid" not in captured.out and not run_dir.exists()      # nothing was started
 
 
@@ -106,8 +109,8 @@ def test_run_forwards_the_learners_one_line_error(tmp_path, tiny_model_dir, subp
     error reaches the user, not just "learner exited with code 2"."""
     r = process_groups.run(
         [*CLI, "run", "--set", f"model={tiny_model_dir}", "--set", f"learner.run_dir={tmp_path / 'run'}",
-         "--set", f"learner.rollout_port={taken_port}", "--set", "learner.weights_port=0",
-         "--set", "learner.control_port=0", "--set", "learner.metrics_port=0"],
+         "--set", f"learner.network.rollout_port={taken_port}", "--set", "learner.network.weights_port=0",
+         "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0"],
         timeout=180, env=subprocess_env)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     forwarded = [x for x in r.stdout.splitlines() if x.startswith("[learner] slipstream:")]

@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner" / "train"))
+from config_kit import nested
 from test_trainer import make_batch  # noqa: E402
 
 from learner.config import LearnerConfig, LoraSettings  # noqa: E402
@@ -25,9 +26,9 @@ STATE = {"run_id": "gpu", "assignment_counter": 0, "data": {"position": 0}, "buf
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_checkpoint_round_trip_on_cuda_bf16(tmp_path, tiny_model_dir, lora):
-    cfg = LearnerConfig(group_size=4, batch_prompts=2, micro_batch_samples=8, lr=1e-3, seed=0,
+    cfg = LearnerConfig(**nested(group_size=4, batch_prompts=2, micro_batch_samples=8, lr=1e-3, seed=0,
                         device="cuda", dtype="bfloat16",
-                        lora=LoraSettings(r=8, alpha=16) if lora else None)
+                        lora=LoraSettings(r=8, alpha=16) if lora else None))
     a = Trainer(cfg, tiny_model_dir)
     a.step(make_batch())
     torch.cuda.manual_seed(1234)

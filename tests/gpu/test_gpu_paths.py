@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner" / "train"))
+from config_kit import nested
 from learner_testkit import learner_config, running_learner, wait_until  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
@@ -47,7 +48,7 @@ def trainer(model_dir: str, **overrides) -> Trainer:
     cfg = dict(group_size=4, batch_prompts=2, micro_batch_samples=8, lr=1e-3, seed=0,
                device="cuda", dtype="bfloat16")
     cfg.update(overrides)
-    return Trainer(LearnerConfig(**cfg), model_dir)
+    return Trainer(LearnerConfig(**nested(cfg)), model_dir)
 
 
 def timed_steps(tr: Trainer, n: int = 3) -> tuple[dict, float]:

@@ -34,16 +34,19 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 
 def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, seed: int = 0,
            spiky_reward: bool = False) -> dict:
     cfg = {
         "model": model,
-        "learner": {"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+        "learner": nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": total_steps, "batch_prompts": 2, "group_size": 2,
                     "max_new_tokens": 4, "max_staleness": 1, "run_dir": str(run_dir),
                     "lease_timeout_s": 600, "server_timeout_s": 30, "final_sync_s": 5,
-                    "reannounce_s": 1.0, "seed": seed},
+                    "reannounce_s": 1.0, "seed": seed}),
         "rollout": {"metrics_port": 0, "max_concurrency": 4, "heartbeat_interval_s": 0.5,
                     "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5, "drain_timeout_s": 5},
         "launcher": {"num_rollout_servers": servers, "restart_backoff_s": 0.2,
@@ -53,7 +56,7 @@ def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, see
         cfg["rollout"]["reward"] = "chaos_rewards:spiky"
         # Intake refuses |reward| > max_abs_reward (1e6 by default), which would stop a 1e300
         # before the trainer; R7 is about what the trainer does with a NaN loss, so let it in.
-        cfg["learner"]["max_abs_reward"] = 1.0e308
+        cfg["learner"]["servers"]["max_abs_reward"] = 1.0e308
     return cfg
 
 

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import nested  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -56,11 +59,11 @@ def run_load(workdir: Path, model_dir: str, env: dict, popen, *, clients: int = 
              duration_s: float = 60.0, sample_every_s: float = 0.5) -> dict:
     run_dir = workdir / "run"
     cfg = {"model": model_dir,
-           "learner": {"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+           "learner": nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                        "total_steps": 10_000_000, "batch_prompts": 4, "group_size": 4,
                        "max_new_tokens": 4, "max_staleness": 2, "run_dir": str(run_dir),
                        "save_every": 0, "threads": 1, "lease_timeout_s": 600,
-                       "server_timeout_s": 600, "exit_on_finish": False}}
+                       "server_timeout_s": 600, "exit_on_finish": False})}
     cfg_file = workdir / "load.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
     learner = popen([sys.executable, "-m", "deploy.cli", "learner", "--config", str(cfg_file)],

@@ -20,8 +20,8 @@ import bench_cycle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FREE_PORTS = ["--set", "learner.rollout_port=0", "--set", "learner.weights_port=0",
-              "--set", "learner.control_port=0", "--set", "learner.metrics_port=0",
+FREE_PORTS = ["--set", "learner.network.rollout_port=0", "--set", "learner.network.weights_port=0",
+              "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0",
               "--set", "rollout.metrics_port=0"]
 RUN = [sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS]
 
@@ -128,8 +128,8 @@ def test_run_with_the_vllm_engine(tmp_path, subprocess_env, process_groups):
 def test_an_eta0_run_traces_every_point_of_its_cycle(tmp_path, subprocess_env, process_groups):
     trace = tmp_path / "trace.txt"
     steps = 8
-    r = process_groups.run([*RUN, "--set", f"learner.total_steps={steps}", "--set", "learner.max_staleness=0",
-                            "--set", "learner.save_every=0", "--set", f"learner.run_dir={tmp_path / 'run'}"],
+    r = process_groups.run([*RUN, "--set", f"learner.total_steps={steps}", "--set", "learner.staleness.max_staleness=0",
+                            "--set", "learner.checkpoint.save_every=0", "--set", f"learner.run_dir={tmp_path / 'run'}"],
                            timeout=600, env=dict(subprocess_env, SLIPSTREAM_TRACE=str(trace)),
                            cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import yaml
+from config_kit import nested
 
 from learner.state.checkpoint import effective_trained_ids
 
@@ -32,11 +33,11 @@ def _free_port() -> int:
 def _config(tmp_path, model: str, port: int) -> str:
     cfg = {
         "model": model,
-        "learner": {"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+        "learner": nested({"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": 10_000, "batch_prompts": 2, "group_size": 2, "max_new_tokens": 4,
                     "max_staleness": 1, "run_dir": str(tmp_path / "run"), "save_every": 3,
                     "keep_last": 3, "threads": 1, "lease_timeout_s": 600, "server_timeout_s": 30,
-                    "reannounce_s": 1.0},
+                    "reannounce_s": 1.0}),
         "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
                     "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
                     "threads": 1, "drain_timeout_s": 5, "exit_on_learner_finished": False},

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import yaml
+from config_kit import nested
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +23,10 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     run_dir = tmp_path / "run"
     cfg = {
         "model": tiny_model_dir,
-        "learner": {"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+        "learner": nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": STEPS, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4,
                     "max_staleness": 1, "run_dir": str(run_dir), "threads": 1,
-                    "exit_on_finish": False},                # stays up to be scraped, then ctl stop
+                    "exit_on_finish": False}),                # stays up to be scraped, then ctl stop
         # The server stays up after the run too (its default is to exit 0 when the learner says the
         # run finished), so its /metrics can be scraped; SIGTERM ends it at the end of the test.
         "rollout": {"metrics_port": 0, "max_concurrency": 16, "threads": 1,
@@ -42,7 +43,7 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     r = process_groups.run([*cli, "ctl", "--json", "--endpoint", ready["control"], "set", "max_staleness", "0"],
                            timeout=60, env=subprocess_env)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads(r.stdout)["max_staleness"] == 0
+    assert json.loads(r.stdout)["staleness.max_staleness"] == 0
     bad = process_groups.run([*cli, "ctl", "--endpoint", ready["control"], "set", "max_staleness", "-1"],
                              timeout=60, env=subprocess_env)
     # A refused setting: exit 2, one line on stderr naming the setting, the status untouched.

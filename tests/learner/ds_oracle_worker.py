@@ -30,15 +30,21 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE), str(HERE / "train"), str(HERE.parent / "ops")]
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE), str(HERE / "train"), str(HERE.parent / "ops")]
 
+from config_kit import nested  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
-from learner.config import LearnerConfig  # noqa: E402
-from learner.train.distributed import DeepSpeedTrainer, _batch_to_wire, join_group, serve  # noqa: E402
+from learner.config import (  # noqa: E402
+    MOVED_KEYS,
+    LearnerConfig,  # noqa: E402
+    set_path,
+)
+from learner.train.distributed import DeepSpeedTrainer, serve  # noqa: E402
+from learner.train.ds_group import batch_to_wire, join_group, master_weights  # noqa: E402
 from learner.train.step import SkippedStep  # noqa: E402
 
-SECOND_STEP = {"ppo_epochs": 1, "kl_coef": 0.0}
+SECOND_STEP = {"batch.ppo_epochs": 1, "kl.coef": 0.0}
 """The live change before the oracle's second step (rank 0 sends the trainer's config with each step)."""
 
 
@@ -48,7 +54,7 @@ def oracle(tr: DeepSpeedTrainer) -> dict | None:
         return None
     stats = [tr.step(make_batch(seed=0))]
     for k, v in SECOND_STEP.items():
-        setattr(tr.cfg, k, v)
+        set_path(tr.cfg, k, v)
     stats.append(tr.step(make_batch(seed=1)))
     tensors = {n: t.detach().float().cpu().clone() for n, t in tr.named_tensors()}
     tr.close()                                # the workers leave serve(); every rank goes on below
@@ -98,9 +104,10 @@ def poisoned_step(tr: DeepSpeedTrainer, fields: dict, at: int, which: str, seed:
         return backward(loss, w)
 
     tr._accumulate, tr._backward = counting, poisoning
-    cfg = {**tr.cfg.model_dump(mode="json"), **fields}
+    for key, value in fields.items():           # (flat names for short) on every rank's own config
+        set_path(tr.cfg, MOVED_KEYS.get(key, key), value)
     try:
-        tr._do_step(cfg, _batch_to_wire(make_batch(seed=seed)))
+        tr._do_step({}, batch_to_wire(make_batch(seed=seed)))
         reason, applied = "", -1.0
     except SkippedStep as e:
         reason, applied = str(e), float(e.stats["updates_applied_before_skip"])
@@ -113,9 +120,7 @@ def poisoned_step(tr: DeepSpeedTrainer, fields: dict, at: int, which: str, seed:
 
 
 def _masters(engine) -> list[torch.Tensor]:
-    from learner.train.distributed import _masters as masters
-
-    return masters(engine)
+    return master_weights(engine)
 
 
 def draw() -> list[float]:
@@ -145,7 +150,7 @@ def main() -> int:
     model_dir, out_dir, spec = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     group = None
     for run in spec["runs"]:
-        cfg = LearnerConfig(**run["fields"])
+        cfg = LearnerConfig(**nested(run["fields"]))
         group = group or join_group(cfg.deepspeed)
         tr = DeepSpeedTrainer(cfg, model_dir, group)
         result = {"oracle": oracle(tr), "rank": tr.rank}

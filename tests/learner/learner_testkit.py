@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 import zmq.asyncio
+from config_kit import nested
 
 import protocol
 from learner.config import LearnerConfig
@@ -177,7 +178,7 @@ def learner_config(tmp_path: Path, **overrides) -> LearnerConfig:
                   run_dir=str(tmp_path / "run"), threads=1, exit_on_finish=False,
                   max_message_bytes=1 << 20, weights_chunk_bytes=1 << 20, expiry_interval_s=0.05)
     fields.update(overrides)
-    return LearnerConfig(**fields)
+    return LearnerConfig(**nested(fields))     # flat names for short (tests/conftest.py nested)
 
 
 @contextlib.asynccontextmanager

@@ -47,7 +47,7 @@ def sample(aid: str = "run-a1", i: int = 0, n: int = 6) -> protocol.Sample:
         behavior_logprobs=-np.linspace(0.1, 3.0, n, dtype=np.float32),
         token_versions=np.full(n, 3, dtype=np.int32), reward=1.0, reward_parts={"exact": 1.0},
         finish_reason="stop", timing={"generate_s": 0.01}, completion_text="12",
-        metadata={"task": "add", "n": [1, 2]})
+        metadata={"task": "add", "n": [1, 2]}, sampling_temperature=0.7)
 
 
 def manifest() -> protocol.WeightsAvailable:
@@ -72,6 +72,10 @@ def valid_messages() -> list[protocol.Message]:
         protocol.RolloutResult(server_id="srv-0", samples=[sample(i=0), sample(i=1, n=3)]),
         protocol.Ack(sample_ids=["run-a1/0", "run-a1/1"], statuses=["accepted", "duplicate"]),
         manifest(),
+        protocol.WeightsAvailable(                       # a LoRA publish and its adapter (3.3)
+            version=5, kind="lora", tensors=tensor_layout([("a.lora_A.weight", "float32", [2, 4])]),
+            total_bytes=32, chunk_bytes=32, num_chunks=1, checksum="c", lora=protocol.LoraSpec(
+                r=2, lora_alpha=4.0, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])),
         protocol.WeightChunkRequest(version=4, index=1),
         protocol.WeightChunk(version=4, index=1, checksum=chunk_checksum(bytes(range(32, 48))),
                              data=bytes(range(32, 48))),

@@ -23,6 +23,7 @@ from protocol import (
     Error,
     Heartbeat,
     Hello,
+    LoraSpec,
     RolloutResult,
     Sample,
     SamplingParams,
@@ -82,7 +83,15 @@ def samples(draw, max_tokens: int = 40) -> Sample:
         reward=draw(finite_floats), reward_parts=draw(float_maps),
         finish_reason=draw(st.sampled_from(FINISH_REASONS)), timing=draw(float_maps),
         completion_text=draw(texts), failed=draw(st.none() | texts), metadata=draw(plain_maps),
+        sampling_temperature=draw(st.none() | st.floats(1e-6, 1e6)),
     )
+
+
+lora_specs = st.builds(
+    LoraSpec, r=st.integers(1, 1 << 16), lora_alpha=st.floats(0.0, 1e6),
+    lora_dropout=st.floats(0.0, 1.0), target_modules=st.lists(ids, max_size=4),
+    bias=st.sampled_from(["none", "all", "lora_only"]), use_rslora=st.booleans(),
+    fan_in_fan_out=st.booleans())
 
 
 @st.composite
@@ -98,11 +107,12 @@ def weights_available(draw) -> WeightsAvailable:
     chunk_bytes = draw(st.integers(max(1, offset // 16), max(1, offset) + 10))
     num_chunks = -(-offset // chunk_bytes)
     chunk_checksums = draw(st.just([f"{i:032x}" for i in range(num_chunks)]) | st.just([]))
+    kind = draw(st.sampled_from(["full", "lora"]))
     return WeightsAvailable(
-        version=draw(nats), kind=draw(st.sampled_from(["full", "lora"])), tensors=tensors,
+        version=draw(nats), kind=kind, tensors=tensors,
         total_bytes=offset, chunk_bytes=chunk_bytes, num_chunks=num_chunks,
         checksum=combine_checksums(chunk_checksums), chunk_checksums=chunk_checksums,
-        metadata=draw(plain_maps))
+        metadata=draw(plain_maps), lora=draw(lora_specs | st.none()) if kind == "lora" else None)
 
 
 @st.composite

@@ -17,9 +17,9 @@ import pytest
 import zmq
 
 import protocol
-from protocol.http import HttpEndpoint
-from protocol.process import EventLog, cancel_all, supervise
-from protocol.sockets import advertised_host, bind, check_endpoint, make_socket
+from protocol.plumbing.http import HttpEndpoint
+from protocol.plumbing.process import EventLog, cancel_all, supervise
+from protocol.plumbing.sockets import advertised_host, bind, check_endpoint, make_socket
 
 
 def test_event_log_line_carries_run_and_version_at_event_time():
@@ -61,10 +61,10 @@ def test_bind_port_in_use_is_a_startup_error():
     a = make_socket(ctx, zmq.ROUTER, max_message_bytes=1024)
     b = make_socket(ctx, zmq.ROUTER, max_message_bytes=1024)
     try:
-        port = bind(a, "127.0.0.1", 0, "learner.rollout_port")
-        with pytest.raises(protocol.StartupError, match=rf"learner\.rollout_port: port {port} on "
+        port = bind(a, "127.0.0.1", 0, "learner.network.rollout_port")
+        with pytest.raises(protocol.StartupError, match=rf"learner\.network\.rollout_port: port {port} on "
                                                          r"127\.0\.0\.1 is already in use"):
-            bind(b, "127.0.0.1", port, "learner.rollout_port")
+            bind(b, "127.0.0.1", port, "learner.network.rollout_port")
     finally:
         a.close(0)
         b.close(0)
@@ -167,7 +167,7 @@ async def test_supervise_returns_on_stop():
 
 
 def test_trace_writes_points_only_when_asked_and_never_fails(tmp_path, monkeypatch):
-    from protocol import process
+    from protocol.plumbing import process
 
     path = tmp_path / "trace.txt"
     monkeypatch.setattr(process, "_trace_file", None)

@@ -21,7 +21,7 @@ from protocol_strategies import MESSAGE_STRATEGIES, assert_same, plain_values, s
 import protocol
 from protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, RolloutResult, Sample, decode, encode
 from protocol import codec as codec_module
-from protocol.messages import _sample_fast, _samples_fast
+from protocol.messages import _samples_fast
 from protocol.schema import wire_field_names
 
 # Generated float32 log-probs above 1.8e19 make the fast x·x finiteness hint overflow. The
@@ -50,7 +50,8 @@ def good_sample(n: int = 4) -> Sample:
         behavior_logprobs=-np.linspace(0.1, 2.0, n, dtype=np.float32),
         token_versions=np.full(n, 2, dtype=np.int32), reward=0.5,
         reward_parts={"correct": 1.0}, finish_reason="length", timing={"generate_s": 0.1},
-        completion_text="1234", metadata={"task": "add", "nested": {"x": [1, 2]}})
+        completion_text="1234", metadata={"task": "add", "nested": {"x": [1, 2]}},
+        sampling_temperature=0.7)
 
 
 def good_frames() -> list[bytes]:
@@ -175,7 +176,8 @@ def test_every_sample_field_type_swap_is_refused_or_harmless(field):
         mutated[1][0][F[field]] = bad
         out = decode_or_protocol_error([frames[0], msgpack.packb(mutated)])
         if out is not None:    # the legal swaps: a reason in `failed`, an int reward
-            assert (field, type(bad)) in {("failed", str), ("reward", int)}, (field, bad)
+            assert (field, type(bad)) in {("failed", str), ("reward", int),
+                                          ("sampling_temperature", type(None))}, (field, bad)
 
 
 @pytest.mark.parametrize("cls", list(MESSAGE_TYPES.values()), ids=lambda c: c.__name__)
@@ -234,16 +236,22 @@ BODY_MUTATIONS: dict[str, Callable[[list], None]] = dict([
     ("required fields cut", lambda s: s.__delitem__(slice(F["reward"], None))),
     ("text oversize", _set("completion_text", "x" * ((1 << 20) + 1))),
     ("id oversize", _set("sample_id", "x" * ((1 << 20) + 1))),
+    ("temperature NaN", _set("sampling_temperature", float("nan"))),
+    ("temperature inf", _set("sampling_temperature", float("inf"))),
+    ("temperature negative", _set("sampling_temperature", -0.5)),
+    ("temperature zero", _set("sampling_temperature", 0.0)),
+    ("temperature bool", _set("sampling_temperature", True)),
+    ("temperature str", _set("sampling_temperature", "0.7")),
 ])
 
 
 @pytest.mark.parametrize("mutate", list(BODY_MUTATIONS.values()), ids=list(BODY_MUTATIONS))
 def test_fast_path_refuses_what_checked_path_refuses(mutate):
     body = msgpack.unpackb(msgpack.packb(good_sample(3).to_wire()))
-    assert _sample_fast(body) is not None
+    assert _samples_fast([body]) is not None
     mutate(body)
     body = msgpack.unpackb(msgpack.packb(body))   # as it would arrive
-    assert _sample_fast(body) is None
+    assert _samples_fast([body]) is None
     with pytest.raises(ProtocolError):
         Sample.from_wire_checked(body)
     with pytest.raises(ProtocolError):
@@ -257,7 +265,7 @@ def test_fast_and_checked_paths_agree_on_random_field_values(sample, data):
     field = data.draw(st.integers(0, len(body) - 1), label="field position")
     body[field] = data.draw(plain_values | st.sampled_from(_mutations_of(body[field])))
     body = msgpack.unpackb(msgpack.packb(body))
-    fast = _sample_fast(body)
+    fast = _samples_fast([body])
     try:
         checked = Sample.from_wire_checked(body)
     except ProtocolError:
@@ -265,7 +273,7 @@ def test_fast_and_checked_paths_agree_on_random_field_values(sample, data):
                               f"{body[field]!r} that the checked path refuses")
         return
     if fast is not None:
-        assert fast.to_wire() == checked.to_wire()
+        assert fast[0].to_wire() == checked.to_wire()
 
 
 def group_body(n: int = 8) -> list:
@@ -510,6 +518,37 @@ NAMED_ERRORS = [
      r"WeightsAvailable\.tensors\[0\]\.nbytes: 12 != float32 x \[4\] = 16 bytes"),
     ("tensor dtype", lambda: _weights_case(lambda b: b[2][0].__setitem__(1, "complex512")),
      r"WeightsAvailable\.tensors\[0\]\.dtype: 'complex512' not in"),
+    # protocol 3.3: typed sampling temperature and LoRA adapter
+    ("temperature NaN", lambda: _sample_case(BODY_MUTATIONS["temperature NaN"]),
+     S0 + r"\.sampling_temperature: must be finite, got nan"),
+    ("temperature inf", lambda: _sample_case(BODY_MUTATIONS["temperature inf"]),
+     S0 + r"\.sampling_temperature: must be finite, got inf"),
+    ("temperature negative", lambda: _sample_case(BODY_MUTATIONS["temperature negative"]),
+     S0 + r"\.sampling_temperature: -0\.5 is below the minimum 1e-06"),
+    ("temperature str", lambda: _sample_case(BODY_MUTATIONS["temperature str"]),
+     S0 + r"\.sampling_temperature: expected a float, got str"),
+    ("lora r", lambda: _lora_case(lambda lo: lo.__setitem__(0, "8")),
+     r"WeightsAvailable\.lora\.r: expected an integer, got str"),
+    ("lora r zero", lambda: _lora_case(lambda lo: lo.__setitem__(0, 0)),
+     r"WeightsAvailable\.lora\.r: 0 is below the minimum 1"),
+    ("lora alpha NaN", lambda: _lora_case(lambda lo: lo.__setitem__(1, float("nan"))),
+     r"WeightsAvailable\.lora\.lora_alpha: must be finite"),
+    ("lora dropout", lambda: _lora_case(lambda lo: lo.__setitem__(2, 1.5)),
+     r"WeightsAvailable\.lora\.lora_dropout: 1\.5 is above the maximum 1\.0"),
+    ("lora modules", lambda: _lora_case(lambda lo: lo.__setitem__(3, ["q_proj", 7])),
+     r"WeightsAvailable\.lora\.target_modules\[1\]: expected a string, got int"),
+    ("lora modules str", lambda: _lora_case(lambda lo: lo.__setitem__(3, "all-linear")),
+     r"WeightsAvailable\.lora\.target_modules: expected a list of strings, got str"),
+    ("lora bias", lambda: _lora_case(lambda lo: lo.__setitem__(4, "some")),
+     r"WeightsAvailable\.lora\.bias: 'some' not in"),
+    ("lora rslora", lambda: _lora_case(lambda lo: lo.__setitem__(5, 1)),
+     r"WeightsAvailable\.lora\.use_rslora: expected a boolean, got int"),
+    ("lora field missing", lambda: _lora_case(lambda lo: lo.__delitem__(slice(3, None))),
+     r"WeightsAvailable\.lora\.target_modules: missing"),
+    ("lora as a 3.2 map", lambda: _weights_case(lambda b: b.__setitem__(-1, {"r": 8})),
+     r"WeightsAvailable\.lora: expected an array of fields, got dict"),
+    ("lora on a full publish", lambda: _weights_case(lambda b: b.__setitem__(-1, _LORA_WIRE)),
+     r"WeightsAvailable\.lora: a LoRA adapter in a 'full' publish"),
 ]
 
 
@@ -535,6 +574,19 @@ def _weights_case(mutate: Callable[[list], None]) -> list[bytes]:
         3, "full", [protocol.TensorSpec("a", "float32", [4], 0, 16)], 16, 8, 2, "c"))
     body = msgpack.unpackb(frames[1])
     mutate(body)
+    return [frames[0], msgpack.packb(body)]
+
+
+_LORA_WIRE = [8, 16.0, 0.0, ["q_proj", "v_proj"], "none", False, False]
+
+
+def _lora_case(mutate: Callable[[list], None]) -> list[bytes]:
+    """A LoRA manifest whose ``lora`` field (its last) is changed by ``mutate``."""
+    frames = encode(protocol.WeightsAvailable(
+        3, "lora", [protocol.TensorSpec("a", "float32", [4], 0, 16)], 16, 8, 2, "c",
+        lora=protocol.LoraSpec(*_LORA_WIRE)))
+    body = msgpack.unpackb(frames[1])
+    mutate(body[-1])
     return [frames[0], msgpack.packb(body)]
 
 

@@ -91,7 +91,7 @@ def test_a_declared_huge_length_allocates_nothing(declared):
 def test_decoded_memory_is_bounded_by_the_input():
     """The worst case known: nested empty arrays (1 byte each on the wire, a Python list each).
     Decoding costs at most ~64x the body's size, transiently (refused, then freed); a frame is
-    at most ZMQ_MAXMSGSIZE (learner.max_message_bytes), so this bounds a message's memory."""
+    at most ZMQ_MAXMSGSIZE (learner.network.max_message_bytes), so this bounds a message's memory."""
     inner = b"\xdc" + struct.pack(">H", 65535) + b"\x90" * 65535
     body = b"\xdc\x00\x10" + inner * 16                                   # 1 MiB
     peak, outcome = _peak_bytes([HEADER, body])

@@ -11,7 +11,7 @@ import pytest
 
 import protocol
 from protocol import PROTOCOL_VERSION, ProtocolError, RolloutResult, Sample, decode, encode
-from protocol.messages import _sample_fast
+from protocol.messages import _samples_fast
 from protocol.schema import wire_field_names
 from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
@@ -45,7 +45,8 @@ def test_wire_field_order_is_pinned():
         "rollout_result": ("server_id", "samples"),
         "ack": ("sample_ids", "statuses"),
         "weights_available": ("version", "kind", "tensors", "total_bytes", "chunk_bytes",
-                              "num_chunks", "checksum", "chunk_checksums", "metadata"),
+                              "num_chunks", "checksum", "chunk_checksums", "metadata",
+                              "lora"),                                              # 3.3: lora
         "weight_chunk_request": ("version", "index"),
         "weight_chunk": ("version", "index", "checksum"),        # data: its own frame
         "weights_applied": ("server_id", "version", "checksum", "seconds"),
@@ -58,10 +59,14 @@ def test_wire_field_order_is_pinned():
     assert wire_field_names(protocol.SamplingParams) == ("temperature", "top_p", "top_k",
                                                          "max_new_tokens")
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
+    assert wire_field_names(protocol.LoraSpec) == ("r", "lora_alpha", "lora_dropout",
+                                                   "target_modules", "bias", "use_rslora",
+                                                   "fan_in_fan_out")                # 3.3
     assert SAMPLE_FIELDS == (
         "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
         "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
-        "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes")
+        "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes",
+        "sampling_temperature")                                                     # 3.3
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
 
 
@@ -142,7 +147,7 @@ def test_newer_minor_version_with_unknown_fields_still_decodes():
     b = msgpack.unpackb(frames[1])
     b.append("none")                                  # a message field from the future
     b[1][0].append(b"\0" * 12)                        # a sample field from the future
-    assert _sample_fast(b[1][0]) is not None          # still the fast path
+    assert _samples_fast([b[1][0]]) is not None       # still the fast path
     out = decode([msgpack.packb(h), msgpack.packb(b)])
     assert out.samples[0].sample_id == s.sample_id
     assert out.samples[0].token_versions.tolist() == [4, 4, 5]
@@ -176,6 +181,56 @@ def test_a_3_1_assignment_has_no_burst_hint_and_a_3_2_one_round_trips():
     assert decode(older).burst_left == -1
     with pytest.raises(ProtocolError, match=r"Assignment\.burst_left: -2 is below the minimum -1"):
         decode([frames[0], msgpack.packb([*body[:-1], -2])])
+
+
+LORA = protocol.LoraSpec(r=8, lora_alpha=16.0, lora_dropout=0.05, target_modules=["k_proj", "q_proj"],
+                         bias="none", use_rslora=False, fan_in_fan_out=False)
+
+
+def lora_manifest(lora: protocol.LoraSpec | None = LORA) -> protocol.WeightsAvailable:
+    return protocol.WeightsAvailable(
+        version=2, kind="lora", tensors=[protocol.TensorSpec("a.lora_A.weight", "float32", [8, 4], 0, 128)],
+        total_bytes=128, chunk_bytes=64, num_chunks=2, checksum="c", lora=lora)
+
+
+def as_minor(frames: list[bytes], minor: int, body: list) -> list[bytes]:
+    """``frames`` re-sent as a ``3.minor`` peer would: its header's minor version, ``body``."""
+    return [msgpack.packb([3, minor, *msgpack.unpackb(frames[0])[2:]]), msgpack.packb(body)]
+
+
+def test_a_3_2_peer_has_no_typed_temperature_or_lora_and_3_3_ones_round_trip():
+    """Sample.sampling_temperature and WeightsAvailable.lora (3.3) replace the metadata keys
+    "sampling_temperature" and "lora" of 3.2. A 3.2 sample (16 values) decodes, on the fast
+    path, with no temperature (the learner stamps its own); a 3.2 manifest with no lora field,
+    with none (its old metadata key is an opaque map entry: nothing reads it). 3.3 values round
+    trip; hostile ones are refused, naming the field."""
+    s = make_sample()
+    s.sampling_temperature = 0.7
+    frames = encode(RolloutResult("srv", [s]))
+    body = msgpack.unpackb(frames[1])
+    assert body[1][0][-1] == 0.7 and decode(frames).samples[0].sampling_temperature == 0.7
+    old = [body[0], [body[1][0][:-1]]]
+    assert _samples_fast(old[1]) is not None                       # 3.2 samples stay fast
+    out = decode(as_minor(frames, 2, old)).samples[0]
+    assert out.sampling_temperature is None and out.token_versions.tolist() == [4, 4, 5]
+
+    m = decode(encode(lora_manifest()))
+    assert m.lora == LORA and type(m.lora.lora_alpha) is float
+    assert m.lora.peft_kwargs() == {"r": 8, "lora_alpha": 16.0, "lora_dropout": 0.05,
+                                    "target_modules": ["k_proj", "q_proj"], "bias": "none",
+                                    "use_rslora": False, "fan_in_fan_out": False}
+    frames = encode(lora_manifest(None))
+    older = msgpack.unpackb(frames[1])[:-1]
+    older[-1] = {"lora": {"r": 8}}                                  # where 3.2 put it
+    m = decode(as_minor(frames, 2, older))
+    assert m.kind == "lora" and m.lora is None and m.metadata == {"lora": {"r": 8}}
+
+    for bad, error in ((float("nan"), "must be finite"), (float("inf"), "must be finite"),
+                       (-1.0, "is below the minimum"), (0.0, "is below the minimum"),
+                       (1e7, "is above the maximum"), ("hot", "expected a float")):
+        wire = [body[0], [[*body[1][0][:-1], bad]]]
+        with pytest.raises(ProtocolError, match=rf"samples\[0\]\.sampling_temperature: .*{error}"):
+            decode([encode(RolloutResult("srv", []))[0], msgpack.packb(wire)])
 
 
 def test_required_field_missing_is_refused():

@@ -11,7 +11,7 @@ from protocol_strategies import MESSAGE_STRATEGIES, assert_same, samples
 
 import protocol
 from protocol import MESSAGE_TYPES, ProtocolError, RolloutResult, Sample, decode, encode
-from protocol.messages import _sample_fast
+from protocol.messages import _samples_fast
 from protocol.schema import wire_field_names
 
 # Generated float32 log-probs above 1.8e19 make the fast x·x finiteness hint overflow. The
@@ -26,7 +26,7 @@ def test_fast_paths_know_every_field():
     """Sample/RolloutResult fast paths list their fields by hand: teach them a new field (and
     extend ``_SAMPLE_FAST_FIELDS``) when you add one; until then they switch themselves off."""
     from protocol import messages
-    assert messages.FAST_PATHS_CURRENT, "update Sample.to_wire and _sample_fast for the new field"
+    assert messages.FAST_PATHS_CURRENT, "update Sample.to_wire and _samples_fast for the new field"
 
 
 @settings(max_examples=20, deadline=None)
@@ -76,11 +76,11 @@ def test_round_trip_through_generic_path_matches_fast_path(data):
     body = msgpack.unpackb(fast_body)
     assert_same(RolloutResult.from_wire(body), RolloutResult.from_wire_checked(body))
     for item in body[1]:                     # [server_id, samples]
-        fast, checked = _sample_fast(item), Sample.from_wire_checked(item)
+        fast, checked = _samples_fast([item]), Sample.from_wire_checked(item)
         if fast is None:   # only where x·x overflows float32: then the exact check decides
             assert np.abs(checked.behavior_logprobs.astype(np.float64)).max() > 1e18
         else:
-            assert_same(fast, checked)
+            assert_same(fast, [checked])
 
 
 def test_hot_paths_are_taken(monkeypatch):
@@ -124,7 +124,7 @@ def test_size_limits_summed_by_the_fast_path_are_decided_exactly():
     s = Sample(half, "a", 0, 1, np.zeros(0, np.int32), np.zeros(1, np.int32),
                np.zeros(1, np.float32), np.zeros(1, np.int32), 0.0, completion_text=half)
     body = msgpack.unpackb(msgpack.packb(s.to_wire()))
-    assert _sample_fast(body) is None
+    assert _samples_fast([body]) is None
     assert_same(decode(encode(RolloutResult("srv", [s]))).samples[0], s)
     s.completion_text = half * 2
     with pytest.raises(ProtocolError, match=r"completion_text: string of \d+ characters exceeds"):
@@ -171,7 +171,7 @@ def test_int_reward_and_missing_defaulted_fields_take_the_checked_path():
     assert wire_field_names(Sample)[8] == "reward"
     body[8] = 3                                  # an int from a lenient sender
     del body[9:]                                 # reward_parts ... metadata: an older minor version
-    assert _sample_fast(body) is None
+    assert _samples_fast([body]) is None
     s = Sample.from_wire(body)
     assert s.reward == 3.0 and type(s.reward) is float
     assert s.finish_reason == "stop" and s.metadata == {} and s.failed is None

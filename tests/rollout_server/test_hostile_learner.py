@@ -120,7 +120,13 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
         await refused(no_endpoint, "protocol_error")                  # Welcome without its endpoint
         await refused(tampered(assignment("burst", [bos, 5]), lambda b: b[:10] + [-5]),
                       "protocol_error")                               # burst_left below -1
-        assert m.registry.get_sample_value("slipstream_protocol_errors_total") == 7
+        lora = dataclasses.replace(v1, kind="lora", lora=protocol.LoraSpec(
+            r=8, lora_alpha=16.0, lora_dropout=0.0, target_modules=["q_proj"]))
+        await refused(tampered(lora, lambda b: b[:-1] + [["8", 16.0, 0.0, ["q_proj"]]]),
+                      "protocol_error")                               # LoRA r as a string
+        await refused(tampered(lora, lambda b: b[:-1] + [[8, 16.0, 0.0, "q_proj"]]),
+                      "protocol_error")                               # target_modules not a list
+        assert m.registry.get_sample_value("slipstream_protocol_errors_total") == 9
 
         # -- well-formed but not for this server: refused with an Error, counted ---------------
         err = await refused(assignment("wide", [bos, 5], group_size=10**6), "assignment_refused")
@@ -171,11 +177,12 @@ async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
         # -- still serving: a good assignment, generated on the new weights; it promises a
         # burst of 10**9 more that never come: the batch window (batch_wait_s) bounds the wait
         await learner.send(ident, assignment("good", [bos, 7, 8], group_size=2, max_new_tokens=6,
-                                             burst_left=10**9))
+                                             burst_left=10**9, temperature=0.8))
         _, result = await learner.expect(protocol.RolloutResult)
         assert sorted(s.sample_id for s in result.samples) == ["good/0", "good/1"]
         for s in result.samples:
             assert s.failed is None and len(s.completion_token_ids) >= 1
+            assert s.sampling_temperature == 0.8                      # the typed field, echoed
             assert (s.token_versions == 2).all()
         await learner.ack(ident, result.samples)
 

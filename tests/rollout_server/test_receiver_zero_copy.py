@@ -18,7 +18,7 @@ import protocol
 from learner.metrics import LearnerMetrics
 from learner.serve.router import RouterSocket
 from learner.serve.weights_server import WeightsServer
-from protocol.sockets import make_socket
+from protocol.plumbing.sockets import make_socket
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.receiver import CHUNK_FRAME_SLACK_BYTES, WeightsReceiver, ZmqChunkChannel
 from rollout_server.weights import unflatten, unflatten_chunks

@@ -1,7 +1,7 @@
 """Built-in tasks: what to ask, what the right answer is, and which reward scores it.
 
 A task is one module of this package that defines ``TASK = Task(...)``; the module's name is the
-task's name, and ``learner.dataset: builtin:<name>`` selects it. Nothing else needs to change: the
+task's name, and ``learner.data.dataset: builtin:<name>`` selects it. Nothing else needs to change: the
 prompt stream (:class:`learner.data.prompts.PromptSource`), the built-in model's supervised warm-up
 (:mod:`learner.models.builtin`) and the reward the rollout servers use (``deploy/config.py`` fills
 ``rollout.reward`` from :attr:`Task.reward` unless the config sets it) all read the task from here.
@@ -38,7 +38,7 @@ class Task:
     """A prompt generator and the reward that scores its completions."""
 
     name: str
-    """The module name; ``builtin:<name>`` in ``learner.dataset``."""
+    """The module name; ``builtin:<name>`` in ``learner.data.dataset``."""
     example: Callable[[random.Random], Example]
     """One example drawn with ``rng`` (the same rng state gives the same example)."""
     reward: str
@@ -61,7 +61,7 @@ def get_task(spec: str) -> Task:
     name = spec[len(PREFIX):] if is_builtin(spec) else spec
     if name not in names():
         known = ", ".join(PREFIX + n for n in names())
-        raise StartupError(f"learner.dataset: unknown built-in task {spec!r}; known: {known} "
+        raise StartupError(f"learner.data.dataset: unknown built-in task {spec!r}; known: {known} "
                            f"(or give a JSONL file)")
     task = importlib.import_module(f"{__name__}.{name}").TASK
     if not isinstance(task, Task) or task.name != name:

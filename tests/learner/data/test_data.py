@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from config_kit import nested
 
 from learner.config import LearnerConfig
 from learner.data.prompts import PromptSource, check_dataset
@@ -154,7 +155,7 @@ def test_chat_messages_and_system_prompt_use_the_tokenizers_template(tmp_path, c
     ({"system_prompt": "be"}, "text", "system_prompt is set, but the policy tokenizer has no chat template"),
     ({}, "messages", "row 0: the prompt is chat messages but the policy tokenizer has no chat template"),
     ({"chat_template": "never", "template": True}, "messages", "row 0: the prompt is chat messages but "
-                                                               "learner.chat_template is never"),
+                                                               "learner.data.chat_template is never"),
 ])
 def test_template_rules_refuse_in_one_line(tmp_path, tok, chat_tok, kwargs, prompts, needle):
     prompt = "hi" if prompts == "text" else [{"role": "user", "content": "hi"}]
@@ -175,7 +176,7 @@ def test_max_prompt_tokens_skips_and_counts(tmp_path, tok):
     assert all(len(p["prompt_token_ids"]) <= 6 for p in kept)
     assert src.rows == 3 and skips == {"too_long": 7} and src.status()["skipped"] == {"too_long": 7}
     assert sorted({p["prompt"] for p in kept}) == [f"q{i}" + "x" * (1 + i) for i in range(3)]
-    with pytest.raises(StartupError, match="every row .* is longer than learner.max_prompt_tokens=2"):
+    with pytest.raises(StartupError, match="every row .* is longer than learner.data.max_prompt_tokens=2"):
         PromptSource(path, tokenizer=tok, max_prompt_tokens=2)
     # A built-in task passes over the draws that are too long, each counted once.
     arith = PromptSource("builtin:arith", seed=0, tokenizer=tok, max_prompt_tokens=5)  # '<s>a+b=' is 5
@@ -273,17 +274,17 @@ def test_bad_datasets_are_one_line_errors(tmp_path, name, content, needle):
     with pytest.raises(StartupError) as e:
         PromptSource(str(path))
     msg = str(e.value)
-    assert needle in msg and "\n" not in msg and msg.startswith("learner.dataset: "), msg
+    assert needle in msg and "\n" not in msg and msg.startswith("learner.data.dataset: "), msg
 
 
 def test_check_dataset_reads_the_config_keys_and_eval_data(tmp_path):
     good = write(tmp_path, "json", [{"q": "1+1=", "a": "2"}])
-    cfg = LearnerConfig(dataset=good, prompt_key="q", answer_key="a", eval_data=good, eval_every=2)
+    cfg = LearnerConfig(**nested(dataset=good, prompt_key="q", answer_key="a", eval_data=good, eval_every=2))
     check_dataset(cfg)
-    with pytest.raises(StartupError, match=r"^learner.eval_data: .*no such file"):
-        check_dataset(cfg.model_copy(update={"eval_data": str(tmp_path / "none.jsonl")}))
-    with pytest.raises(ValueError, match="eval_every > 0 needs eval_data"):
-        LearnerConfig(eval_every=3)
+    with pytest.raises(StartupError, match=r"^learner.evaluation.data: .*no such file"):
+        check_dataset(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"data": str(tmp_path / "none.jsonl")})}))
+    with pytest.raises(ValueError, match="evaluation.every > 0 needs evaluation.data"):
+        LearnerConfig(**nested(eval_every=3))
 
 
 @pytest.mark.parametrize("command", ["learner", "run"])
@@ -296,10 +297,10 @@ def test_the_cli_checks_the_dataset_with_its_keys_and_the_eval_data(tmp_path, ca
     learner = {"dataset": good, "prompt_key": "q", "answer_key": "a", "run_dir": str(tmp_path / "run"),
                "eval_data": str(tmp_path / "none.jsonl"), "eval_every": 1}
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"model": "/nonexistent/model-dir", "learner": learner}))
+    cfg.write_text(yaml.safe_dump({"model": "/nonexistent/model-dir", "learner": nested(learner)}))
     assert main([command, "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "learner.eval_data: " in err and "none.jsonl" in err and "\n" not in err, err
+    assert "learner.evaluation.data: " in err and "none.jsonl" in err and "\n" not in err, err
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "dataset", "json"])
@@ -312,8 +313,8 @@ def test_chat_messages_survive_every_columnar_format(tmp_path, chat_tok, fmt):
 
 def test_the_config_keys_reach_the_stream(tmp_path, tok):
     path = write(tmp_path, "jsonl", rows(8, length=lambda i: 1 + i))
-    cfg = LearnerConfig(dataset=path, seed=4, shuffle=False, epochs=2, length_buckets=3, batch_prompts=2,
-                        max_prompt_tokens=8)
+    cfg = LearnerConfig(**nested(dataset=path, seed=4, shuffle=False, epochs=2, length_buckets=3, batch_prompts=2,
+                        max_prompt_tokens=8))
     src = PromptSource.from_config(cfg, tokenizer=tok)                   # kept: 2..7 tokens, 3 buckets of 2
     assert src.rows == 6 and src.total == 12 and len(src._buckets) == 3 and src.skipped == {"too_long": 2}
     first = [len(p["prompt_token_ids"]) for p in src.take(6)]

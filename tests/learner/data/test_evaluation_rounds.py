@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from config_kit import nested
 from learner_testkit import samples_for
 
 import protocol
@@ -146,19 +147,19 @@ def test_from_config_takes_the_same_prompts_every_round_and_needs_a_count_for_a_
     data = tmp_path / "eval.jsonl"
     data.write_text("\n".join(f'{{"prompt": "{i}+0=", "answer": "{i}"}}' for i in range(5)))
     tok = build_tokenizer()
-    cfg = LearnerConfig(eval_data=str(data), eval_every=3, eval_prompts=3)
+    cfg = LearnerConfig(**nested(eval_data=str(data), eval_every=3, eval_prompts=3))
     ev = Evaluation.from_config(cfg, tokenizer=tok, encode=None, run_id="r", version=lambda: 0,
                                 metrics=LearnerMetrics(), record=lambda row: None)
     assert [p["prompt_id"] for p in ev.prompts] == ["e0", "e1", "e2"] and ev.prefix == "r-e"
     assert all(p["prompt_token_ids"][0] == tok.bos_token_id for p in ev.prompts)
-    everything = Evaluation.from_config(cfg.model_copy(update={"eval_prompts": 0}), tokenizer=tok, encode=None,
+    everything = Evaluation.from_config(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"prompts": 0})}), tokenizer=tok, encode=None,
                                         run_id="r", version=lambda: 0, metrics=LearnerMetrics(),
                                         record=lambda row: None)
     assert sorted(p["prompt"] for p in everything.prompts) == [f"{i}+0=" for i in range(5)]
-    more = Evaluation.from_config(cfg.model_copy(update={"eval_prompts": 50}), tokenizer=tok, encode=None,
+    more = Evaluation.from_config(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"prompts": 50})}), tokenizer=tok, encode=None,
                                   run_id="r", version=lambda: 0, metrics=LearnerMetrics(), record=lambda row: None)
     assert len(more.prompts) == 5                                     # each row once, not repeated
     with pytest.raises(protocol.StartupError, match="endless built-in task; set eval_prompts"):
-        Evaluation.from_config(cfg.model_copy(update={"eval_data": "builtin:arith", "eval_prompts": 0}),
+        Evaluation.from_config(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"data": "builtin:arith", "prompts": 0})}),
                                tokenizer=tok, encode=None, run_id="r", version=lambda: 0,
                                metrics=LearnerMetrics(), record=lambda row: None)

@@ -70,7 +70,7 @@ def test_bad_jsonl_is_one_line_naming_file_and_line(tmp_path, text, needle):
     with pytest.raises(StartupError) as e:
         PromptSource(str(tmp_path / "d.jsonl"))
     assert needle in str(e.value) and "\n" not in str(e.value)
-    assert str(e.value).startswith("learner.dataset: ")
+    assert str(e.value).startswith("learner.data.dataset: ")
 
 
 def test_missing_file_and_unknown_task(tmp_path):
@@ -100,9 +100,9 @@ def test_a_new_task_is_one_file(tmp_path, monkeypatch):
         assert "echo" in names()
         p = next(PromptSource("builtin:echo", seed=0))
         assert p["prompt"] == f"echo {p['answer']}:" and p["metadata"] == {"kind": "echo"}
-        cfg = load_config(None, ["learner.dataset=builtin:echo"])
+        cfg = load_config(None, ["learner.data.dataset=builtin:echo"])
         assert cfg.rollout.reward == "builtin:format"                 # the task's own reward
-        cfg = load_config(None, ["learner.dataset=builtin:echo", "rollout.reward=builtin:exact_numeric"])
+        cfg = load_config(None, ["learner.data.dataset=builtin:echo", "rollout.reward=builtin:exact_numeric"])
         assert cfg.rollout.reward == "builtin:exact_numeric"          # unless the config says
     finally:
         sys.modules.pop("learner.data.tasks.echo", None)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from config_kit import nested
 from learner_testkit import HonestServer, learner_config, metric, running_learner, wait_until
 
 from learner.config import LearnerConfig
@@ -53,7 +54,7 @@ def demo_model(builtin_cache, monkeypatch) -> str:
 async def rollout_server(svc, model_dir: str, **overrides):
     """A real RolloutService (HF engine) connected to ``svc``, in this event loop."""
     cfg = dict(learner=svc.endpoints["rollout"], server_id="hf-0", metrics_port=0, threads=1,
-               max_concurrency=svc.cfg.batch_samples * (svc.cfg.max_staleness + 1), seed=0)
+               max_concurrency=svc.cfg.batch.batch_samples * (svc.cfg.staleness.max_staleness + 1), seed=0)
     cfg.update(overrides)
     server = RolloutService(RolloutConfig(**cfg), model_dir)
     task = asyncio.create_task(server.run())
@@ -88,7 +89,7 @@ async def test_a_non_finite_step_is_skipped_publishes_nothing_and_training_resum
             assert len(skipped) >= 2
             first = skipped[0]
             assert first["reason"].startswith("non-finite") and first["trained_on_version"] == 0
-            assert len(first["sample_ids"]) == first["samples"] == cfg.batch_samples
+            assert len(first["sample_ids"]) == first["samples"] == cfg.batch.batch_samples
             assert all("/" in sid for sid in first["sample_ids"])
             poison["on"] = False
             await good.wait_version(2)
@@ -113,12 +114,12 @@ async def test_the_sanity_check_warns_through_events_metrics_and_jsonl(tmp_path,
             await good.wait_version(1)
         warnings = events(log, "sanity_check_failed")
         assert warnings and warnings[0]["level"] == "warning"
-        assert warnings[0]["ratio_dev_max"] > cfg.sanity_ratio_tolerance
+        assert warnings[0]["ratio_dev_max"] > cfg.algorithm.sanity_ratio_tolerance
         assert metric(svc, "slipstream_sanity_check_failures_total") >= 1
-        assert metric(svc, "slipstream_sanity_ratio_deviation_max") > cfg.sanity_ratio_tolerance
+        assert metric(svc, "slipstream_sanity_ratio_deviation_max") > cfg.algorithm.sanity_ratio_tolerance
     rec = jsonl(cfg)[0]
     assert rec["sanity_applicable"] == 1.0 and rec["sanity_failed"] == 1.0
-    assert rec["sanity_ratio_dev_max"] > cfg.sanity_ratio_tolerance and rec["sanity_kl"] > 0
+    assert rec["sanity_ratio_dev_max"] > cfg.algorithm.sanity_ratio_tolerance and rec["sanity_kl"] > 0
 
     cfg = learner_config(tmp_path / "b", batch_prompts=2)
     async with running_learner(cfg, tiny_model_dir) as svc:
@@ -154,7 +155,7 @@ async def test_eta_0_is_synchronous_training(tmp_path, demo_model):
         async with rollout_server(svc, demo_model):
             await wait_until(lambda: svc.finished, timeout_s=120, what="the last step")
     assert len(batches) == steps
-    sync = Trainer(LearnerConfig(**cfg.model_dump()), demo_model)   # the synchronous loop
+    sync = Trainer(LearnerConfig(**nested(cfg.model_dump())), demo_model)   # the synchronous loop
     rewards = set()
     for v, (batch, stats) in enumerate(zip(batches, learner_stats, strict=True)):
         assert batch.version == v and batch.staleness == [0] * len(batch.samples)
@@ -165,7 +166,7 @@ async def test_eta_0_is_synchronous_training(tmp_path, demo_model):
             p, t = len(s.prompt_token_ids), len(s.completion_token_ids)
             with torch.no_grad():
                 logits = sync.model(input_ids=ids[None], use_cache=False).logits[0, p - 1:p - 1 + t]
-            lp = torch.log_softmax(logits / cfg.temperature, -1).gather(
+            lp = torch.log_softmax(logits / cfg.sampling.temperature, -1).gather(
                 -1, torch.from_numpy(s.completion_token_ids.astype(np.int64))[:, None])[:, 0]
             worst = max(worst, float((lp - torch.from_numpy(s.behavior_logprobs)).abs().max()))
             rewards.add(s.reward)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import pytest
+from config_kit import nested
 
 import protocol
 from buffer import RolloutBuffer
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, get_path, resolve_key
 from learner.metrics import LearnerMetrics
 from learner.serve.control import Control, describe
 
 
 @pytest.fixture
 def ctl():
-    cfg = LearnerConfig(max_staleness=2, group_size=2, batch_prompts=2)
-    buf = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=2, max_staleness=2)
+    cfg = LearnerConfig(**nested(max_staleness=2, group_size=2, batch_prompts=2))
+    buf = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=2, max_staleness=2)
     state = {"stopped": 0, "after_set": 0}
 
     async def after_set():
@@ -26,8 +27,9 @@ def ctl():
     return c
 
 
-SETTABLE = ["clip_anchor", "is_cap", "is_mode", "kl_coef", "lr", "max_inflight_per_server", "max_staleness",
-            "stale_policy", "target_kl", "temperature"]
+SETTABLE = ["algorithm.clip_anchor", "algorithm.is_cap", "algorithm.is_mode", "algorithm.target_kl", "kl.coef",
+            "optimizer.lr", "sampling.temperature", "servers.max_inflight_per_server",
+            "staleness.max_staleness", "staleness.stale_policy"]
 
 
 async def run(c: Control, command: str, **args) -> protocol.ControlReply:
@@ -39,33 +41,33 @@ async def test_status_lists_what_is_settable(ctl):
     assert reply.ok
     assert reply.result["version"] == 7
     assert reply.result["settable"] == SETTABLE
-    assert reply.result["max_staleness"] == 2 and reply.result["stale_policy"] == "drop"
+    assert reply.result["staleness.max_staleness"] == 2 and reply.result["staleness.stale_policy"] == "drop"
     assert reply.result["paused"] is False and reply.result["pending"] == {}
 
 
 async def test_good_set_changes_config_buffer_and_gauge(ctl):
-    reply = await run(ctl, "set", key="max_staleness", value="0")     # ctl sends strings
-    assert reply.ok and reply.result["max_staleness"] == 0
-    assert ctl.cfg.max_staleness == 0 and ctl.buffer.max_staleness == 0
+    reply = await run(ctl, "set", key="max_staleness", value="0")     # ctl sends strings; a unique leaf
+    assert reply.ok and reply.result["staleness.max_staleness"] == 0
+    assert ctl.cfg.staleness.max_staleness == 0 and ctl.buffer.max_staleness == 0
     assert ctl.metrics.value("slipstream_max_staleness") == 0
-    reply = await run(ctl, "set", key="stale_policy", value="correct")
-    assert reply.ok and ctl.cfg.stale_policy == "correct" and ctl.buffer.stale_policy == "correct"
+    reply = await run(ctl, "set", key="staleness.stale_policy", value="correct")     # the full path
+    assert reply.ok and ctl.cfg.staleness.stale_policy == "correct" and ctl.buffer.stale_policy == "correct"
     assert ctl.state["after_set"] == 2
 
 
 @pytest.mark.parametrize("key, value, says", [
-    ("max_staleness", "-1", ["greater than or equal to 0", "max_staleness takes an integer >= 0"]),
-    ("max_staleness", "1.5", ["valid integer", "max_staleness takes an integer >= 0"]),
-    ("max_staleness", None, ["max_staleness takes an integer >= 0"]),
-    ("stale_policy", "sometimes", ["'drop' or 'correct'", "stale_policy takes one of drop, correct"]),
+    ("max_staleness", "-1", ["greater than or equal to 0", "staleness.max_staleness takes an integer >= 0"]),
+    ("max_staleness", "1.5", ["valid integer", "staleness.max_staleness takes an integer >= 0"]),
+    ("max_staleness", None, ["staleness.max_staleness takes an integer >= 0"]),
+    ("stale_policy", "sometimes", ["'drop' or 'correct'", "staleness.stale_policy takes one of drop, correct"]),
 ])
 async def test_bad_value_is_refused_with_what_the_key_takes(ctl, key, value, says):
-    before = getattr(ctl.cfg, key)
+    before = get_path(ctl.cfg, resolve_key(key))
     reply = await run(ctl, "set", key=key, value=value)
     assert not reply.ok
     for text in says:
         assert text in reply.error
-    assert getattr(ctl.cfg, key) == before
+    assert get_path(ctl.cfg, resolve_key(key)) == before
     assert (ctl.buffer.max_staleness, ctl.buffer.stale_policy) == (2, "drop")
     assert ctl.state["after_set"] == 0
 
@@ -84,10 +86,16 @@ async def test_set_without_value_says_what_it_takes(ctl):
 
 
 async def test_get_one_key_and_unknown_key(ctl):
-    assert (await run(ctl, "get", key="lr")).result == {"lr": 3e-4}
+    assert (await run(ctl, "get", key="optimizer.lr")).result == {"optimizer.lr": 3e-4}
+    assert (await run(ctl, "get", key="max_staleness")).result == {"staleness.max_staleness": 2}
+    assert (await run(ctl, "get", key="kl")).result["kl"]["coef"] == 0.0        # a whole section
     assert (await run(ctl, "get")).result["settable"] == SETTABLE
     bad = await run(ctl, "get", key="nope")
-    assert not bad.ok and "max_staleness" in bad.error
+    assert not bad.ok and "unknown key 'nope'" in bad.error
+    moved = await run(ctl, "get", key="kl_coef")                          # the flat layout's name
+    assert not moved.ok and moved.error == "kl_coef moved to kl.coef"
+    typo = await run(ctl, "set", key="max_stalenes", value="0")
+    assert not typo.ok and "did you mean staleness.max_staleness?" in typo.error
 
 
 async def test_stop_and_unknown_command(ctl):
@@ -102,10 +110,10 @@ async def test_wrong_message_type_is_a_protocol_error(ctl):
 
 
 def test_describe_reads_the_field_definition():
-    assert describe("max_staleness") == "an integer >= 0"
-    assert describe("stale_policy") == "one of drop, correct"
-    assert describe("top_p") == "a number >= 1e-09 and <= 1"
-    assert describe("target_kl") == "a number > 0, or null (off)"
+    assert describe("staleness.max_staleness") == "an integer >= 0"
+    assert describe("staleness.stale_policy") == "one of drop, correct"
+    assert describe("sampling.top_p") == "a number >= 1e-09 and <= 1"
+    assert describe("algorithm.target_kl") == "a number > 0, or null (off)"
 
 
 class FakeTrainer:
@@ -121,46 +129,48 @@ class FakeTrainer:
 
 async def test_step_settings_reach_the_trainer_only_between_steps(ctl):
     trainer = FakeTrainer(ctl.cfg)
-    for key, value in (("is_mode", "mis"), ("is_cap", 3), ("lr", "0.001"), ("target_kl", "null"),
-                       ("target_kl", 0.05), ("kl_coef", 0.5)):
+    for key, value in (("is_mode", "mis"), ("is_cap", 3), ("optimizer.lr", "0.001"), ("target_kl", "null"),
+                       ("target_kl", 0.05), ("kl.coef", 0.5)):
         reply = await run(ctl, "set", key=key, value=None if value == "null" else value)
         assert reply.ok, reply.error
     # The service's config changed at once; the trainer's copy not yet (a step may be running).
-    assert (ctl.cfg.is_mode, ctl.cfg.is_cap, ctl.cfg.lr, ctl.cfg.target_kl) == ("mis", 3.0, 1e-3, 0.05)
-    assert (trainer.cfg.is_mode, trainer.cfg.lr, trainer.cfg.target_kl) == ("tis", 3e-4, None)
+    assert (ctl.cfg.algorithm.is_mode, ctl.cfg.algorithm.is_cap, ctl.cfg.optimizer.lr, ctl.cfg.algorithm.target_kl) == ("mis", 3.0, 1e-3, 0.05)
+    assert (trainer.cfg.algorithm.is_mode, trainer.cfg.optimizer.lr, trainer.cfg.algorithm.target_kl) == ("tis", 3e-4, None)
     assert (await run(ctl, "status")).result["pending"] == {
-        "is_mode": "mis", "is_cap": 3.0, "lr": 1e-3, "target_kl": 0.05, "kl_coef": 0.5}
+        "algorithm.is_mode": "mis", "algorithm.is_cap": 3.0, "optimizer.lr": 1e-3,
+        "algorithm.target_kl": 0.05, "kl.coef": 0.5}
     ctl.before_step(trainer)
-    assert (trainer.cfg.is_mode, trainer.cfg.is_cap, trainer.cfg.lr, trainer.cfg.target_kl,
-            trainer.cfg.kl_coef) == ("mis", 3.0, 1e-3, 0.05, 0.5)
+    assert (trainer.cfg.algorithm.is_mode, trainer.cfg.algorithm.is_cap, trainer.cfg.optimizer.lr, trainer.cfg.algorithm.target_kl,
+            trainer.cfg.kl.coef) == ("mis", 3.0, 1e-3, 0.05, 0.5)
     assert trainer.kl_controller.value == 0.5
     assert (await run(ctl, "status")).result["pending"] == {}
     m = ctl.metrics
-    assert m.value("slipstream_setting", {"key": "lr"}) == 1e-3 and m.value("slipstream_setting", {"key": "is_cap"}) == 3
-    assert m.value("slipstream_control_changes_total", {"key": "target_kl"}) == 2
+    assert m.value("slipstream_setting", {"key": "optimizer.lr"}) == 1e-3
+    assert m.value("slipstream_setting", {"key": "algorithm.is_cap"}) == 3
+    assert m.value("slipstream_control_changes_total", {"key": "algorithm.target_kl"}) == 2
 
 
 async def test_clip_anchor_is_a_step_setting_and_refused_beside_target_kl(ctl):
     trainer = FakeTrainer(ctl.cfg)
     assert (await run(ctl, "set", key="target_kl", value=0.05)).ok
     reply = await run(ctl, "set", key="clip_anchor", value="behavior")
-    assert not reply.ok and "target_kl" in reply.error and ctl.cfg.clip_anchor == "proximal"
+    assert not reply.ok and "target_kl" in reply.error and ctl.cfg.algorithm.clip_anchor == "proximal"
     assert (await run(ctl, "set", key="target_kl", value=None)).ok
     assert (await run(ctl, "set", key="clip_anchor", value="behavior")).ok
-    assert trainer.cfg.clip_anchor == "proximal"          # not before the next step
+    assert trainer.cfg.algorithm.clip_anchor == "proximal"          # not before the next step
     ctl.before_step(trainer)
-    assert trainer.cfg.clip_anchor == "behavior"
+    assert trainer.cfg.algorithm.clip_anchor == "behavior"
 
 
 async def test_kl_coef_needs_a_reference_loaded_at_start():
-    cfg = LearnerConfig(group_size=2, batch_prompts=2)
-    buf = RolloutBuffer(batch_samples=cfg.batch_samples, group_size=2)
+    cfg = LearnerConfig(**nested(group_size=2, batch_prompts=2))
+    buf = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=2)
     c = Control(cfg, buf, metrics=LearnerMetrics(), status=dict, stop=lambda: None,
                 has_reference=lambda: False)
-    reply = await run(c, "set", key="kl_coef", value=0.1)
-    assert not reply.ok and "no reference policy" in reply.error and cfg.kl_coef == 0
-    assert (await run(c, "set", key="kl_coef", value=0)).ok         # 0 stays allowed
-    assert c._pending == {"kl_coef": 0.0}
+    reply = await run(c, "set", key="kl.coef", value=0.1)
+    assert not reply.ok and "no reference policy" in reply.error and cfg.kl.coef == 0
+    assert (await run(c, "set", key="kl.coef", value=0)).ok         # 0 stays allowed
+    assert c._pending == {"kl.coef": 0.0}
 
 
 async def test_pause_resume_and_checkpoint(ctl):

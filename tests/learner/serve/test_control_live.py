@@ -9,6 +9,8 @@ import re
 import pytest
 from learner_testkit import HonestServer, ctl, learner_config, metric, running_learner, wait_until
 
+from learner.config import LIVE_KEYS, get_path, resolve_key
+
 pytestmark = pytest.mark.slow
 
 
@@ -17,17 +19,19 @@ async def test_live_settings_and_pause(tmp_path, tiny_model_dir):
         assert svc.trainer.cfg is not svc.cfg                    # the trainer has its own copy
         async with HonestServer(svc.endpoints["rollout"]) as good:
             await good.wait_version(1)
-            for key, value in (("lr", 0.001), ("is_mode", "mis"), ("is_cap", 4.0), ("target_kl", 0.5)):
+            for key, value in (("optimizer.lr", 0.001), ("algorithm.is_mode", "mis"), ("is_cap", 4.0),
+                               ("target_kl", 0.5)):
                 reply = await ctl(svc.endpoints["control"], "set", key=key, value=value)
                 assert reply.ok, reply.error
-                assert reply.result[key] == value and getattr(svc.cfg, key) == value
+                path = resolve_key(key)               # a leaf only one section has stands for its path
+                assert reply.result[path] == value and get_path(svc.cfg, path) == value
             v = svc.version
             await good.wait_version(v + 2)
-            assert (svc.trainer.cfg.lr, svc.trainer.cfg.is_mode, svc.trainer.cfg.is_cap,
-                    svc.trainer.cfg.target_kl) == (0.001, "mis", 4.0, 0.5)
-            assert metric(svc, "slipstream_setting", key="lr") == 0.001
-            bad = await ctl(svc.endpoints["control"], "set", key="kl_coef", value=0.1)
-            assert not bad.ok and "no reference policy" in bad.error and svc.cfg.kl_coef == 0
+            assert (svc.trainer.cfg.optimizer.lr, svc.trainer.cfg.algorithm.is_mode, svc.trainer.cfg.algorithm.is_cap,
+                    svc.trainer.cfg.algorithm.target_kl) == (0.001, "mis", 4.0, 0.5)
+            assert metric(svc, "slipstream_setting", key="optimizer.lr") == 0.001
+            bad = await ctl(svc.endpoints["control"], "set", key="kl.coef", value=0.1)
+            assert not bad.ok and "no reference policy" in bad.error and svc.cfg.kl.coef == 0
             # Pause: the version stops moving while the server stays connected and asking.
             reply = await ctl(svc.endpoints["control"], "pause")
             assert reply.ok and reply.result["paused"]
@@ -73,9 +77,9 @@ async def test_the_ctl_command_line(tmp_path, tiny_model_dir, capsys):
             return code, own(out.out), own(out.err)
         assert await cli("get", "max_staleness") == (0, "1\n", "")
         code, out, _ = await cli("--json", "set", "target_kl", "0.2")
-        assert code == 0 and json.loads(out)["target_kl"] == 0.2
+        assert code == 0 and json.loads(out)["algorithm.target_kl"] == 0.2
         code, out, _ = await cli("set", "target_kl", "null")
-        assert code == 0 and svc.cfg.target_kl is None and "target_kl" in out
+        assert code == 0 and svc.cfg.algorithm.target_kl is None and "target_kl" in out
         code, out, err = await cli("set", "is_mode", "sometimes")
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "one of none, tis" in err
         code, out, _ = await cli("pause")
@@ -131,17 +135,55 @@ async def test_temperature_changes_live_and_samples_are_recomputed_at_theirs(tmp
     async with running_learner(cfg, tiny_model_dir) as svc:
         async with real_server(svc, tiny_model_dir) as (_, task):
             await wait_until(lambda: svc.version >= 2 or task.done(), 240, "two steps")
-            bad = await ctl(svc.endpoints["control"], "set", key="temperature", value=0)
-            assert not bad.ok and "temperature" in bad.error and svc.cfg.temperature == 1.0
-            reply = await ctl(svc.endpoints["control"], "set", key="temperature", value=0.3)
+            bad = await ctl(svc.endpoints["control"], "set", key="sampling.temperature", value=0)
+            assert not bad.ok and "temperature" in bad.error and svc.cfg.sampling.temperature == 1.0
+            reply = await ctl(svc.endpoints["control"], "set", key="sampling.temperature", value=0.3)
             assert reply.ok, reply.error
             changed_at = svc.version
-            assert svc.sampling().temperature == 0.3 and svc.trainer.cfg.temperature == 1.0
+            assert svc.sampling().temperature == 0.3 and svc.trainer.cfg.sampling.temperature == 1.0
             await wait_until(lambda: svc.version >= changed_at + 4 or task.done(), 240, "four more steps")
             assert not task.done()
-            assert metric(svc, "slipstream_setting", key="temperature") == 0.3
+            assert metric(svc, "slipstream_setting", key="sampling.temperature") == 0.3
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if r.get("kind", "step") == "step" and "mismatch_kl" in r}
     after = [steps[v] for v in steps if v > changed_at + 1]     # batches issued after the change
     assert len(after) >= 2
     assert all(abs(r["mismatch_kl"]) < 1e-4 for r in steps.values()), [r["mismatch_kl"] for r in steps.values()]
+
+
+# What each live key's consumer reads: the value the run acts on, not the config object. A key
+# registered in LIVE_KEYS without an observer here, or set without its consumer seeing the change,
+# fails test_every_live_key_reaches_what_reads_it.
+OBSERVERS = {
+    "staleness.max_staleness": (lambda svc: svc.buffer.max_staleness, 3),
+    "staleness.stale_policy": (lambda svc: svc.buffer.stale_policy, "correct"),
+    "servers.max_inflight_per_server": (lambda svc: svc.admission.max_inflight(), 4),
+    "sampling.temperature": (lambda svc: svc.sampling().temperature, 0.5),
+    "algorithm.is_mode": (lambda svc: svc.trainer.cfg.algorithm.is_mode, "mis"),
+    "algorithm.is_cap": (lambda svc: svc.trainer.cfg.algorithm.is_cap, 3.0),
+    "algorithm.clip_anchor": (lambda svc: svc.trainer.cfg.algorithm.clip_anchor, "behavior"),
+    "algorithm.target_kl": (lambda svc: svc.trainer.cfg.algorithm.target_kl, 0.25),
+    "kl.coef": (lambda svc: svc.trainer.kl_controller.value, 0.02),
+    "optimizer.lr": (lambda svc: svc.trainer.optimizer.param_groups[0]["lr"], 0.002),
+}
+
+
+async def test_every_live_key_reaches_what_reads_it(tmp_path, tiny_model_dir):
+    """Every key of the live registry, set through the real control socket, reaches the component
+    that acts on it: at once for the "now" keys, after the next trained step for the "next step"
+    ones (the trainer's own copy, its KL controller, its optimizer's learning rate)."""
+    assert set(OBSERVERS) == set(LIVE_KEYS), "a live key needs an observer here (and a consumer)"
+    cfg = learner_config(tmp_path, max_staleness=1, kl_coef=0.01, clip_anchor="proximal")
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(1)
+            for key in ("algorithm.target_kl", *[k for k in LIVE_KEYS if k != "algorithm.target_kl"]):
+                if key == "algorithm.clip_anchor":        # refused beside target_kl: clear it first
+                    assert (await ctl(svc.endpoints["control"], "set", key="algorithm.target_kl", value=None)).ok
+                observe, value = OBSERVERS[key]
+                assert observe(svc) != value, key
+                reply = await ctl(svc.endpoints["control"], "set", key=key, value=value)
+                assert reply.ok, (key, reply.error)
+                if LIVE_KEYS[key].when == "next step":
+                    await good.wait_version(svc.version + 2)
+                assert observe(svc) == value, key

@@ -261,10 +261,19 @@ async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, ti
         assert (await ctl(svc.endpoints["control"], "status")).ok
 
 
+def hot_result(temperature) -> list[bytes]:
+    """A result whose one sample says it was drawn at ``temperature`` (NaN, inf, negative)."""
+    s = protocol.Sample("a/0", "a", 0, 1, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                        np.zeros(1, np.float32), np.zeros(1, np.int32), 0.0, sampling_temperature=1.0)
+    header, body = protocol.encode(protocol.RolloutResult(server_id="x", samples=[s]))
+    return [header, body[:-9] + struct.pack(">Bd", 0xCB, temperature)]   # the last value: float 64
+
+
 async def test_garbage_and_wrong_types_on_every_socket_are_counted(tmp_path, tiny_model_dir):
     hello = protocol.Hello(server_id="x", engine="e", model="m", version=0)
     bad_inputs = {
         "rollout": [[b"garbage"], [b"\x92\x01", b"\xc1"],
+                    hot_result(float("nan")), hot_result(float("inf")), hot_result(-1.0),
                     protocol.encode(protocol.ControlRequest(command="status")),
                     protocol.encode(protocol.Welcome(learner_id="l", run_id="r", version=0,
                                                      weights_endpoint="tcp://h:1"))],
@@ -327,7 +336,7 @@ async def test_port_in_use_is_a_startup_error_before_the_model_loads(tmp_path, t
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
         svc = LearnerService(learner_config(tmp_path, control_port=port), tiny_model_dir)
-        with pytest.raises(protocol.StartupError, match=rf"learner\.control_port: port {port} .*in use"):
+        with pytest.raises(protocol.StartupError, match=rf"learner\.network\.control_port: port {port} .*in use"):
             await svc.run()
         assert svc.trainer is None and svc.sockets == {}
     finally:

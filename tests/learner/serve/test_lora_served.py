@@ -125,14 +125,14 @@ async def test_lora_end_to_end_hf_serves_the_published_adapter(tmp_path, demo_mo
                          total_steps=steps, lr=1e-2, final_sync_s=10.0)
     async with running_learner(cfg, demo_model) as svc:
         assert svc.weights.kind == "lora" and svc.weights.latest.kind == "lora"
-        assert svc.weights.latest.metadata["lora"]["r"] == 8
+        assert svc.weights.latest.lora.r == 8
         rec = Recorder(svc)
         async with rollout_server(svc, demo_model) as server:
             await wait_until(lambda: svc.finished, timeout_s=120, what="the last step")
             # (finish waits final_sync_s for the servers; on a loaded machine the last apply may
             # land after it: the learner still serves the version)
             await wait_until(lambda: server.engine.version == steps, 60, "the last version applied")
-            assert server.engine._lora_config["target_modules"] == svc.weights.latest.metadata["lora"]["target_modules"]
+            assert server.engine._lora_config["target_modules"] == svc.weights.latest.lora.target_modules
     assert len(rec.steps) == steps
     gaps = assert_served_the_adapter(rec, min_base_gap=0.05)
     assert_checksums_reported(rec, "lora", steps)
@@ -168,7 +168,7 @@ async def test_full_bf16_end_to_end_and_the_final_policy_loads(tmp_path, demo_mo
             bt = collate(batch.samples, tr.pad_id)
             tr.model.eval()
             with torch.no_grad():
-                lp = tr.forward(bt.input_ids, bt.attention_mask, bt.targets, tr.cfg.temperature)[0]
+                lp = tr.forward(bt.input_ids, bt.attention_mask, bt.targets, tr.cfg.sampling.temperature)[0]
             tr.model.train()
             behavior_gap.append(float((lp - bt.behavior_logprobs)[bt.mask.bool()].abs().max()))
             return step(batch)

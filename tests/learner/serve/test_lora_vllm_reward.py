@@ -51,7 +51,7 @@ PROMPTS, GROUP = 16, 8
 
 def rollout_cmd(tmp_path: Path, endpoint: str, model_dir: str) -> list[str]:
     """`slipstream rollout` on the demo task with a LoRA-enabled vLLM engine."""
-    config = {"model": model_dir, "learner": {"dataset": "builtin:arith"},
+    config = {"model": model_dir, "learner": {"data": {"dataset": "builtin:arith"}},
               "rollout": {"server_id": "vllm-0", "metrics_port": 0, "threads": 1, "seed": 1,
                           "max_concurrency": PROMPTS * GROUP,
                           "vllm": {"enable_lora": True, "max_lora_rank": LORA["r"], "max_loras": 2,

@@ -17,6 +17,7 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
+from config_kit import nested
 from learner_testkit import learner_config, metric, wait_until
 from zmq.utils.monitor import parse_monitor_message
 
@@ -25,8 +26,8 @@ from deploy.config import SlipstreamConfig
 from deploy.keys import generate
 from learner.config import LearnerConfig
 from learner.serve.service import LearnerService
-from protocol.security import CurveClient, load_key_pair, load_public_key
-from protocol.sockets import make_socket
+from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
+from protocol.plumbing.sockets import make_socket
 from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
@@ -37,14 +38,14 @@ FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 def test_defaults_are_loopback_and_curve_off():
     learner, rollout = LearnerConfig(), RolloutConfig()
-    assert learner.bind_host == learner.metrics_host == rollout.metrics_host == "127.0.0.1"
+    assert learner.network.bind_host == learner.network.metrics_host == rollout.metrics_host == "127.0.0.1"
     assert rollout.learner.startswith("tcp://127.0.0.1:")
     assert learner.security.curve is False and rollout.security.curve is False
 
 
 def test_curve_needs_its_key_files():
     with pytest.raises(ValueError, match="secret_key_file and allowed_clients_dir"):
-        LearnerConfig(security={"curve": True})
+        LearnerConfig(**nested(security={"curve": True}))
     with pytest.raises(ValueError, match="learner_public_key_file"):
         RolloutConfig(security={"curve": True, "secret_key_file": "x"})
 
@@ -194,7 +195,7 @@ async def test_curve_lets_in_only_allowed_keys(tmp_path, tiny_model_dir):
                          "both control refusals counted")
         assert [metric(svc, "slipstream_auth_denied_total", socket=n) for n in ("rollout", "weights")] == [1, 1]
         assert not learner.done() and not svc.stopping.is_set()
-        assert svc.cfg.max_staleness == 1 and "evil" not in {s.server_id for s in svc.admission.servers.values()}
+        assert svc.cfg.staleness.max_staleness == 1 and "evil" not in {s.server_id for s in svc.admission.servers.values()}
         assert {k: metric(svc, k) for k in before} == before
         assert {n: metric(svc, "slipstream_protocol_errors_total", socket=n) for n in svc.sockets} == errors
 
@@ -211,7 +212,7 @@ async def test_curve_lets_in_only_allowed_keys(tmp_path, tiny_model_dir):
         op = ["--secret-key", str(keys / "operator.key_secret")]
         r = await run_ctl(*run_dir, *op, "--json", "set", "max_staleness", "2", env=env)
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["max_staleness"] == 2 == svc.cfg.max_staleness
+        assert json.loads(r.stdout)["staleness.max_staleness"] == 2 == svc.cfg.staleness.max_staleness
         r = await run_ctl("--endpoint", e["control"], "--learner-key", str(keys / "learner.key"),
                           *op, "stop", env=env)
         assert r.returncode == 0, r.stderr

@@ -74,13 +74,13 @@ async def test_a_learning_rate_jump_brings_eta_down(tmp_path, tiny_model_dir):
         async with real_server(svc, tiny_model_dir) as (_, task):
             await wait_until(lambda: svc.version >= 2 or task.done(), 240, "two steps")
             assert svc.buffer.max_staleness == 2                 # healthy so far: η untouched
-            assert (await ctl(svc.endpoints["control"], "set", key="lr", value=0.05)).ok
+            assert (await ctl(svc.endpoints["control"], "set", key="optimizer.lr", value=0.05)).ok
             await wait_until(lambda: svc.buffer.max_staleness < 2 or task.done(), 240, "η down")
             assert not task.done()
             assert metric(svc, "slipstream_max_staleness") == svc.buffer.max_staleness
             assert metric(svc, "slipstream_staleness_changes_total", reason="mismatch_kl_high") + \
                 metric(svc, "slipstream_staleness_changes_total", reason="ess_low") >= 1
-            assert svc.cfg.max_staleness == 2                    # the operator's bound stays
+            assert svc.cfg.staleness.max_staleness == 2                    # the operator's bound stays
             # The idle ratios ride along in every step row (and the server's heartbeats).
             rows = [json.loads(line) for line in (svc.run_dir / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in rows if "learner_idle_ratio" in r]

@@ -1,7 +1,7 @@
 """Each sample is recomputed at the temperature it was sampled at, so ``ctl set temperature`` is
-safe while older samples are still buffered: intake stamps the assignment's temperature, collate
-reads it, the log-prob function groups rows by it, and a mixed batch trains exactly like the
-row-by-row reference."""
+safe while older samples are still buffered: intake stamps the assignment's temperature into the
+typed ``Sample.sampling_temperature`` (protocol 3.3), collate reads it, the log-prob function
+groups rows by it, and a mixed batch trains exactly like the row-by-row reference."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from buffer import RolloutBuffer
 from learner.metrics import LearnerMetrics
 from learner.models.logprobs import row_temperature_groups
 from learner.serve.intake import Intake
-from learner.train.batching import SAMPLING_TEMPERATURE, collate, sampling_temperature
+from learner.train.batching import collate, sampling_temperature
 
 TEMPS = [0.5, 1.0, 0.5, 1.0, 2.0, 2.0, 1.0, 0.5]      # per row of test_trainer's batch
 
 
 def stamped(batch, temps):
     for s, t in zip(batch.samples, temps, strict=True):
-        s.metadata = {**s.metadata, SAMPLING_TEMPERATURE: t}
+        s.sampling_temperature = t
     return batch
 
 
@@ -39,10 +39,10 @@ def test_groups_of_rows():
 def test_collate_reads_the_stamp_and_falls_back_to_the_run_temperature():
     batch = make_batch()
     s = batch.samples
-    s[0].metadata = {SAMPLING_TEMPERATURE: 0.25}
-    s[1].metadata = {SAMPLING_TEMPERATURE: "hot"}          # not a number: the run's own
-    s[2].metadata = {SAMPLING_TEMPERATURE: 0.0}            # outside the wire's range: the run's own
-    s[3].metadata = {SAMPLING_TEMPERATURE: True}
+    s[0].sampling_temperature = 0.25
+    s[1].metadata = {"sampling_temperature": 0.5}       # a 3.2-style metadata key: not read
+    for other in s[1:]:
+        assert other.sampling_temperature is None         # no stamp: the run's own
     bt = collate(s, 0, temperature=0.8)
     assert bt.temperatures.tolist() == pytest.approx([0.25, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8])
     assert sampling_temperature(s[0], 1.0) == 0.25
@@ -102,7 +102,7 @@ def test_behavior_at_each_rows_temperature_has_no_mismatch(tiny_model_dir):
     assert stats["is_weight_min"] == pytest.approx(1.0, abs=1e-5)
     assert stats["is_weight_max"] == pytest.approx(1.0, abs=1e-5)
     for s in batch.samples:
-        s.metadata = {}                                         # as if the stamp were ignored
+        s.sampling_temperature = None                           # as if the stamp were ignored
     assert make_trainer(tiny_model_dir).step(batch)["mismatch_kl"] > 1e-3
 
 
@@ -113,13 +113,11 @@ def test_intake_stamps_the_learners_temperature_over_the_servers():
     buf.issue("a1", "s", 2, payload=a)
     intake = Intake(buf, vocab_size=50, max_new_tokens=lambda: 16, version=lambda: 1,
                     metrics=LearnerMetrics())
-    samples = samples_for(a, version=0)
-    samples[0].metadata = {SAMPLING_TEMPERATURE: 1e-6, "other": 1}   # a server's lie, and its own key
+    samples = samples_for(a, version=0, sampling_temperature=1e-6, metadata={"other": 1})  # a lie
     intake.stamp(samples[0])
-    assert samples[0].metadata == {SAMPLING_TEMPERATURE: 0.3, "other": 1}
+    assert samples[0].sampling_temperature == 0.3 and samples[0].metadata == {"other": 1}
     # No assignment of the learner's (the lease is gone): no temperature from the server either.
-    stray = samples_for(a, version=0)[1]
+    stray = samples_for(a, version=0, sampling_temperature=1e-6)[1]
     stray.assignment_id = "gone"
-    stray.metadata = {SAMPLING_TEMPERATURE: 1e-6}
     intake.stamp(stray)
-    assert SAMPLING_TEMPERATURE not in stray.metadata
+    assert stray.sampling_temperature is None

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from config_kit import nested
 from learner_testkit import HonestServer, ctl, learner_config, metric, wait_until
 
 import learner.state.checkpoint as ckpt_mod
@@ -51,7 +52,7 @@ def trainer_cfg(**overrides) -> LearnerConfig:
     cfg = dict(group_size=GROUP, batch_prompts=B // GROUP, micro_batch_samples=4, lr=1e-2, seed=0,
                threads=1, total_steps=10)
     cfg.update(overrides)
-    return LearnerConfig(**cfg)
+    return LearnerConfig(**nested(cfg))
 
 
 def all_params(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -395,7 +396,7 @@ async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path
     assert [r["trained_on_version"] for r in lines[:resumed[0]]] == list(range(v))
     assert lines[resumed[0] + 1]["trained_on_version"] == v
     ids = effective_trained_ids(tmp_path / "run" / "trained_ids.jsonl")
-    assert len(ids) == len(set(ids)) == again.version * cfg.batch_samples
+    assert len(ids) == len(set(ids)) == again.version * cfg.batch.batch_samples
 
 
 async def test_unwritable_checkpoint_dir_is_an_error_event_and_training_goes_on(tmp_path, tiny_model_dir):

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from config_kit import nested
 from pydantic import ValidationError
 from test_trainer import B, make_batch, make_trainer, params
 
@@ -86,8 +87,8 @@ def test_sanity_check_fires_when_dropout_is_left_on(tiny_model_dir, tmp_path, di
         assert stats["sanity_failed"] == 0.0 and stats["sanity_ratio_dev_max"] <= 1e-6
     else:
         assert stats["sanity_failed"] == 1.0
-        assert stats["sanity_ratio_dev_max"] > tr.cfg.sanity_ratio_tolerance
-        assert stats["sanity_kl"] > tr.cfg.sanity_kl_tolerance
+        assert stats["sanity_ratio_dev_max"] > tr.cfg.algorithm.sanity_ratio_tolerance
+        assert stats["sanity_kl"] > tr.cfg.algorithm.sanity_kl_tolerance
 
 
 def left_padded_without_mask(tr: Trainer):
@@ -102,7 +103,7 @@ def left_padded_without_mask(tr: Trainer):
         for i, n in enumerate(lens.tolist()):
             left[i, width - n:] = ids[i, :n]
         targets = left[:, 1:]
-        out = tr.forward(left, torch.ones_like(sub.attention_mask), targets, tr.cfg.temperature)[0]
+        out = tr.forward(left, torch.ones_like(sub.attention_mask), targets, tr.cfg.sampling.temperature)[0]
         back = torch.zeros_like(out)                 # (b, L-1), back to right-aligned positions
         for i, n in enumerate(lens.tolist()):
             back[i, :n - 1] = out[i, width - n:]
@@ -128,7 +129,7 @@ def test_sanity_check_fires_when_padding_is_handled_differently(tiny_model_dir, 
     assert stats["sanity_applicable"] == 1.0
     if buggy:
         assert stats["sanity_failed"] == 1.0
-        assert stats["sanity_ratio_dev_max"] > tr.cfg.sanity_ratio_tolerance
+        assert stats["sanity_ratio_dev_max"] > tr.cfg.algorithm.sanity_ratio_tolerance
     else:
         assert stats["sanity_failed"] == 0.0 and stats["sanity_ratio_dev_max"] <= 1e-6
 
@@ -292,14 +293,14 @@ def test_learning_rates_follow_the_version(tiny_model_dir):
 def test_scores_length_penalty_clip_and_normalization():
     rewards = torch.tensor([1.0, 0.0, 3.0, -2.0])
     lengths = torch.tensor([4.0, 2.0, 1.0, 3.0])
-    cfg = LearnerConfig(length_penalty=0.4, max_new_tokens=4, reward_clip=1.5)
+    cfg = LearnerConfig(**nested(length_penalty=0.4, max_new_tokens=4, reward_clip=1.5))
     # 1 − 0.4, 0 − 0.2, 3 − 0.1 -> 1.5 (clipped), −2 − 0.3 -> −1.5 (clipped)
     out = sequence_scores(cfg, rewards, lengths, RunningMoments())
     torch.testing.assert_close(out, torch.tensor([0.6, -0.2, 1.5, -1.5]))
-    cfg = LearnerConfig(reward_norm="batch")
+    cfg = LearnerConfig(**nested(reward_norm="batch"))
     out = sequence_scores(cfg, rewards, lengths, RunningMoments())
     assert float(out.mean()) == pytest.approx(0.0, abs=1e-6) and float(out.std()) == pytest.approx(1.0, rel=1e-4)
-    cfg = LearnerConfig(reward_norm="running")
+    cfg = LearnerConfig(**nested(reward_norm="running"))
     moments = RunningMoments()
     sequence_scores(cfg, rewards, lengths, moments)
     out = sequence_scores(cfg, torch.tensor([1.0, 1.0]), lengths[:2], moments)
@@ -361,13 +362,13 @@ def test_state_dict_round_trip_gives_the_same_next_step(tiny_model_dir):
     (dict(top_p=0.9), "top_p: 1.0"),
     (dict(critic_warmup_steps=2), "advantage: gae"),
     (dict(critic_targets="vtrace"), "advantage: gae"),
-    (dict(kl_controller="adaptive"), "kl_coef > 0"),
+    (dict(kl_controller="adaptive"), "kl.coef > 0"),
     (dict(mini_batch_samples=65), "or 0 for the whole batch"),
     (dict(dual_clip=1.0), "greater than 1"),
 ])
 def test_config_refusals_say_how_to_fix(fields, words):
     with pytest.raises(ValidationError) as info:
-        LearnerConfig(**fields)
+        LearnerConfig(**nested(fields))
     message = info.value.errors()[0]["msg"]
     assert words in message and "\n" not in message
 
@@ -375,15 +376,15 @@ def test_config_refusals_say_how_to_fix(fields, words):
 def test_defaults_are_todays_demo():
     """GRPO, one optimizer step per batch, tis, no reference, no critic: the old single-pass step."""
     cfg = LearnerConfig()
-    assert (cfg.advantage, cfg.is_mode, cfg.ppo_epochs, cfg.mini_batch_samples, cfg.kl_coef) == (
+    assert (cfg.algorithm.advantage, cfg.algorithm.is_mode, cfg.batch.ppo_epochs, cfg.batch.mini_batch_samples, cfg.kl.coef) == (
         "grpo", "tis", 1, 0, 0.0)
-    assert not cfg.uses_reference and not cfg.uses_critic and cfg.top_p == 1.0
+    assert not cfg.kl.uses_reference and not cfg.algorithm.uses_critic and cfg.sampling.top_p == 1.0
 
 
 def test_gae_and_reinforce_pp_need_no_groups(tiny_model_dir):
     for advantage in ("gae", "reinforce_pp"):
-        LearnerConfig(advantage=advantage, group_size=1)
+        LearnerConfig(**nested(advantage=advantage, group_size=1))
     with pytest.raises(ValidationError):
-        LearnerConfig(advantage="rloo", group_size=1)
+        LearnerConfig(**nested(advantage="rloo", group_size=1))
     assert isinstance(make_trainer(tiny_model_dir, advantage="gae").critic, torch.nn.Module)
     assert Trainer  # the class the service builds

@@ -68,9 +68,9 @@ def test_every_combination_trains_with_plausible_statistics(one_layer_model_dir,
     for is_mode, kl_in_reward, loss_agg in combos:
         combo = f"{advantage}/{is_mode}/kl_in_reward={kl_in_reward}/{loss_agg}"
         cfg = tr.cfg
-        cfg.is_mode, cfg.kl_in_reward, cfg.loss_agg = is_mode, kl_in_reward, loss_agg
+        cfg.algorithm.is_mode, cfg.kl.in_reward, cfg.algorithm.loss_agg = is_mode, kl_in_reward, loss_agg
         for multi in (False, True):
-            cfg.ppo_epochs, cfg.mini_batch_samples = (2, B // 2) if multi else (1, 0)
+            cfg.batch.ppo_epochs, cfg.batch.mini_batch_samples = (2, B // 2) if multi else (1, 0)
             before = params(tr)
             stats = tr.step(make_batch(spread=0.3))
             check(stats, combo, multi)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from config_kit import nested
 
 from learner.train.batching import plan_updates
 
@@ -63,7 +64,7 @@ def test_every_mini_batch_keeps_its_rows_and_every_micro_batch_fits(epochs, mini
 def test_the_budget_is_a_learner_setting():
     from learner.config import LearnerConfig
 
-    assert LearnerConfig().micro_batch_tokens == 0
-    assert LearnerConfig(micro_batch_tokens=4096).micro_batch_tokens == 4096
+    assert LearnerConfig().batch.micro_batch_tokens == 0
+    assert LearnerConfig(**nested(micro_batch_tokens=4096)).batch.micro_batch_tokens == 4096
     with pytest.raises(ValueError):
-        LearnerConfig(micro_batch_tokens=-1)
+        LearnerConfig(**nested(micro_batch_tokens=-1))

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from config_kit import nested
 from learner_testkit import learner_config, running_learner, wait_until
 from test_algorithms_service import jsonl, rollout_server
 from test_trainer import make_batch
@@ -73,8 +74,8 @@ def ds_env(subprocess_env, builtin_cache) -> dict:
 # ---- the section --------------------------------------------------------------------------------
 
 def test_section_becomes_the_engine_config_and_refuses_what_cannot_work():
-    cfg = LearnerConfig(deepspeed={"zero_stage": 3, "precision": "bf16", "offload_optimizer": "cpu",
-                                   "offload_param": "cpu"})
+    cfg = LearnerConfig(**nested(deepspeed={"zero_stage": 3, "precision": "bf16", "offload_optimizer": "cpu",
+                                   "offload_param": "cpu"}))
     ec = engine_config(cfg.deepspeed, max_grad_norm=0.5, world_size=4)
     # slipstream's micro-batching: one "micro-batch" of one sample, one accumulation step, and
     # the trainer owns the boundary; DeepSpeed clips at max_grad_norm.
@@ -94,7 +95,7 @@ def test_section_becomes_the_engine_config_and_refuses_what_cannot_work():
     with pytest.raises(ValueError, match="heartbeat_s"):
         DeepSpeedSettings(timeout_s=10, heartbeat_s=5)
     with pytest.raises(ValueError):
-        LearnerConfig(deepspeed={"zero_stage": 4})
+        LearnerConfig(**nested(deepspeed={"zero_stage": 4}))
 
 
 def test_a_precision_the_device_cannot_run_is_a_startup_error(tiny_model_dir, builtin_cache, monkeypatch):
@@ -109,13 +110,13 @@ def test_a_precision_the_device_cannot_run_is_a_startup_error(tiny_model_dir, bu
         pytest.skip("this accelerator runs fp16")
     _group_of_one(monkeypatch, builtin_cache)
     with pytest.raises(StartupError, match=r"precision=fp16 is not supported .* use bf16 or fp32"):
-        DeepSpeedTrainer(LearnerConfig(deepspeed={"precision": "fp16"}), tiny_model_dir)
+        DeepSpeedTrainer(LearnerConfig(**nested(deepspeed={"precision": "fp16"})), tiny_model_dir)
 
 
 def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir, subprocess_env,
                                                        process_groups):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"model": tiny_model_dir, "learner": {"run_dir": str(tmp_path / "run")}}))
+    path.write_text(yaml.safe_dump({"model": tiny_model_dir, "learner": nested({"run_dir": str(tmp_path / "run")})}))
     r = process_groups.run([*CLI, "learner", "--config", str(path), "--nproc", "2"], timeout=120,
                            env=subprocess_env)
     lines = r.stderr.strip().splitlines()
@@ -165,7 +166,7 @@ def test_the_groups_are_left_only_after_a_clean_end(monkeypatch, rank, code, lef
     monkeypatch.setattr(distributed, "worker_main", lambda cfg, model, group: code)
     monkeypatch.setattr(ds_group, "leave_group", lambda: calls.append("left"))
     monkeypatch.setattr(service, "LearnerService", Run)
-    assert service.serve(LearnerConfig(deepspeed={}), "unused") == code
+    assert service.serve(LearnerConfig(**nested(deepspeed={})), "unused") == code
     assert calls == (["left"] if left else [])
 
 
@@ -214,7 +215,7 @@ def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_gr
     out = tmp_path_factory.mktemp("ds-ranks")
     with pytest.MonkeyPatch.context() as mp:
         _group_of_one(mp, builtin_cache)
-        one = DeepSpeedTrainer(LearnerConfig(**RUNS["zero2-critic"]["fields"]), tiny_model_dir)
+        one = DeepSpeedTrainer(LearnerConfig(**nested(**RUNS["zero2-critic"]["fields"])), tiny_model_dir)
         one.step(make_batch(seed=0))
         torch.manual_seed(4000)
         random.seed(4001)
@@ -236,11 +237,11 @@ def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_gr
 
 def _plain(model_dir: str, fields: dict, hidden: bool) -> tuple[list[dict], dict, dict]:
     """One plain process through the oracle's two steps: (stats, initial and updated tensors)."""
-    tr = Trainer(LearnerConfig(**fields), model_dir)
+    tr = Trainer(LearnerConfig(**nested(fields)), model_dir)
     tr.forward.uses_hidden = tr.forward.uses_hidden and hidden
     initial = {n: t.detach().clone() for n, t in tr.named_tensors()}
     stats = [tr.step(make_batch(seed=0))]
-    tr.cfg.ppo_epochs, tr.cfg.kl_coef = 1, 0.0                   # ds_oracle_worker.SECOND_STEP
+    tr.cfg.batch.ppo_epochs, tr.cfg.kl.coef = 1, 0.0                   # ds_oracle_worker.SECOND_STEP
     stats.append(tr.step(make_batch(seed=1)))
     return stats, initial, {n: t.detach().clone() for n, t in tr.named_tensors()}
 
@@ -306,7 +307,7 @@ def test_each_rank_gets_its_own_rng_states_back(two_ranks):
     the interruption, and the ranks' draws differ. Another rank count: loading the two ranks'
     state here (one rank) gives rank 0's back; two ranks loading a one-rank state give rank 0
     that rank's states and seed rank 1 from (learner.seed, 1)."""
-    from learner.train.distributed import rank_seed, seed_rank
+    from learner.train.ds_group import rank_seed, seed_rank
 
     ranks = [r["rng"] for r in two_ranks["runs"]["zero2-critic"]["ranks"]]
     for r in ranks:
@@ -338,7 +339,7 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
     from learner.train.step import SkippedStep
 
     _group_of_one(monkeypatch, builtin_cache)
-    cfg = LearnerConfig(**{**ORACLE, "ppo_epochs": 1}, reward_norm="running", deepspeed={"zero_stage": 2})
+    cfg = LearnerConfig(**nested(**{**ORACLE, "ppo_epochs": 1}, reward_norm="running", deepspeed={"zero_stage": 2}))
     a = DeepSpeedTrainer(cfg, tiny_model_dir)
     before = {n: t.clone() for n, t in a.named_tensors()}
     bad = make_batch()
@@ -356,11 +357,11 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
 
     a._accumulate = counting
     a._backward = lambda loss, which: backward(loss * (float("nan") if seen["updates"] == 2 else 1.0), which)
-    a.cfg.ppo_epochs = 2
+    a.cfg.batch.ppo_epochs = 2
     with pytest.raises(SkippedStep, match="non-finite policy gradient norm .* at update 2 of 2"):
         a.step(make_batch(seed=2))
     del a._accumulate, a._backward
-    a.cfg.ppo_epochs = 1
+    a.cfg.batch.ppo_epochs = 1
     assert seen["updates"] == 2 and all(torch.equal(before[n], t) for n, t in a.named_tensors())
     assert all(float(st["step"]) == 0 for st in a.optimizer.state.values())
     a.step(make_batch(seed=1))
@@ -391,9 +392,9 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     from learner.train.distributed import DeepSpeedTrainer
 
     _group_of_one(monkeypatch, builtin_cache)
-    cfg = LearnerConfig(**{**ORACLE, "ppo_epochs": 1, "lr": 1e-2}, lora={"r": 4},
-                        deepspeed={"zero_stage": 3, "publish_bucket_bytes": 4096})
-    plain_names = [n for n, _ in Trainer(LearnerConfig(**{**ORACLE, "lora": {"r": 4}}), tiny_model_dir).named_tensors()]
+    cfg = LearnerConfig(**nested(**{**ORACLE, "ppo_epochs": 1, "lr": 1e-2}, lora={"r": 4},
+                        deepspeed={"zero_stage": 3, "publish_bucket_bytes": 4096}))
+    plain_names = [n for n, _ in Trainer(LearnerConfig(**nested(**{**ORACLE, "lora": {"r": 4}})), tiny_model_dir).named_tensors()]
     a = DeepSpeedTrainer(cfg, tiny_model_dir)
     before = dict(a.named_tensors())
     a.step(make_batch(seed=0))
@@ -433,7 +434,7 @@ async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_pa
             bt = collate(batch.samples, tr.pad_id)
             tr.model.eval()
             with torch.no_grad():
-                lp = tr.forward(bt.input_ids, bt.attention_mask, bt.targets, tr.cfg.temperature)[0]
+                lp = tr.forward(bt.input_ids, bt.attention_mask, bt.targets, tr.cfg.sampling.temperature)[0]
             tr.model.train()
             gaps.append(float((lp - bt.behavior_logprobs)[bt.mask.bool()].abs().max()))
             return step(batch)
@@ -456,13 +457,13 @@ def _two_rank_config(tmp_path, model: str, stage: int, total_steps: int,
     port = _free_port()
     cfg = {
         "model": model,
-        "learner": {"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+        "learner": nested({"rollout_port": port, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": total_steps, "batch_prompts": 2, "group_size": 2,
                     "micro_batch_samples": 1, "max_new_tokens": 4, "max_staleness": 1,
                     "run_dir": str(tmp_path / "run"), "save_every": save_every, "threads": 1,
                     "final_sync_s": 20, "reannounce_s": 1.0,
                     "deepspeed": {"zero_stage": stage, "timeout_s": 60, "heartbeat_s": 5,
-                                  "publish_bucket_bytes": 64 << 10}},
+                                  "publish_bucket_bytes": 64 << 10}}),
         "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
                     "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
                     "threads": 1, "drain_timeout_s": 5},

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops"))
+from config_kit import nested
 from ops_twins import (  # noqa: E402
     aggregate_loop,
     behavior_anchored_loop,
@@ -61,7 +62,7 @@ def make_trainer(model_dir: str, **overrides) -> Trainer:
     cfg = dict(group_size=GROUP, batch_prompts=B // GROUP, micro_batch_samples=B, lr=1e-2,
                max_grad_norm=1e6, is_mode="tis", is_cap=1.5, seed=0, threads=1)
     cfg.update(overrides)
-    return Trainer(LearnerConfig(**cfg), model_dir)
+    return Trainer(LearnerConfig(**nested(cfg)), model_dir)
 
 
 def grads(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -100,39 +101,39 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         t = len(s.completion_token_ids)
         logits = _completion_logits(model, s)
         tokens = torch.from_numpy(s.completion_token_ids.astype(np.int64))
-        tau = sampling_temperature(s, cfg.temperature)       # each row at its own temperature
+        tau = sampling_temperature(s, cfg.sampling.temperature)       # each row at its own temperature
         logp[i, :t] = token_logprobs_loop(logits.detach()[None], tokens[None], tau)[0]
         behav[i, :t] = torch.from_numpy(s.behavior_logprobs.astype(np.float64))
         lp = torch.log_softmax(logits / tau, dim=-1).gather(-1, tokens[:, None])[:, 0]
         logp_grad = logp_grad.index_put((torch.full((t,), i), torch.arange(t)), lp)
         mask[i, :t] = True
-    adv = group_advantages_loop([s.reward for s in samples], GROUP, cfg.advantage)[:, None].expand(B, T)
-    w, keep = importance_loop(logp, behav, mask, cfg.is_mode, cfg.is_cap)
+    adv = group_advantages_loop([s.reward for s in samples], GROUP, cfg.algorithm.advantage)[:, None].expand(B, T)
+    w, keep = importance_loop(logp, behav, mask, cfg.algorithm.is_mode, cfg.algorithm.is_cap)
     flagged = torch.tensor(batch.needs_correction, dtype=torch.bool)
-    if cfg.is_mode == "none" and bool(flagged.any()):
-        w_f, keep_f = importance_loop(logp, behav, mask, FLAGGED_IS_MODE, cfg.is_cap)
+    if cfg.algorithm.is_mode == "none" and bool(flagged.any()):
+        w_f, keep_f = importance_loop(logp, behav, mask, FLAGGED_IS_MODE, cfg.algorithm.is_cap)
         w = torch.where(flagged[:, None], w_f, w)
         keep = torch.where(flagged[:, None], keep_f, keep)
     # Single optimizer step: the proximal policy is the current one (ratio 1).
     inside = torch.ones(B, T, dtype=torch.bool)
-    if cfg.clip_anchor == "behavior":
+    if cfg.algorithm.clip_anchor == "behavior":
         # The ratio against mu: a token already past 1 +- eps of mu in its advantage's direction
         # is clipped (no gradient); the others keep the decoupled gradient -w A.
-        token_loss = ppo_token_losses_loop(logp, behav, adv, keep, cfg.clip_low, cfg.clip_high, None,
+        token_loss = ppo_token_losses_loop(logp, behav, adv, keep, cfg.algorithm.clip_low, cfg.algorithm.clip_high, None,
                                            behavior_anchored_loop(w, logp, behav, keep))
         r = torch.exp(logp - behav)
-        inside = ~(((adv > 0) & (r > 1 + cfg.clip_high)) | ((adv < 0) & (r < 1 - cfg.clip_low)))
+        inside = ~(((adv > 0) & (r > 1 + cfg.algorithm.clip_high)) | ((adv < 0) & (r < 1 - cfg.algorithm.clip_low)))
     else:
-        token_loss = ppo_token_losses_loop(logp, logp, adv, keep, cfg.clip_low, cfg.clip_high, None, w)
+        token_loss = ppo_token_losses_loop(logp, logp, adv, keep, cfg.algorithm.clip_low, cfg.algorithm.clip_high, None, w)
     # Masked tokens (mis) keep their place in the denominator with weight 0: aggregate over `mask`.
-    loss = aggregate_loop(token_loss, mask, cfg.loss_agg)
+    loss = aggregate_loop(token_loss, mask, cfg.algorithm.loss_agg)
     # Gradient at ratio 1: d l_t / d log π_t = −w_t A_t (inside the clip range), so the surrogate
     # Σ_t c_t · (−w_t A_t) · exp(log π_t − sg(log π_t)) has the same value and the same gradient.
     rows = [int(m.sum()) for m in mask]
     coef = torch.zeros(B, T, dtype=torch.float64)
     for i, n in enumerate(rows):
         c = {"token_mean": 1.0 / sum(rows), "seq_mean_token_sum": 1.0 / B,
-             "seq_mean_token_mean": 1.0 / (B * n)}[cfg.loss_agg]
+             "seq_mean_token_mean": 1.0 / (B * n)}[cfg.algorithm.loss_agg]
         coef[i, :n] = c
     wk = torch.where(keep & inside, w, torch.zeros_like(w))
     surrogate = (coef * (-wk * adv)).float() * torch.exp(logp_grad - logp_grad.detach())
@@ -187,7 +188,7 @@ def test_clip_anchor_behavior_matches_reference_from_twins(tiny_model_dir, is_mo
 
 def test_clip_anchor_behavior_refuses_target_kl():
     with pytest.raises(ValueError, match="target_kl"):
-        LearnerConfig(clip_anchor="behavior", target_kl=0.1)
+        LearnerConfig(**nested(clip_anchor="behavior", target_kl=0.1))
 
 
 @pytest.mark.parametrize("overrides,flags", [
@@ -224,7 +225,7 @@ def test_micro_batches_change_nothing(tiny_model_dir, overrides, flags, micro):
     assert_close_dicts(grads(split), g_one, atol=1e-6, rtol=1e-5)
     # Updated weights: AdamW's first step is lr·g/(|g| + eps), so where |g| is near eps (1e-8) a
     # float-rounding difference in g moves the step by a visible part of lr; elsewhere 1e-6.
-    lr = one.cfg.lr
+    lr = one.cfg.optimizer.lr
     p_one, p_split = params(one), params(split)
     for n, g in g_one.items():
         diff = (p_split[n] - p_one[n]).abs()

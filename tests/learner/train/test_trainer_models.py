@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from config_kit import nested
 from test_trainer import make_batch, make_trainer, params
 
 import ops
@@ -139,20 +140,20 @@ def test_lora_trains_only_the_adapter_and_publishes_it_with_its_config(tiny_mode
     assert tr.publish_kind == "lora"
     assert [n for n, _ in named] == list(get_peft_model_state_dict(tr.model))
     assert all(n.startswith("base_model.model.") and ".lora_" in n for n, _ in named)
-    meta = tr.publish_metadata()
-    assert set(meta) == {"lora"} and set(meta["lora"]) == set(LORA_PUBLISH_FIELDS)
-    assert meta["lora"]["r"] == 4 and meta["lora"]["lora_alpha"] == 8.0
-    assert meta["lora"]["target_modules"] == ALL_LINEAR           # all-linear as PEFT resolved it
-    ws = WeightsServer(1 << 20, kind=tr.publish_kind, metadata=tr.publish_metadata())
+    lora = tr.publish_lora()
+    assert set(lora.peft_kwargs()) == set(LORA_PUBLISH_FIELDS)
+    assert lora.r == 4 and lora.lora_alpha == 8.0
+    assert lora.target_modules == ALL_LINEAR                      # all-linear as PEFT resolved it
+    ws = WeightsServer(1 << 20, kind=tr.publish_kind, lora=tr.publish_lora())
     manifest = ws.publish(3, named)
     full_bytes = sum(p.numel() * 4 for p in tr.model.get_base_model().parameters() if not p.requires_grad)
     assert manifest.total_bytes < full_bytes / 5
-    decoded = protocol.decode(protocol.encode(manifest))               # msgpack-clean metadata
-    assert decoded.kind == "lora" and decoded.metadata == meta
+    decoded = protocol.decode(protocol.encode(manifest))               # a valid, typed LoraSpec
+    assert decoded.kind == "lora" and decoded.lora == lora and decoded.metadata == {}
     # The HF engine builds the same adapter from it: its logits are the trainer's.
     eng = HFEngine(tiny_model_dir, seed=0)
     eng.apply_update(WeightUpdate(version=3, kind="lora", tensors=dict(named),
-                                  lora_config=decoded.metadata["lora"]))
+                                  lora_config=decoded.lora.peft_kwargs()))
     ids = torch.tensor([[1, 10, 11, 12, 13]])
     tr.model.eval()
     with torch.no_grad():
@@ -257,7 +258,7 @@ def test_the_proximal_pass_and_the_gradient_forward_agree_bit_for_bit(tiny_model
     assert stats["sanity_ratio_dev_max"] == 0.0 and stats["sanity_kl"] == 0.0
 
 
-# ---- mixed precision (learner.autocast) ------------------------------------------------------
+# ---- mixed precision (learner.runtime.autocast) ------------------------------------------------------
 
 def _linear_output_dtypes(model) -> tuple[list[torch.dtype], list]:
     """Record the output dtype of every nn.Linear call (hooks to remove afterwards)."""
@@ -326,10 +327,10 @@ def test_autocast_refuses_what_it_cannot_mean(options, match):
     from learner.config import LearnerConfig
 
     with pytest.raises(ValidationError, match=match):
-        LearnerConfig(**options)
+        LearnerConfig(**nested(options))
 
 
-# ---- attention (learner.attn_implementation) -------------------------------------------------
+# ---- attention (learner.runtime.attn_implementation) -------------------------------------------------
 
 @pytest.mark.parametrize("options", [{}, {"advantage": "gae"}, {"kl_coef": 0.1}],
                          ids=["policy", "critic", "reference"])
@@ -383,4 +384,4 @@ def test_an_unknown_attention_is_a_config_error():
     from learner.config import LearnerConfig
 
     with pytest.raises(ValidationError, match="attn_implementation"):
-        LearnerConfig(attn_implementation="fast")
+        LearnerConfig(**nested(attn_implementation="fast"))

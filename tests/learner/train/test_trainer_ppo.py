@@ -87,45 +87,45 @@ def reference(tr, batch, policy, ref_model, critic):
         logits = policy(input_ids=ids, use_cache=False).logits[0, p - 1:p - 1 + t]           # (t, V)
         tokens = torch.from_numpy(s.completion_token_ids.astype(np.int64))
         mask[i, :t] = True
-        lp64[i, :t] = token_logprobs_loop(logits.detach()[None], tokens[None], cfg.temperature)[0]
-        ent64[i, :t] = entropy_loop(logits.detach()[None], cfg.temperature)[0]
+        lp64[i, :t] = token_logprobs_loop(logits.detach()[None], tokens[None], cfg.sampling.temperature)[0]
+        ent64[i, :t] = entropy_loop(logits.detach()[None], cfg.sampling.temperature)[0]
         behav[i, :t] = torch.from_numpy(s.behavior_logprobs.astype(np.float64))
-        logp = torch.log_softmax(logits / cfg.temperature, -1)
+        logp = torch.log_softmax(logits / cfg.sampling.temperature, -1)
         lp_g[i] = logp.gather(-1, tokens[:, None])[:, 0]
         ent_g[i] = -(logp.exp() * logp).sum(-1)
         if ref_model is not None:
             with torch.no_grad():
                 rl = ref_model(input_ids=ids, use_cache=False).logits[0, p - 1:p - 1 + t]
-            ref64[i, :t] = token_logprobs_loop(rl[None], tokens[None], cfg.temperature)[0]
+            ref64[i, :t] = token_logprobs_loop(rl[None], tokens[None], cfg.sampling.temperature)[0]
         if critic is not None:
             v = critic(ids, torch.ones_like(ids))[0, p - 1:p - 1 + t]
             v_g[i] = v
             v_old[i, :t] = v.detach().double()
-    prox64 = lp64 if cfg.recompute_logprobs else behav
-    kl64 = kl_token_loop(prox64, ref64, cfg.kl_kind) if ref_model is not None else None
+    prox64 = lp64 if cfg.algorithm.recompute_logprobs else behav
+    kl64 = kl_token_loop(prox64, ref64, cfg.kl.kind) if ref_model is not None else None
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    in_reward = ref_model is not None and cfg.kl_in_reward
-    rewards = shape_token_rewards_loop(scores, mask, kl64 if in_reward else None, cfg.kl_coef)
+    in_reward = ref_model is not None and cfg.kl.in_reward
+    rewards = shape_token_rewards_loop(scores, mask, kl64 if in_reward else None, cfg.kl.coef)
     returns = None
-    if cfg.advantage == "gae":
-        adv, returns = gae_compact_loop(rewards, v_old, mask, cfg.gamma, cfg.lam)
-    elif cfg.advantage == "reinforce_pp":
-        adv = _whiten64(returns_to_go_loop(rewards, mask, cfg.gamma), mask)
+    if cfg.algorithm.advantage == "gae":
+        adv, returns = gae_compact_loop(rewards, v_old, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
+    elif cfg.algorithm.advantage == "reinforce_pp":
+        adv = _whiten64(returns_to_go_loop(rewards, mask, cfg.algorithm.gamma), mask)
     else:
         seq = rewards.sum(-1)
-        adv = group_advantages_loop(seq, GROUP, cfg.advantage)[:, None] * mask
-    if cfg.whiten_advantages and cfg.advantage != "reinforce_pp":
+        adv = group_advantages_loop(seq, GROUP, cfg.algorithm.advantage)[:, None] * mask
+    if cfg.algorithm.whiten_advantages and cfg.algorithm.advantage != "reinforce_pp":
         adv = _whiten64(adv, mask)
     # behavior weights w = π_prox/μ by is_mode (all 1 when π_prox := μ)
-    w, keep = importance_loop(prox64, behav, mask, cfg.is_mode, cfg.is_cap)
+    w, keep = importance_loop(prox64, behav, mask, cfg.algorithm.is_mode, cfg.algorithm.is_cap)
     w = torch.where(keep, w, torch.zeros_like(w))
-    token_loss = ppo_token_losses_loop(lp64, prox64, adv, mask, cfg.clip_low, cfg.clip_high,
-                                       cfg.dual_clip, w)
-    loss = aggregate_loop(token_loss, mask, cfg.loss_agg)
-    if ref_model is not None and not cfg.kl_in_reward:
-        loss += cfg.kl_coef * aggregate_loop(kl_token_loop(lp64, ref64, cfg.kl_kind), mask, cfg.loss_agg)
-    if cfg.entropy_coef:
-        loss -= cfg.entropy_coef * aggregate_loop(ent64, mask, cfg.loss_agg)
+    token_loss = ppo_token_losses_loop(lp64, prox64, adv, mask, cfg.algorithm.clip_low, cfg.algorithm.clip_high,
+                                       cfg.algorithm.dual_clip, w)
+    loss = aggregate_loop(token_loss, mask, cfg.algorithm.loss_agg)
+    if ref_model is not None and not cfg.kl.in_reward:
+        loss += cfg.kl.coef * aggregate_loop(kl_token_loop(lp64, ref64, cfg.kl.kind), mask, cfg.algorithm.loss_agg)
+    if cfg.algorithm.entropy_coef:
+        loss -= cfg.algorithm.entropy_coef * aggregate_loop(ent64, mask, cfg.algorithm.loss_agg)
 
     # gradients: the same loss in plain torch (float32), autograd
     lp = torch.zeros(B, T)
@@ -134,37 +134,37 @@ def reference(tr, batch, policy, ref_model, critic):
         t = int(mask[i].sum())
         lp = lp.index_put((torch.full((t,), i), torch.arange(t)), lp_g[i])
         ent = ent.index_put((torch.full((t,), i), torch.arange(t)), ent_g[i])
-    prox = (lp.detach() if cfg.recompute_logprobs else behav.float())
+    prox = (lp.detach() if cfg.algorithm.recompute_logprobs else behav.float())
     a = adv.float()
     ratio = torch.exp(lp - prox)
-    tok = torch.maximum(-a * ratio, -a * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
-    if cfg.dual_clip is not None:
-        tok = torch.where(a < 0, torch.minimum(tok, -a * cfg.dual_clip), tok)
+    tok = torch.maximum(-a * ratio, -a * ratio.clamp(1 - cfg.algorithm.clip_low, 1 + cfg.algorithm.clip_high))
+    if cfg.algorithm.dual_clip is not None:
+        tok = torch.where(a < 0, torch.minimum(tok, -a * cfg.algorithm.dual_clip), tok)
     tok = tok * w.float()
-    total = _agg_torch(tok, mask, cfg.loss_agg)
-    if ref_model is not None and not cfg.kl_in_reward:
+    total = _agg_torch(tok, mask, cfg.algorithm.loss_agg)
+    if ref_model is not None and not cfg.kl.in_reward:
         lr = ref64.float() - lp                                    # log (π_ref / π)
-        kl = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.expm1(lr) - lr}[cfg.kl_kind]
-        total = total + cfg.kl_coef * _agg_torch(kl, mask, cfg.loss_agg)
-    if cfg.entropy_coef:
-        total = total - cfg.entropy_coef * _agg_torch(ent, mask, cfg.loss_agg)
+        kl = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": torch.expm1(lr) - lr}[cfg.kl.kind]
+        total = total + cfg.kl.coef * _agg_torch(kl, mask, cfg.algorithm.loss_agg)
+    if cfg.algorithm.entropy_coef:
+        total = total - cfg.algorithm.entropy_coef * _agg_torch(ent, mask, cfg.algorithm.loss_agg)
     policy.zero_grad()
     total.backward()
     pgrads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
     vloss, cgrads = None, None
     if critic is not None:
-        vloss = aggregate_loop(value_token_losses_loop(v_old, v_old, returns, cfg.value_clip), mask, cfg.loss_agg)
+        vloss = aggregate_loop(value_token_losses_loop(v_old, v_old, returns, cfg.critic.value_clip), mask, cfg.algorithm.loss_agg)
         v = torch.zeros(B, T)
         for i in range(B):
             t = int(mask[i].sum())
             v = v.index_put((torch.full((t,), i), torch.arange(t)), v_g[i])
         old, ret = v_old.float(), returns.float()
         e = (v - ret) ** 2
-        if cfg.value_clip is not None:
-            vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
+        if cfg.critic.value_clip is not None:
+            vc = old + (v - old).clamp(-cfg.critic.value_clip, cfg.critic.value_clip)
             e = torch.maximum(e, (vc - ret) ** 2)
         critic.zero_grad()
-        (0.5 * _agg_torch(e, mask, cfg.loss_agg)).backward()
+        (0.5 * _agg_torch(e, mask, cfg.algorithm.loss_agg)).backward()
         cgrads = {n: p.grad.detach().clone() for n, p in critic.named_parameters()}
     return loss, vloss, pgrads, cgrads
 
@@ -191,9 +191,9 @@ def test_full_step_matches_the_twins(tiny_model_dir, case):
     loss, vloss, pgrads, cgrads = reference(tr, batch, policy, ref_model, critic)
     stats = tr.step(batch)
     assert stats["loss"] == pytest.approx(loss, abs=1e-5)
-    if not tr.cfg.recompute_logprobs:
+    if not tr.cfg.algorithm.recompute_logprobs:
         assert stats["pg_clip_fraction"] > 0 and stats["pg_dual_clip_fraction"] > 0   # both clips act
-    if tr.cfg.kl_in_reward:
+    if tr.cfg.kl.in_reward:
         assert stats["proximal_pass"] == 1.0 and stats["sanity_ratio_dev_max"] <= 1e-6
     assert_close_dicts({n: p.grad for n, p in tr.model.named_parameters()}, pgrads, atol=1e-5, rtol=1e-4)
     if critic is not None:

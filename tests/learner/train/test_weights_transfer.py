@@ -17,7 +17,7 @@ from learner.metrics import LearnerMetrics
 from learner.serve.router import RouterSocket
 from learner.serve.weights_server import WeightsServer
 from learner.train.weights import flatten
-from protocol.sockets import bind, make_socket
+from protocol.plumbing.sockets import bind, make_socket
 from rollout_server.weights import unflatten
 
 NAMED = [("w", torch.randn(1000)), ("v", torch.randn(10, 10).to(torch.bfloat16)),
@@ -39,7 +39,7 @@ async def served(ws: WeightsServer, corrupt_first: set[int]):
     ctx = zmq.asyncio.Context.instance()
     metrics = LearnerMetrics()
     sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=16)
-    port = bind(sock, "127.0.0.1", 0, "learner.weights_port")
+    port = bind(sock, "127.0.0.1", 0, "learner.network.weights_port")
     router = RouterSocket(sock, "weights", metrics, log=lambda *a, **k: None)
 
     async def handle(identity, msg):

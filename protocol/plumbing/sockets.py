@@ -5,7 +5,7 @@ receive high-water marks (a slow peer queues at most ``hwm`` messages, then send
 ROUTER drops for that peer only; credits keep the rollout traffic far below it), and
 ``ZMQ_MAXMSGSIZE``: libzmq disconnects a peer whose *frame* is larger, before it is buffered, so
 a hostile 2 GiB frame costs nothing. Binding errors become a one-line :class:`StartupError`.
-With ``curve`` (:mod:`protocol.security`) the socket encrypts, and a bound one authenticates its
+With ``curve`` (:mod:`protocol.plumbing.curve`) the socket encrypts, and a bound one authenticates its
 clients through the ZAP domain named there; the options are set before any bind or connect.
 """
 
@@ -17,7 +17,7 @@ import zmq
 
 from protocol.errors import StartupError
 from protocol.messages import ENDPOINT_SCHEMES
-from protocol.security import CurveClient, CurveServer, apply_curve
+from protocol.plumbing.curve import CurveClient, CurveServer, apply_curve
 
 DEFAULT_HWM = 1000
 
