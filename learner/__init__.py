@@ -9,6 +9,6 @@ It is built as wings, one job each; a wing imports only the wings below it (test
     data/     prompts, the built-in tasks, evaluation
     models/   models the learner builds itself and the log-prob forward
 
-Two modules are shared by every wing and import none: :mod:`learner.config` (the learner's
+Two are shared by every wing and import none: :mod:`learner.config` (the learner's
 settings) and :mod:`learner.metrics` (its metric definitions).
 """

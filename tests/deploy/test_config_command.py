@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from deploy.config import SlipstreamConfig, keys_markdown, load_config
-from learner.config import LIVE_KEYS, LearnerConfig, _model_of, field_paths
+from learner.config import LIVE_KEYS, LearnerConfig, field_paths, model_of
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "deploy.cli"]
@@ -32,8 +32,8 @@ def test_config_prints_every_default_of_every_section_and_the_overrides(tmp_path
     # Every section and every key is printed, defaults included, and it loads back as the same run.
     assert set(data) == set(SlipstreamConfig.model_fields)
     for section, info in LearnerConfig.model_fields.items():
-        if _model_of(info.annotation) is not None and data["learner"][section] is not None:
-            assert set(data["learner"][section]) == set(_model_of(info.annotation).model_fields), section
+        if model_of(info.annotation) is not None and data["learner"][section] is not None:
+            assert set(data["learner"][section]) == set(model_of(info.annotation).model_fields), section
     again = tmp_path / "resolved.yaml"
     again.write_text(r.stdout)
     assert load_config(again) == load_config(f, ["learner.staleness.max_staleness=3"])

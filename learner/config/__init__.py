@@ -1,0 +1,52 @@
+"""The learner's configuration: a few run-wide keys and one section per component
+(docs/design.md §9, docs/configuration.md).
+
+    sections.py   one pydantic model per section (network, batch, optimizer, algorithm, ...)
+    model.py      LearnerConfig: the sections together, the checks that span them, the flat
+                  layout's keys refused with their new place (MOVED_KEYS)
+    keys.py       keys by path: the live-key registry (LIVE_KEYS), lookup, what a key takes
+
+Shared by every wing of the learner, it imports none of them (tests/test_layering.py).
+"""
+
+from learner.config.keys import (
+    LIVE_KEYS,
+    STEP_SETTINGS,
+    changed_paths,
+    describe_field,
+    field_paths,
+    get_path,
+    model_of,
+    resolve_key,
+    set_path,
+)
+from learner.config.model import (
+    MOVED_KEYS,
+    LearnerConfig,
+)
+from learner.config.sections import (
+    FSYNC_POLICIES,
+    DeepSpeedSettings,
+    LearnerSecurity,
+    LoraSettings,
+    RolloutLogSettings,
+)
+
+__all__ = [
+    "DeepSpeedSettings",
+    "FSYNC_POLICIES",
+    "LIVE_KEYS",
+    "LearnerConfig",
+    "LearnerSecurity",
+    "LoraSettings",
+    "MOVED_KEYS",
+    "RolloutLogSettings",
+    "STEP_SETTINGS",
+    "model_of",
+    "changed_paths",
+    "describe_field",
+    "field_paths",
+    "get_path",
+    "resolve_key",
+    "set_path",
+]
