@@ -72,7 +72,7 @@ def load_state_dict(buf: RolloutBuffer, state: dict[str, Any]) -> None:
     buf._policy = buf._check_policy(state["stale_policy"])
     buf.leases.load_state_dict(state["leases"], _unpack_payload)
     buf._groups, buf._ready = {}, deque()
-    buf._ready_samples = buf._ready_tokens = buf._pending = 0
+    buf._ready_samples = buf._pending = 0
     in_flight = 0
     for gd in state["groups"]:
         g = Group(gd["assignment_id"], int(gd["size"]))

@@ -12,10 +12,8 @@ chooses batches.
 
 Selection (:func:`select_groups`), over the complete groups in completion order:
 
-- by count (no ``token_budget``): the oldest ``batch_samples / group_size`` groups;
-- by tokens (``token_budget``): the oldest group, then the following ones while their prompt +
-  completion tokens still fit the budget;
-- ``length_bucketing``, either way: first the groups that would be over the limit at the next
+- the oldest ``batch_samples / group_size`` groups;
+- with ``length_bucketing`` (``learner.batch.length_bucketing``): first the groups that would be over the limit at the next
   version (staleness already == η), oldest first; then the oldest group (so nothing starves);
   then the groups closest to it in length (longest sample, in tokens). The batch keeps them in
   completion order.
@@ -39,7 +37,7 @@ class Group:
     """The samples of one assignment, by group_index. ``resolved`` slots are no longer in flight."""
 
     __slots__ = ("assignment_id", "size", "slots", "mins", "filled", "resolved", "min_version",
-                 "tokens", "max_len", "ready")
+                 "max_len", "ready")
 
     def __init__(self, assignment_id: str, size: int):
         self.assignment_id = assignment_id
@@ -49,7 +47,6 @@ class Group:
         self.filled = 0
         self.resolved = 0
         self.min_version = NO_TOKENS
-        self.tokens = 0                          # prompt + completion tokens of filled slots
         self.max_len = 0                         # longest filled sample, in tokens
         self.ready = False
 
@@ -63,52 +60,29 @@ class Group:
         if 0 <= mv < self.min_version:
             self.min_version = mv
         length = len(s.prompt_token_ids) + len(s.token_versions)
-        self.tokens += length
         if length > self.max_len:
             self.max_len = length
         self.filled += 1
 
 
 def select_groups(ready: deque[Group], version: int, eta: int, batch_groups: int,
-                  token_budget: int | None, length_bucketing: bool) -> list[Group]:
-    """Take one batch's groups out of ``ready`` (complete groups, oldest first), in batch order.
-
-    ``batch_groups`` groups, or with ``token_budget`` as many as fit (at least one); see the
-    module doc for ``length_bucketing``. The caller checks that a batch is ready.
-    """
-    if token_budget is None:
-        k = batch_groups
-        if not length_bucketing or len(ready) == k:
-            return [ready.popleft() for _ in range(k)]
-        fits = None
-    else:
-        if not length_bucketing:
-            chosen = [ready.popleft()]
-            total = chosen[0].tokens
-            while ready and total + ready[0].tokens <= token_budget:
-                total += ready[0].tokens
-                chosen.append(ready.popleft())
-            return chosen
-        k = len(ready)
-        fits = token_budget
+                  length_bucketing: bool) -> list[Group]:
+    """Take one batch's ``batch_groups`` groups out of ``ready`` (complete groups, oldest first),
+    in batch order; see the module doc for ``length_bucketing``. The caller checks that a batch
+    is ready."""
+    k = batch_groups
+    if not length_bucketing or len(ready) == k:
+        return [ready.popleft() for _ in range(k)]
     groups = list(ready)
     urgent = [i for i, g in enumerate(groups) if g.staleness(version) >= eta]
     take: list[int] = []
-    total = 0
     for i in urgent + [0]:
-        if len(take) < k and i not in take and (
-                fits is None or not take or total + groups[i].tokens <= fits):
+        if len(take) < k and i not in take:
             take.append(i)
-            total += groups[i].tokens
-    anchor = groups[take[0]].max_len if take else groups[0].max_len
+    anchor = groups[take[0]].max_len
     rest = sorted((i for i in range(len(groups)) if i not in take),
                   key=lambda i: (abs(groups[i].max_len - anchor), i))
-    for i in rest:
-        if len(take) >= k:
-            break
-        if fits is None or total + groups[i].tokens <= fits:
-            take.append(i)
-            total += groups[i].tokens
+    take += rest[:k - len(take)]
     chosen_set = set(take)
     ready.clear()
     ready.extend(g for i, g in enumerate(groups) if i not in chosen_set)

@@ -78,8 +78,6 @@ class RolloutBuffer:
         max_attempts: issues of one assignment before it is given up and counted failed.
         dedupe_window: sample ids and finished assignment ids remembered (each); make it larger
             than the samples buffered plus in flight.
-        token_budget: when set, a batch is whole groups up to this many prompt + completion tokens
-            instead of batch_samples samples (the gate still counts batch_samples per step).
         length_bucketing: when more than a batch is ready, pick groups of similar length, the
             urgent and the oldest first (:func:`buffer.groups.select_groups`).
         clock: monotonic seconds, for lease deadlines.
@@ -88,18 +86,15 @@ class RolloutBuffer:
     def __init__(self, batch_samples: int, group_size: int, max_staleness: int = 1,
                  stale_policy: str = "drop", max_inflight: int | None = None,
                  lease_timeout_s: float = 600.0, max_attempts: int = 3, dedupe_window: int = 100_000,
-                 token_budget: int | None = None, length_bucketing: bool = False,
+                 length_bucketing: bool = False,
                  clock: Callable[[], float] = time.monotonic):
         if type(group_size) is not int or group_size < 1:
             raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
         if type(batch_samples) is not int or batch_samples < 1 or batch_samples % group_size:
             raise ValueError(f"batch_samples must be a positive multiple of group_size {group_size} "
                              f"(groups are never split), got {batch_samples!r}")
-        if token_budget is not None and (type(token_budget) is not int or token_budget < 1):
-            raise ValueError(f"token_budget must be None or an integer >= 1, got {token_budget!r}")
         self.batch_samples = batch_samples
         self.group_size = group_size
-        self.token_budget = token_budget
         self.length_bucketing = bool(length_bucketing)
         self.gate = StalenessGate(batch_samples, max_staleness, max_inflight)
         self.leases = LeaseTable(lease_timeout_s, max_attempts, clock)
@@ -109,7 +104,6 @@ class RolloutBuffer:
         self._groups: dict[str, Group] = {}          # open (being generated) and ready groups
         self._ready: deque[Group] = deque()          # complete groups, in completion order
         self._ready_samples = 0
-        self._ready_tokens = 0
         self._pending = 0                            # samples buffered (open + ready groups)
         self._n = dict.fromkeys(COUNTER_NAMES, 0)
         self._hist: dict[int, int] = {}
@@ -471,7 +465,6 @@ class RolloutBuffer:
         g.ready = True
         self._ready.append(g)
         self._ready_samples += g.size
-        self._ready_tokens += g.tokens
 
     def _close(self, g: Group, reason: str, unlink: bool = True) -> None:
         """Remove a group that will not be trained; return its capacity.
@@ -490,7 +483,6 @@ class RolloutBuffer:
             self._pending -= g.filled
         if g.ready:
             self._ready_samples -= g.size
-            self._ready_tokens -= g.tokens
             if unlink:
                 self._ready.remove(g)
         self.leases.complete(g.assignment_id)
@@ -517,9 +509,7 @@ class RolloutBuffer:
     # -- batches ----------------------------------------------------------------------------------
 
     def _batch_ready(self) -> bool:
-        if self.token_budget is None:
-            return self._ready_samples >= self.batch_samples
-        return bool(self._ready) and self._ready_tokens >= self.token_budget
+        return self._ready_samples >= self.batch_samples
 
     def poll_batch(self, version: int) -> Batch | None:
         """A batch for learner version ``version`` if one is ready now, else None (never waits)."""
@@ -528,21 +518,17 @@ class RolloutBuffer:
         if not self._batch_ready():
             return None
         groups = select_groups(self._ready, version, self.gate.max_staleness,
-                               self.batch_samples // self.group_size, self.token_budget,
-                               self.length_bucketing)
+                               self.batch_samples // self.group_size, self.length_bucketing)
         batch = assemble_batch(groups, version, self.gate.max_staleness)
         hist = self._hist
         for st in batch.staleness:
             hist[st] = hist.get(st, 0) + 1
         closed = self._closed
-        tokens = 0
         for g in groups:
-            tokens += g.tokens
             del self._groups[g.assignment_id]
             closed.add(g.assignment_id, "consumed")
         n = len(batch.samples)
         self._ready_samples -= n
-        self._ready_tokens -= tokens
         self._pending -= n
         self.gate.on_consumed(n)
         self._n["consumed"] += n

@@ -12,7 +12,7 @@ The algorithm keys (docs/design.md §4) in the order a policy step uses them: th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,10 +63,11 @@ class DeepSpeedSettings(BaseModel):
     trainer's torch AdamW updates them there (no DeepSpeedCPUAdam op to compile; slower)."""
     offload_param: Literal["none", "cpu"] = "none"
     """ZeRO-3 only: keep the parameter partitions in CPU memory between uses."""
-    reduce_bucket_bytes: int = Field(50_000_000, ge=1024)
-    """Elements per gradient reduce bucket (DeepSpeed's reduce_bucket_size)."""
-    allgather_bucket_bytes: int = Field(50_000_000, ge=1024)
-    """Elements per parameter all-gather bucket after a ZeRO-1/2 step (allgather_bucket_size)."""
+    reduce_bucket_elements: int = Field(50_000_000, ge=1024)
+    """Elements (not bytes) per gradient reduce bucket (DeepSpeed's reduce_bucket_size)."""
+    allgather_bucket_elements: int = Field(50_000_000, ge=1024)
+    """Elements (not bytes) per parameter all-gather bucket after a ZeRO-1/2 step
+    (DeepSpeed's allgather_bucket_size)."""
     publish_bucket_bytes: int = Field(256 << 20, ge=1024)
     """ZeRO-3 publishing: bytes of parameters gathered at a time (each bucket is copied to the CPU
     on rank 0 and released before the next one is gathered)."""
@@ -76,6 +77,16 @@ class DeepSpeedSettings(BaseModel):
     heartbeat_s: float = Field(10.0, gt=0)
     """Rank 0 sends idle worker ranks a no-op this often while it waits for rollouts (well under
     timeout_s, so an idle wait is never taken for a dead rank 0)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """The bucket sizes count elements: the old ``*_bucket_bytes`` names are refused."""
+        for old in ("reduce_bucket_bytes", "allgather_bucket_bytes"):
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"deepspeed.{old} is now deepspeed.{old.replace('_bytes', '_elements')} "
+                                 "(DeepSpeed counts that bucket in elements, not bytes)")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> DeepSpeedSettings:
@@ -209,6 +220,12 @@ class ServersSettings(BaseModel):
     weights_failure_limit: int = Field(3, ge=1)
     """Circuit breaker: a rollout server reporting this many weight fetches or updates failed in a
     row gets no new work (an event says so) until it applies a published version."""
+    max_attempts: int = Field(3, ge=1)
+    """Issues of one assignment (the first and its re-issues after a lost lease) before it is
+    given up and its samples counted failed."""
+    dedupe_window: int = Field(100_000, ge=1024)
+    """Sample ids (and finished assignment ids) the buffer remembers to refuse a duplicate; keep
+    it above the samples buffered plus in flight."""
 
 
 class BatchSettings(BaseModel):
@@ -232,6 +249,10 @@ class BatchSettings(BaseModel):
     """Passes over each batch; every pass reshuffles it into mini-batches, one optimizer step each."""
     mini_batch_samples: int = Field(0, ge=0)
     """Samples per optimizer step (0 = the whole batch: one optimizer step per epoch)."""
+    length_bucketing: bool = False
+    """When more than a batch of groups is ready, take the groups about to go stale first, then
+    the oldest, then those closest to it in length (buffer.groups.select_groups), so a batch pads
+    less; false: the oldest groups."""
 
     @property
     def batch_samples(self) -> int:

@@ -125,7 +125,10 @@ class LearnerService:
         self.rollout_log = LearnerRolloutLog(self, cfg.rollout_log) if cfg.rollout_log else None
         self.buffer = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=cfg.batch.group_size,
                                     max_staleness=cfg.staleness.max_staleness, stale_policy=cfg.staleness.stale_policy,
-                                    lease_timeout_s=cfg.servers.lease_timeout_s)
+                                    lease_timeout_s=cfg.servers.lease_timeout_s,
+                                    max_attempts=cfg.servers.max_attempts,
+                                    dedupe_window=cfg.servers.dedupe_window,
+                                    length_bucketing=cfg.batch.length_bucketing)
         # Read at each scrape, not set after every result (two locked sets per message).
         self.metrics.buffered.set_function(lambda: self.buffer.pending_samples)
         self.metrics.inflight.set_function(lambda: self.buffer.inflight_samples)

@@ -23,8 +23,8 @@ from learner.config import DeepSpeedSettings
 
 def engine_config(ds: DeepSpeedSettings, max_grad_norm: float, world_size: int) -> dict:
     """The ``config`` of ``deepspeed.initialize`` for one engine (policy or critic)."""
-    zero: dict = {"stage": ds.zero_stage, "reduce_bucket_size": ds.reduce_bucket_bytes,
-                  "allgather_bucket_size": ds.allgather_bucket_bytes, "overlap_comm": False,
+    zero: dict = {"stage": ds.zero_stage, "reduce_bucket_size": ds.reduce_bucket_elements,
+                  "allgather_bucket_size": ds.allgather_bucket_elements, "overlap_comm": False,
                   "contiguous_gradients": True}
     if ds.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": ds.offload_optimizer}

@@ -37,8 +37,6 @@ def test_constructor_validates():
         RolloutBuffer(batch_samples=10, group_size=4)
     with pytest.raises(ValueError):
         RolloutBuffer(batch_samples=8, group_size=4, stale_policy="keep")
-    with pytest.raises(ValueError):
-        RolloutBuffer(batch_samples=8, group_size=4, token_budget=0)
 
 
 async def test_groups_come_out_whole_contiguous_and_in_order():
@@ -298,21 +296,6 @@ async def test_result_for_an_expired_lease_completes_it_before_reissue():
     assert buf.inflight_samples == 0 and buf.ready_samples == 4
 
 
-async def test_token_budget_batches_whole_groups():
-    # samples of 3 prompt + 1 completion tokens: a group of 4 holds 16 tokens
-    buf = make_buffer(batch_samples=8, max_staleness=3, token_budget=40)
-    for aid in "abc":
-        await fill(buf, aid, 0)
-    batch = buf.poll_batch(0)
-    # 16 + 16 = 32 <= 40, + 16 = 48 > 40: two groups
-    assert len(batch) == 8 and batch.num_tokens == 32
-    assert buf.poll_batch(0) is None           # 16 < 40 ready
-    # a single group over the budget still goes out alone
-    buf2 = make_buffer(batch_samples=8, token_budget=10)
-    await fill(buf2, "a", 0)
-    assert len(buf2.poll_batch(0)) == 4
-
-
 async def test_length_bucketing_groups_similar_lengths_without_starving():
     # batch of 2 groups of 2; eta = 3 leaves room for 8 groups
     buf = RolloutBuffer(batch_samples=4, group_size=2, max_staleness=3, length_bucketing=True,
@@ -341,21 +324,6 @@ async def test_length_bucketing_takes_groups_about_to_go_stale_first():
     batch = buf.poll_batch(1)
     assert [g[0].assignment_id for g in batch.groups] == ["old-long", "new-long"]
     assert buf.counters["stale_dropped"] == 0
-
-
-async def test_token_budget_with_length_bucketing():
-    # groups of 2 samples; group tokens = 2 * (3 prompt + n completion)
-    buf = RolloutBuffer(batch_samples=4, group_size=2, max_staleness=3, token_budget=60,
-                        length_bucketing=True, clock=FakeClock())
-    for aid, n in {"mid": 10, "long": 20, "short": 2, "short2": 3}.items():
-        await fill(buf, aid, 0, versions=(0,) * n)
-    # ready: mid 26 + long 46 + short 10 + short2 12 = 94 >= 60
-    batch = buf.poll_batch(0)
-    # anchor "mid" (26, oldest); closest lengths: short2 (|6 - 13| = 7) 26 + 12 = 38 <= 60,
-    # short (|5 - 13| = 8) 38 + 10 = 48 <= 60, long (|23 - 13| = 10) 48 + 46 > 60: left out
-    assert [g[0].assignment_id for g in batch.groups] == ["mid", "short", "short2"]
-    assert batch.num_tokens == 48
-    assert buf.poll_batch(0) is None           # "long" alone: 46 < 60
 
 
 async def test_dedupe_window_is_bounded():
@@ -504,7 +472,7 @@ async def test_a_waiter_is_woken_once_a_batch_is_ready_not_per_group():
 
 def _state(buf: RolloutBuffer) -> tuple:
     groups = {aid: ([s.sample_id if s is not None else None for s in g.slots], g.mins, g.filled,
-                    g.resolved, g.min_version, g.tokens, g.max_len, g.ready)
+                    g.resolved, g.min_version, g.max_len, g.ready)
               for aid, g in buf._groups.items()}
     gate = (buf.gate.in_flight, buf.gate.accepted_total, buf.gate.consumed_total)
     return (buf.counters, groups, [g.assignment_id for g in buf._ready], buf.pending_samples,

@@ -42,6 +42,8 @@ def test_overrides_parse_yaml_scalars(tmp_path):
     ("", ["learner.batch.group_size=1"], "group_size must be >= 2"),
     ("", ["learner.algorithm.is_mode=bogus"], "learner.algorithm.is_mode"),
     ("", ["nonsense"], "expected KEY=VALUE"),
+    ("learner:\n  deepspeed:\n    reduce_bucket_bytes: 4096\n", [],
+     "deepspeed.reduce_bucket_bytes is now deepspeed.reduce_bucket_elements"),
     ("rollout:\n  vllm:\n    weight_transfer: zmq\n", [],
      "rollout.vllm: Value error, weight_transfer was removed (full weights always travel over ZeroMQ): "
      "delete rollout.vllm.weight_transfer from the config"),

@@ -62,10 +62,22 @@ def test_keys_lists_every_key_once_with_its_type_default_and_liveness():
 
 def test_the_docs_hold_the_current_key_reference():
     """docs/configuration.md's reference is exactly what `slipstream config --keys` prints now: a
-    key added, removed or redocumented without regenerating it fails here. Regenerate with
-    the block between the markers replaced by `slipstream config --keys`."""
+    key added, removed or redocumented without regenerating it fails here. Regenerate:
+    ``python tests/deploy/test_config_command.py``."""
     text = (REPO / "docs" / "configuration.md").read_text()
     assert BEGIN in text and END in text
     block = text[text.index(BEGIN):text.index(END)]
     block = block[block.index("\n") + 1:]
     assert block == keys_markdown(), "docs/configuration.md is stale: regenerate its key reference"
+
+
+def regenerate() -> None:
+    """Write the current `slipstream config --keys` between the markers of docs/configuration.md."""
+    path = REPO / "docs" / "configuration.md"
+    text = path.read_text()
+    start = text.index("\n", text.index(BEGIN)) + 1
+    path.write_text(text[:start] + keys_markdown() + text[text.index(END):])
+
+
+if __name__ == "__main__":
+    regenerate()

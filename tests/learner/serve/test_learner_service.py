@@ -369,3 +369,16 @@ def test_batch_versions_are_the_oldest_and_newest_token_of_the_batch():
         samples = [sample(i, v) for i, v in enumerate(versions)]
         got = StepRecords.batch_versions(SimpleNamespace(run=SimpleNamespace(version=9)), Batch(samples=samples, version=9))
         assert got == reference(9, samples), versions
+
+
+def test_the_buffer_options_come_from_the_config(tmp_path):
+    """learner.servers.max_attempts / dedupe_window and learner.batch.length_bucketing reach the
+    service's buffer (the service is built, nothing is served)."""
+    cfg = learner_config(tmp_path, servers={"max_attempts": 5, "dedupe_window": 2048, "lease_timeout_s": 42.0},
+                         batch={"length_bucketing": True})
+    svc = LearnerService(cfg, "unused-model-path")
+    assert svc.buffer.leases.max_attempts == 5 and svc.buffer.leases.timeout_s == 42.0
+    assert svc.buffer._seen.capacity == svc.buffer._closed.capacity == 2048
+    assert svc.buffer.length_bucketing is True
+    default = LearnerService(learner_config(tmp_path), "unused-model-path").buffer
+    assert (default.leases.max_attempts, default._seen.capacity, default.length_bucketing) == (3, 100_000, False)
