@@ -2,6 +2,10 @@
 
 Served by :class:`protocol.plumbing.http.HttpEndpoint` (``/metrics`` and ``/healthz``) from the learner's
 own registry. Labels are bounded: socket names, ack statuses, refusal reasons, server ids.
+
+Every metric the learner process exposes is defined here, in :class:`LearnerMetrics` (one home:
+names, help texts, labels and buckets in one place); the components take this object and update
+its metrics (``tests/test_metrics_home.py`` fails on a definition anywhere else in ``learner/``).
 """
 
 from __future__ import annotations
@@ -121,6 +125,30 @@ class LearnerMetrics:
         self.eval_samples = Counter(
             "slipstream_eval_samples", "Evaluation samples received, by ack status (never buffered "
             "or trained)", ["status"], registry=r)
+        # ---- checkpoints (learner.state.learner_checkpoints.LearnerCheckpoints) ----
+        self.checkpoint_seconds = Histogram("slipstream_checkpoint_seconds", "Seconds to write a checkpoint",
+                                            registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.checkpoint_version = Gauge("slipstream_checkpoint_version",
+                                        "Policy version of the last complete checkpoint", registry=r)
+        self.checkpoint_failures = Counter("slipstream_checkpoint_failures",
+                                           "Checkpoints that could not be written (disk full, not writable)",
+                                           registry=r)
+        self.checkpoint_pause_seconds = Gauge(
+            "slipstream_checkpoint_pause_seconds", "Seconds the last checkpoint held up training (policy "
+            "saved, the other tensors copied to host memory; the rest is written beside training)",
+            registry=r)
+        self.checkpoint_load_seconds = Gauge("slipstream_checkpoint_load_seconds",
+                                             "Seconds the resume took to verify and apply its checkpoint",
+                                             registry=r)
+        # ---- rollout log (learner.state.rollout_log.LearnerRolloutLog; 0 when there is none) ----
+        self.rollout_log_bytes = Counter("slipstream_rollout_log_bytes", "Bytes appended to the rollout log",
+                                         registry=r)
+        self.rollout_log_failures = Counter(
+            "slipstream_rollout_log_failures", "Results not acknowledged because the rollout log write failed",
+            registry=r)
+        self.rollout_log_restored = Counter(
+            "slipstream_rollout_log_restored_samples",
+            "Samples put back into the buffer from the rollout log at a resume", registry=r)
         self.eval_reward_mean.set(float("nan"))
         self.eval_accuracy.set(float("nan"))
         self.eval_version.set(-1)

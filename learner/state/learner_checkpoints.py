@@ -39,8 +39,6 @@ class LearnerCheckpoints:
     """
 
     def __init__(self, svc: Any):
-        from prometheus_client import Counter, Gauge, Histogram
-
         self.svc = svc
         cfg = svc.cfg
         self.store = Checkpointer(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints", cfg.checkpoint.keep_last)
@@ -51,20 +49,12 @@ class LearnerCheckpoints:
         self.lock = asyncio.Lock()            # one checkpoint at a time (held until it is written)
         self.capturing = asyncio.Lock()       # held while the trainer is read: no step starts
         self.pending: asyncio.Task | None = None
-        r = svc.metrics.registry
-        self.m_seconds = Histogram("slipstream_checkpoint_seconds", "Seconds to write a checkpoint",
-                                   registry=r, buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-        self.m_version = Gauge("slipstream_checkpoint_version",
-                               "Policy version of the last complete checkpoint", registry=r)
-        self.m_failures = Counter("slipstream_checkpoint_failures",
-                                  "Checkpoints that could not be written (disk full, not writable)",
-                                  registry=r)
-        self.m_pause = Gauge("slipstream_checkpoint_pause_seconds",
-                             "Seconds the last checkpoint held up training (policy saved, the other "
-                             "tensors copied to host memory; the rest is written beside training)",
-                             registry=r)
-        self.m_load = Gauge("slipstream_checkpoint_load_seconds",
-                            "Seconds the resume took to verify and apply its checkpoint", registry=r)
+        m = svc.metrics                       # a learner.metrics.LearnerMetrics: defined there
+        self.m_seconds = m.checkpoint_seconds
+        self.m_version = m.checkpoint_version
+        self.m_failures = m.checkpoint_failures
+        self.m_pause = m.checkpoint_pause_seconds
+        self.m_load = m.checkpoint_load_seconds
 
     # -- resume --
     def resume(self, spec: str | None) -> Checkpoint:

@@ -391,22 +391,15 @@ class LearnerRolloutLog:
     checkpoint was applied (:meth:`open`); every accepted result goes through :meth:`receive`."""
 
     def __init__(self, svc: Any, settings: RolloutLogSettings):
-        from prometheus_client import Counter as PromCounter
-
         self.svc = svc
         self.settings = settings
         self.root = Path(settings.path) if settings.path else Path(svc.cfg.run_dir) / "rollout_log"
         self.writer: RolloutLogWriter | None = None
         self.skip_assignments: dict[str, np.ndarray] = {}   # restored id -> its prompt's tokens
-        r = svc.metrics.registry
-        self.m_bytes = PromCounter("slipstream_rollout_log_bytes", "Bytes appended to the rollout log",
-                                   registry=r)
-        self.m_failures = PromCounter("slipstream_rollout_log_failures",
-                                      "Results not acknowledged because the rollout log write failed",
-                                      registry=r)
-        self.m_restored = PromCounter("slipstream_rollout_log_restored_samples",
-                                      "Samples put back into the buffer from the rollout log at a resume",
-                                      registry=r)
+        m = svc.metrics                       # a learner.metrics.LearnerMetrics: defined there
+        self.m_bytes = m.rollout_log_bytes
+        self.m_failures = m.rollout_log_failures
+        self.m_restored = m.rollout_log_restored
 
     async def open(self) -> None:
         """A new life; after a resume, the untrained samples of the last life back into the buffer."""
