@@ -9,9 +9,9 @@ per server, and how many records were torn or corrupt — and it is a data set:
   groups in log order; no servers. Behavior log-probs are the logged ones (the policy that
   generated them), so the importance weights correct for the distance to the offline policy.
 - ``--dpo``: Direct Preference Optimization on pairs built from each group's best and worst
-  completion by reward (groups whose rewards are all equal give no pair); the reference is the
-  initial policy, its sequence log-probs computed once, without grad, before the first update
-  (so no second model is kept). ``ops.dpo_loss`` is the loss.
+  completion by reward (groups whose rewards are all equal give no pair), by
+  :class:`learner.train.dpo.DPOTrainer`: the learner's policy loading (device, dtype, LoRA), its
+  log-prob forward and micro-batches, ``ops.dpo_loss``; the reference is the initial policy.
 
 A sample appears once in the statistics and the data even when the log holds it twice (a resumed
 life re-logs the samples it restored): the first record wins.
@@ -185,78 +185,33 @@ def train_offline(log_dir: str | Path, cfg: Any, model_path: str, steps: int,
 # ---- offline DPO ---------------------------------------------------------------------------------
 
 def dpo_pairs(entries: list[dict]) -> list[tuple[Any, Any]]:
-    """(chosen, rejected) samples: each complete group's highest- and lowest-reward completion;
-    a group whose rewards are all equal says nothing about preference and gives no pair."""
-    pairs = []
-    for g in groups_of(entries):
-        ss = [e["sample"] for e in g if e["sample"].failed is None]
-        if len(ss) < 2:
-            continue
-        best = max(ss, key=lambda s: s.reward)
-        worst = min(ss, key=lambda s: s.reward)
-        if best.reward > worst.reward:
-            pairs.append((best, worst))
-    return pairs
+    """(chosen, rejected) samples of the log's complete groups (learner.train.dpo.best_and_worst)."""
+    from learner.train.dpo import best_and_worst
 
-
-def sequence_logprobs(model: Any, samples: list[Any], pad_id: int = 0):
-    """Sum over each completion's tokens of log π(token | prefix) -> [N] (grad flows if enabled)."""
-    import torch
-
-    import ops
-
-    seqs = [list(map(int, s.prompt_token_ids)) + list(map(int, s.completion_token_ids)) for s in samples]
-    n, width = len(seqs), max(len(q) for q in seqs)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    for i, (q, s) in enumerate(zip(seqs, samples, strict=True)):
-        ids[i, :len(q)] = torch.tensor(q)
-        attn[i, :len(q)] = 1
-        p, t = len(s.prompt_token_ids), len(s.completion_token_ids)
-        mask[i, p - 1:p - 1 + t] = 1.0          # logits at position j predict token j + 1
-    device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits[:, :-1]  # (N, W-1, V)
-    lp = ops.token_logprobs(logits, ids[:, 1:].to(device))                                   # (N, W-1)
-    return (lp * mask.to(device)).sum(-1)                                                    # (N,)
+    return best_and_worst([[e["sample"] for e in g] for g in groups_of(entries)])
 
 
 def dpo_offline(log_dir: str | Path, model_path: str, steps: int, beta: float = 0.1, lr: float = 1e-4,
-                seed: int = 0, emit=print, out: str | Path | None = None) -> list[float]:
-    """``steps`` full-batch DPO updates (AdamW) on the log's pairs; the loss of every step. The
-    model is saved to ``out`` (save_pretrained) when given."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import ops
+                cfg: Any = None, emit=print, out: str | Path | None = None) -> list[float]:
+    """``steps`` DPO steps (:class:`learner.train.dpo.DPOTrainer` under ``cfg``, the learner's
+    config, default the defaults) on the log's pairs; the loss of every step. The policy is saved
+    to ``out`` when given."""
+    from learner.config import LearnerConfig
+    from learner.train.dpo import DPOTrainer
 
     entries, _ = read_samples(log_dir)
     pairs = dpo_pairs(entries)
     if not pairs:
         emit(json.dumps({"event": "no_pairs", "samples": len(entries)}))
         return []
-    torch.manual_seed(seed)
-    from learner.train.dropout import disable_dropout
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    disable_dropout(model)                      # the reference pass and the updates see one function
-    model.train()
-    chosen, rejected = [c for c, _ in pairs], [r for _, r in pairs]
-    with torch.no_grad():                       # the reference: the initial policy
-        ref_c, ref_r = sequence_logprobs(model, chosen), sequence_logprobs(model, rejected)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    trainer = DPOTrainer(cfg if cfg is not None else LearnerConfig(), model_path, pairs, beta=beta, lr=lr)
     losses = []
     for step in range(steps):
-        loss, stats = ops.dpo_loss(sequence_logprobs(model, chosen), sequence_logprobs(model, rejected),
-                                   ref_c, ref_r, beta=beta)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        emit(json.dumps({"step": step, "dpo_loss": round(losses[-1], 6), "pairs": len(pairs),
-                         **{k: round(v, 6) for k, v in stats.items()}}))
+        stats = trainer.step()
+        losses.append(stats["dpo_loss"])
+        emit(json.dumps({"step": step, "pairs": len(pairs), **{k: round(v, 6) for k, v in stats.items()}}))
     if out is not None:
-        model.save_pretrained(out)
+        trainer.save_policy(out)
         emit(json.dumps({"event": "saved", "policy": str(out)}))
     return losses
 
@@ -283,6 +238,6 @@ def replay(args) -> int:
     if args.train:
         train_offline(args.log_dir, cfg.learner, model_path, args.steps, out=args.out)
     else:
-        dpo_offline(args.log_dir, model_path, args.steps, beta=args.beta, lr=args.lr,
-                    seed=cfg.learner.seed, out=args.out)
+        dpo_offline(args.log_dir, model_path, args.steps, beta=args.beta, lr=args.lr, cfg=cfg.learner,
+                    out=args.out)
     return 0

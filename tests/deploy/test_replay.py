@@ -13,8 +13,11 @@ import torch
 
 import protocol
 from deploy.cli import main
-from deploy.replay import dpo_offline, dpo_pairs, read_samples, sequence_logprobs
+from deploy.replay import dpo_offline, dpo_pairs, read_samples
+from learner.models.logprobs import LogprobForward
 from learner.state.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter
+from learner.train.batching import collate
+from learner.train.dpo import sequence_logprobs
 
 
 def sample(aid: str, i: int, reward: float, versions=(0, 0, 0), size: int = 2) -> protocol.Sample:
@@ -86,7 +89,7 @@ def test_sequence_logprobs_match_a_per_sample_loop(tiny_model_dir):
     ss = [sample("x", 0, 1.0, (0,) * 2), sample("y", 0, 0.0, (0,) * 5)]
     ss[1].prompt_token_ids = np.array([1, 5], np.int32)        # different prompt lengths: padding
     with torch.no_grad():
-        got = sequence_logprobs(model, ss)
+        got = sequence_logprobs(LogprobForward(model), collate(ss, pad_id=0))
         for k, s in enumerate(ss):
             ids = torch.tensor([list(s.prompt_token_ids) + list(s.completion_token_ids)])
             logp = torch.log_softmax(model(input_ids=ids).logits[0], -1)

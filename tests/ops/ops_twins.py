@@ -284,6 +284,16 @@ def value_token_losses_loop(v, old, ret, clip):
     return loss
 
 
+def dpo_loss_loop(pc, pr, rc, rr, beta, label_smoothing=0.0) -> float:
+    """DPO (Rafailov et al. 2023) pair by pair: mean of −(1−ε)·log σ(u) − ε·log σ(−u),
+    u = β((log π_c − log π_r) − (log π_ref,c − log π_ref,r)), over sequence log-probs [N]."""
+    total = 0.0
+    for a, b, c, d in zip(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), strict=True):
+        u = beta * ((a - b) - (c - d))
+        total += (1 - label_smoothing) * math.log1p(math.exp(-u)) + label_smoothing * math.log1p(math.exp(u))
+    return total / len(pc.tolist())
+
+
 def shape_token_rewards_loop(scores, mask, kl, coef):
     """−coef·KL_t on every counted token, plus the score on the last counted one: [B, T] float64."""
     B, T = mask.shape
