@@ -159,7 +159,8 @@ def _learner(args) -> int:
     from learner.data.prompts import check_dataset
 
     cfg = load_config(args.config, args.overrides)
-    check_dataset(cfg.learner)              # the datasets (and their keys) are checked before the model
+    lc = cfg.learner                        # the datasets (and their keys) are checked before the model
+    check_dataset(lc.data, lc.evaluation.data, seed=lc.seed, batch_prompts=lc.batch.batch_prompts)
     model_path = _resolve_model(cfg.model)
     if args.nproc > 1:
         from learner.train.distributed import launch_ranks

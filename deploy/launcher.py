@@ -207,7 +207,8 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
     from learner.data.prompts import check_dataset
 
     verbose = bool(os.environ.get("SLIPSTREAM_VERBOSE"))
-    check_dataset(cfg.learner)              # a bad dataset (or eval_data) stops us before any process
+    lc = cfg.learner                        # a bad dataset (or eval_data) stops us before any process
+    check_dataset(lc.data, lc.evaluation.data, seed=lc.seed, batch_prompts=lc.batch.batch_prompts)
     model_path = resolve_model(cfg.model, log=lambda m: print(f"[setup] {m}", flush=True))
     learner_threads, rollout_threads, cpus = _thread_split(cfg)
     run_dir = Path(cfg.learner.run_dir)

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 import protocol
+from learner.config import DataSettings, EvaluationSettings
 from learner.data.prompts import PromptSource
 from learner.metrics import LearnerMetrics
 
@@ -111,21 +112,23 @@ class Evaluation:
         self.idle.set()
 
     @classmethod
-    def from_config(cls, cfg, *, tokenizer, encode, run_id: str, **kwargs) -> Evaluation:
-        """The evaluation of a LearnerConfig (``eval_every`` > 0): ``eval_prompts`` prompts of
-        ``eval_data``, formatted and tokenized like the training prompts."""
-        source = PromptSource.from_config(cfg, tokenizer=tokenizer, encode=encode, evaluation=True)
+    def from_config(cls, settings: EvaluationSettings, data: DataSettings, *, seed: int,
+                    max_new_tokens: int, lease_timeout_s: float, tokenizer, encode, run_id: str,
+                    **kwargs) -> Evaluation:
+        """The evaluation of ``learner.evaluation`` (``every`` > 0): ``prompts`` prompts of its
+        ``data``, formatted and tokenized like the training prompts (``learner.data``)."""
+        source = PromptSource.from_config(data, seed=seed, eval_data=settings.data, tokenizer=tokenizer,
+                                          encode=encode)
         rows = source.rows                      # None: an endless built-in task
-        if rows is None and not cfg.evaluation.prompts:
-            raise protocol.StartupError(f"learner.evaluation.prompts: eval_data {cfg.evaluation.data} is an endless "
-                                        "built-in task; set eval_prompts to a number of prompts")
-        n = cfg.evaluation.prompts if rows is None else min(cfg.evaluation.prompts or rows, rows)   # each row once
+        if rows is None and not settings.prompts:
+            raise protocol.StartupError(f"learner.evaluation.prompts: evaluation.data {settings.data} is an "
+                                        "endless built-in task; set evaluation.prompts to a number of prompts")
+        n = settings.prompts if rows is None else min(settings.prompts or rows, rows)   # each row once
         prompts = [{**p, "prompt_id": f"e{i}"} for i, p in enumerate(source.take(n))]
-        sampling = protocol.SamplingParams(temperature=cfg.evaluation.temperature, top_p=1.0, top_k=0,
-                                           max_new_tokens=cfg.sampling.max_new_tokens)
-        return cls(prompts, prefix=f"{run_id}-e", every=cfg.evaluation.every, sampling=sampling,
-                   lease_timeout_s=cfg.servers.lease_timeout_s, correct_threshold=cfg.evaluation.correct_threshold,
-                   **kwargs)
+        sampling = protocol.SamplingParams(temperature=settings.temperature, top_p=1.0, top_k=0,
+                                           max_new_tokens=max_new_tokens)
+        return cls(prompts, prefix=f"{run_id}-e", every=settings.every, sampling=sampling,
+                   lease_timeout_s=lease_timeout_s, correct_threshold=settings.correct_threshold, **kwargs)
 
     # ---- rounds --------------------------------------------------------------------------------
     def maybe_start(self, version: int) -> bool:

@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from learner.config import DataSettings
 from learner.data.tasks import get_task, is_builtin
 from protocol.errors import ProtocolError, StartupError
 from protocol.schema import check_plain
@@ -338,19 +339,20 @@ class PromptSource:
             self.attach(tokenizer, encode)
 
     @classmethod
-    def from_config(cls, cfg, *, tokenizer=None, encode=None, evaluation: bool = False,
+    def from_config(cls, data: DataSettings, *, seed: int, batch_prompts: int = 1,
+                    eval_data: str | None = None, tokenizer=None, encode=None,
                     on_skip: Callable[[str, int], None] = lambda reason, n: None) -> PromptSource:
-        """The training stream (or, with ``evaluation``, the eval_data prompts: one pass, no
-        buckets, a seed of their own) of a :class:`learner.config.LearnerConfig`."""
-        common = dict(split=cfg.data.dataset_split, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                      chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt,
-                      max_prompt_tokens=cfg.data.max_prompt_tokens, tokenizer=tokenizer, encode=encode,
+        """The training stream of ``learner.data`` (or, given ``eval_data``, those held-out
+        prompts: one pass, no buckets, a seed of their own, formatted the same way)."""
+        common = dict(split=data.dataset_split, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                      chat_template=data.chat_template, system_prompt=data.system_prompt,
+                      max_prompt_tokens=data.max_prompt_tokens, tokenizer=tokenizer, encode=encode,
                       on_skip=on_skip)
-        if evaluation:
-            return cls(cfg.evaluation.data, cfg.seed + 1, shuffle=cfg.data.shuffle, epochs=0, what="learner.evaluation.data",
+        if eval_data is not None:
+            return cls(eval_data, seed + 1, shuffle=data.shuffle, epochs=0, what="learner.evaluation.data",
                        **common)
-        return cls(cfg.data.dataset, cfg.seed, shuffle=cfg.data.shuffle, epochs=cfg.data.epochs,
-                   length_buckets=cfg.data.length_buckets, batch_prompts=cfg.batch.batch_prompts, **common)
+        return cls(data.dataset, seed, shuffle=data.shuffle, epochs=data.epochs,
+                   length_buckets=data.length_buckets, batch_prompts=batch_prompts, **common)
 
     # ---- tokenizer ---------------------------------------------------------------------------
     def attach(self, tokenizer, encode: Callable[[str], np.ndarray] | None = None) -> None:
@@ -538,9 +540,9 @@ class PromptSource:
         self.skipped = Counter({str(k): int(v) for k, v in state.get("skipped", {}).items()})
 
 
-def check_dataset(cfg) -> None:
-    """Open (and so check) the training dataset and eval_data of a LearnerConfig, without a
+def check_dataset(data: DataSettings, eval_data: str | None, *, seed: int, batch_prompts: int) -> None:
+    """Open (and so check) the training dataset and the held-out ``eval_data``, without a
     tokenizer: what ``slipstream`` runs before it starts anything."""
-    PromptSource.from_config(cfg)
-    if cfg.evaluation.data is not None:
-        PromptSource.from_config(cfg, evaluation=True)
+    PromptSource.from_config(data, seed=seed, batch_prompts=batch_prompts)
+    if eval_data is not None:
+        PromptSource.from_config(data, seed=seed, eval_data=eval_data)

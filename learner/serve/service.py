@@ -295,12 +295,15 @@ class LearnerService:
         """The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
         tokenizer (learner.data.prompts); eval work joins dispatch through Admission.side_work."""
         tok, encode = self.trainer.tokenizer, self.trainer.encode_prompt
-        self.prompts = PromptSource.from_config(self.cfg, tokenizer=tok, encode=encode, on_skip=(
-            lambda reason, n: self.metrics.prompts_skipped.labels(reason=reason).inc(n)))
-        if self.cfg.evaluation.every:
+        cfg = self.cfg
+        self.prompts = PromptSource.from_config(
+            cfg.data, seed=cfg.seed, batch_prompts=cfg.batch.batch_prompts, tokenizer=tok, encode=encode,
+            on_skip=lambda reason, n: self.metrics.prompts_skipped.labels(reason=reason).inc(n))
+        if cfg.evaluation.every:
             self.evaluation = Evaluation.from_config(
-                self.cfg, tokenizer=tok, encode=encode, run_id=self.run_id, version=lambda: self.version,
-                metrics=self.metrics, record=self.records.eval_round, log=self.log)
+                cfg.evaluation, cfg.data, seed=cfg.seed, max_new_tokens=cfg.sampling.max_new_tokens,
+                lease_timeout_s=cfg.servers.lease_timeout_s, tokenizer=tok, encode=encode, run_id=self.run_id,
+                version=lambda: self.version, metrics=self.metrics, record=self.records.eval_round, log=self.log)
             self.admission.side_work = self.evaluation
         if self.prompts.finite:
             self.log("prompts", **self.prompts.status())

@@ -280,9 +280,9 @@ def test_bad_datasets_are_one_line_errors(tmp_path, name, content, needle):
 def test_check_dataset_reads_the_config_keys_and_eval_data(tmp_path):
     good = write(tmp_path, "json", [{"q": "1+1=", "a": "2"}])
     cfg = LearnerConfig(**nested(dataset=good, prompt_key="q", answer_key="a", eval_data=good, eval_every=2))
-    check_dataset(cfg)
+    check_dataset(cfg.data, cfg.evaluation.data, seed=cfg.seed, batch_prompts=cfg.batch.batch_prompts)
     with pytest.raises(StartupError, match=r"^learner.evaluation.data: .*no such file"):
-        check_dataset(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"data": str(tmp_path / "none.jsonl")})}))
+        check_dataset(cfg.data, str(tmp_path / "none.jsonl"), seed=cfg.seed, batch_prompts=1)
     with pytest.raises(ValueError, match="evaluation.every > 0 needs evaluation.data"):
         LearnerConfig(**nested(eval_every=3))
 
@@ -315,7 +315,8 @@ def test_the_config_keys_reach_the_stream(tmp_path, tok):
     path = write(tmp_path, "jsonl", rows(8, length=lambda i: 1 + i))
     cfg = LearnerConfig(**nested(dataset=path, seed=4, shuffle=False, epochs=2, length_buckets=3, batch_prompts=2,
                         max_prompt_tokens=8))
-    src = PromptSource.from_config(cfg, tokenizer=tok)                   # kept: 2..7 tokens, 3 buckets of 2
+    src = PromptSource.from_config(cfg.data, seed=cfg.seed, batch_prompts=cfg.batch.batch_prompts,
+                                   tokenizer=tok)                        # kept: 2..7 tokens, 3 buckets of 2
     assert src.rows == 6 and src.total == 12 and len(src._buckets) == 3 and src.skipped == {"too_long": 2}
     first = [len(p["prompt_token_ids"]) for p in src.take(6)]
     assert [max(first[k:k + 2]) - min(first[k:k + 2]) for k in range(0, 6, 2)] == [1, 1, 1]

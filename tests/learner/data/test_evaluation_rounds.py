@@ -148,18 +148,19 @@ def test_from_config_takes_the_same_prompts_every_round_and_needs_a_count_for_a_
     data.write_text("\n".join(f'{{"prompt": "{i}+0=", "answer": "{i}"}}' for i in range(5)))
     tok = build_tokenizer()
     cfg = LearnerConfig(**nested(eval_data=str(data), eval_every=3, eval_prompts=3))
-    ev = Evaluation.from_config(cfg, tokenizer=tok, encode=None, run_id="r", version=lambda: 0,
-                                metrics=LearnerMetrics(), record=lambda row: None)
+
+    def evaluation(**changes) -> Evaluation:
+        return Evaluation.from_config(cfg.evaluation.model_copy(update=changes), cfg.data, seed=cfg.seed,
+                                      max_new_tokens=4, lease_timeout_s=60.0, tokenizer=tok, encode=None,
+                                      run_id="r", version=lambda: 0, metrics=LearnerMetrics(),
+                                      record=lambda row: None)
+    ev = evaluation()
     assert [p["prompt_id"] for p in ev.prompts] == ["e0", "e1", "e2"] and ev.prefix == "r-e"
     assert all(p["prompt_token_ids"][0] == tok.bos_token_id for p in ev.prompts)
-    everything = Evaluation.from_config(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"prompts": 0})}), tokenizer=tok, encode=None,
-                                        run_id="r", version=lambda: 0, metrics=LearnerMetrics(),
-                                        record=lambda row: None)
+    assert ev.sampling.max_new_tokens == 4 and ev.lease_timeout_s == 60.0
+    everything = evaluation(prompts=0)
     assert sorted(p["prompt"] for p in everything.prompts) == [f"{i}+0=" for i in range(5)]
-    more = Evaluation.from_config(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"prompts": 50})}), tokenizer=tok, encode=None,
-                                  run_id="r", version=lambda: 0, metrics=LearnerMetrics(), record=lambda row: None)
+    more = evaluation(prompts=50)
     assert len(more.prompts) == 5                                     # each row once, not repeated
-    with pytest.raises(protocol.StartupError, match="endless built-in task; set eval_prompts"):
-        Evaluation.from_config(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"data": "builtin:arith", "prompts": 0})}),
-                               tokenizer=tok, encode=None, run_id="r", version=lambda: 0,
-                               metrics=LearnerMetrics(), record=lambda row: None)
+    with pytest.raises(protocol.StartupError, match="endless built-in task; set evaluation.prompts"):
+        evaluation(data="builtin:arith", prompts=0)
