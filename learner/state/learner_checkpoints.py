@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import errno
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from learner.state.checkpoint import (
     EXIT_CHECKPOINT_FAILED,
@@ -20,9 +22,36 @@ from learner.state.checkpoint import (
 )
 
 
+class Stateful(Protocol):
+    """A part of the run a checkpoint saves (torchtitan's ``CheckpointManager(states=...)``)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class BufferState:
+    """The rollout buffer as a checkpoint part: its state as JSON-able data; after a load,
+    ``runtime()`` gives the (η, stale policy) the run starts with now, which win over the saved
+    ones (the config given at the resume)."""
+
+    def __init__(self, buffer: Any, runtime: Callable[[], tuple[int, str]]):
+        self.buffer, self.runtime = buffer, runtime
+
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict(binary=False)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)
+        eta, policy = self.runtime()
+        self.buffer.set_max_staleness(eta)
+        self.buffer.set_stale_policy(policy)
+
+
 class LearnerCheckpoints:
-    """Checkpoints of one :class:`learner.serve.service.LearnerService` (duck-typed: ``svc`` has cfg,
-    run_id, version, prompts, buffer, trainer, assignment_counter, stopping, log, metrics, run_dir).
+    """The learner's checkpoints: the trainer, the run state (:class:`learner.state.run_state.
+    RunState`) and the parts handed to :meth:`attach` (the prompt stream, the buffer), each an
+    object with ``state_dict`` / ``load_state_dict``; it never reaches into the service.
 
     When: every ``save_every`` versions, on a stop (SIGTERM / SIGINT / ``ctl stop``) when a step
     was trained since the last one, at the end of training, and on ``ctl checkpoint``. Always
@@ -38,10 +67,18 @@ class LearnerCheckpoints:
     do a stop and the end of training before they exit.
     """
 
-    def __init__(self, svc: Any):
-        self.svc = svc
-        cfg = svc.cfg
-        self.store = Checkpointer(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints", cfg.checkpoint.keep_last)
+    def __init__(self, settings: Any, run_dir: str | Path, *, run: Any, buffer: Any, metrics: Any,
+                 log: Callable[..., None], stopping: asyncio.Event, executor: Executor | None = None,
+                 before_stop: Callable[[], None] = lambda: None):
+        """``settings``: the ``learner.checkpoint`` section (read at use time: save_every,
+        failure); ``buffer``: where the train loop's batches come from (:meth:`next_batch`);
+        ``executor``: the thread the trainer's tensors are copied on (the steps' own);
+        ``before_stop``: called when the learner stops (a paused train loop must see it)."""
+        self.settings, self.run, self.buffer, self.log, self.stopping = settings, run, buffer, log, stopping
+        self.executor, self.before_stop = executor, before_stop
+        self.trainer: Any = None
+        self.parts: dict[str, Stateful] = {}
+        self.store = Checkpointer(settings.dir or Path(run_dir) / "checkpoints", settings.keep_last)
         self.saved_version = 0                # version 0 is the model as loaded: never saved
         self.failed_stop = False
         self.resumed_from: Path | None = None
@@ -49,12 +86,17 @@ class LearnerCheckpoints:
         self.lock = asyncio.Lock()            # one checkpoint at a time (held until it is written)
         self.capturing = asyncio.Lock()       # held while the trainer is read: no step starts
         self.pending: asyncio.Task | None = None
-        m = svc.metrics                       # a learner.metrics.LearnerMetrics: defined there
+        m = metrics                           # a learner.metrics.LearnerMetrics: defined there
         self.m_seconds = m.checkpoint_seconds
         self.m_version = m.checkpoint_version
         self.m_failures = m.checkpoint_failures
         self.m_pause = m.checkpoint_pause_seconds
         self.m_load = m.checkpoint_load_seconds
+
+    def attach(self, trainer: Any, parts: dict[str, Stateful]) -> None:
+        """What is saved besides the run state, once it exists: the trainer and the named parts
+        (their names are state.json's keys)."""
+        self.trainer, self.parts = trainer, dict(parts)
 
     # -- resume --
     def resume(self, spec: str | None) -> Checkpoint:
@@ -73,62 +115,56 @@ class LearnerCheckpoints:
     def apply(self, ckpt: Checkpoint) -> None:
         """Into the service (after its trainer is built and :meth:`load_run_state`): everything
         else :meth:`capture` saved."""
-        svc, st = self.svc, ckpt.state
+        st, run = ckpt.state, self.run
         start = time.monotonic()
-        self.store.restore_trainer(ckpt, svc.trainer)
+        self.store.restore_trainer(ckpt, self.trainer)
         try:
-            svc.prompts.load_state_dict(st["data"])
-            svc.buffer.load_state_dict(st["buffer"])
-            # The config given now wins for the runtime settings the buffer holds (η, stale policy).
-            svc.buffer.set_max_staleness(svc.cfg.staleness.max_staleness)
-            svc.buffer.set_stale_policy(svc.cfg.staleness.stale_policy)
+            for name, part in self.parts.items():
+                part.load_state_dict(st[name])
         except (ValueError, KeyError, TypeError) as e:
             raise checkpoint_error(ckpt.path, f"state.json does not fit this learner: {str(e)[:300]}") from None
-        self.saved_version = svc.version
+        self.saved_version = run.version
         self.resumed_from = ckpt.path
-        self.m_version.set(svc.version)
+        self.m_version.set(run.version)
         seconds = time.monotonic() - start
         self.m_load.set(seconds)
         self.store.clean_temporary()
-        svc.log("resumed", checkpoint=str(ckpt.path), resumed_version=svc.version,
-                data_position=svc.prompts.state_dict().get("position"),
-                assignment_counter=svc.assignment_counter, buffered_samples=svc.buffer.pending_samples,
-                leases=len(svc.buffer.leases), load_s=round(seconds, 3))
+        data = self.parts.get("data")
+        self.log("resumed", checkpoint=str(ckpt.path), resumed_version=run.version,
+                 data_position=data.state_dict().get("position") if data is not None else None,
+                 assignment_counter=run.assignment_counter, buffered_samples=self.buffer.pending_samples,
+                 leases=len(self.buffer.leases), load_s=round(seconds, 3))
 
     def mark_resumed(self, trained_ids: Any) -> None:
         """A ``resumed_at_version`` line in trained_ids.jsonl: steps of an earlier life at or past
         this version were rolled back (:func:`effective_trained_ids`)."""
         if self.resumed_from is not None:
-            trained_ids.write({"run_id": self.svc.run_id, "resumed_at_version": self.svc.version,
+            trained_ids.write({"run_id": self.run.run_id, "resumed_at_version": self.run.version,
                                "checkpoint": str(self.resumed_from)})
 
     # -- saving --
     def capture(self) -> dict:
-        """The service's state (on the loop, between steps): plain data for state.json."""
-        svc = self.svc
-        return {"format": FORMAT, **svc.state.state_dict(),
-                "data": svc.prompts.state_dict(), "buffer": svc.buffer.state_dict(binary=False),
-                "saved_at": time.time()}
+        """The run's state (on the loop, between steps): plain data for state.json."""
+        return {"format": FORMAT, **self.run.state_dict(),
+                **{name: part.state_dict() for name, part in self.parts.items()}, "saved_at": time.time()}
 
     async def save(self, reason: str, wait: bool = True) -> dict | None:
         """Checkpoint the current version (the caller makes sure no step runs). Returns what was
         written once it is complete (``wait``), or once the trainer was read (not ``wait``: the
         write goes on, :attr:`pending`); None when it failed (logged, counted, and under
         ``checkpoint_failure: stop`` the learner stops)."""
-        svc = self.svc
         await self.lock.acquire()
         handed = False
         try:
             async with self.capturing:
-                version = svc.version
+                version = self.run.version
                 state = self.capture()
                 start = time.monotonic()
                 try:
                     # (the tensor copies on the train thread, where the steps run: see
                     # LearnerService.train_thread; the writing beside the next step, _commit)
                     pending = await asyncio.get_running_loop().run_in_executor(
-                        getattr(svc, "train_thread", None), self.store.prepare, version, state,
-                        svc.trainer)
+                        self.executor, self.store.prepare, version, state, self.trainer)
                 except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
                     self.failed(e, version, reason)
                     return None
@@ -159,7 +195,7 @@ class LearnerCheckpoints:
         self.m_version.set(version)
         info = {"checkpoint": str(path), "version": version, "reason": reason,
                 "seconds": round(seconds, 3), "pause_s": round(paused, 3)}
-        self.svc.log("checkpoint", **info)
+        self.log("checkpoint", **info)
         return info
 
     async def settled(self) -> None:
@@ -168,24 +204,23 @@ class LearnerCheckpoints:
             pass
 
     def failed(self, e: BaseException, version: int, reason: str) -> None:
-        svc = self.svc
         self.m_failures.inc()
         code = errno.errorcode.get(getattr(e, "errno", None) or -1, None)
-        stop = svc.cfg.checkpoint.failure == "stop"
-        svc.log("checkpoint_failed", level="error", version=version, reason=reason,
+        stop = self.settings.failure == "stop"
+        self.log("checkpoint_failed", level="error", version=version, reason=reason,
                 directory=str(self.store.root), error=f"{type(e).__name__}: {e}"[:500], errno=code,
                 action="stopping (checkpoint_failure: stop)" if stop else
                 "training goes on; the previous checkpoint is intact",
                 hint="free disk space or make the directory writable (learner.checkpoint.dir)")
         if stop:
             self.failed_stop = True
-            svc.stopping.set()
+            self.stopping.set()
 
     async def request(self) -> dict:
         """``ctl checkpoint``: write one as soon as no step runs."""
         await self.settled()
         while not (self.idle.is_set() and not self.lock.locked()):
-            if self.svc.stopping.is_set():
+            if self.stopping.is_set():
                 raise RuntimeError("the learner is stopping (its final checkpoint follows)")
             await self._wait_idle()
             if self.lock.locked():
@@ -197,7 +232,7 @@ class LearnerCheckpoints:
 
     async def _wait_idle(self) -> None:
         waiter = asyncio.ensure_future(self.idle.wait())
-        stop = asyncio.ensure_future(self.svc.stopping.wait())
+        stop = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -209,17 +244,15 @@ class LearnerCheckpoints:
     async def next_batch(self):
         """The train loop's batch: saves first when one is due; once stopping, parks for good (the
         stop cancels it there, where no batch is held)."""
-        svc = self.svc
-        every = svc.cfg.checkpoint.save_every
-        if every and svc.version % every == 0 and svc.version > self.saved_version \
-                and not svc.stopping.is_set():
+        version, every = self.run.version, self.settings.save_every
+        if every and version % every == 0 and version > self.saved_version and not self.stopping.is_set():
             await self.save("periodic", wait=False)
-        if svc.stopping.is_set():
+        if self.stopping.is_set():
             self.idle.set()
             await asyncio.Future()            # cancelled by the stop
         self.idle.set()
         try:
-            batch = await svc.buffer.next_batch(svc.version)
+            batch = await self.buffer.next_batch(self.run.version)
         finally:
             self.idle.clear()
         if self.capturing.locked():           # a ctl checkpoint reads the trainer: no step yet
@@ -230,7 +263,7 @@ class LearnerCheckpoints:
     async def at_end(self) -> None:
         """After the last step (a checkpoint still being written is waited for)."""
         await self.settled()
-        if self.svc.version > self.saved_version and not self.failed_stop:
+        if self.run.version > self.saved_version and not self.failed_stop:
             await self.save("end")
 
     async def on_stop(self, train: asyncio.Task) -> int:
@@ -238,10 +271,7 @@ class LearnerCheckpoints:
         the train loop where it holds no batch, and save if a step was trained since the last
         checkpoint. Returns the exit code (:data:`EXIT_CHECKPOINT_FAILED` when a failed checkpoint
         stopped the run)."""
-        svc = self.svc
-        resumed = getattr(getattr(svc, "control", None), "resumed", None)
-        if resumed is not None:
-            resumed.set()                     # a paused train loop (ctl pause) must see the stop
+        self.before_stop()                    # a paused train loop (ctl pause) must see the stop
         while not train.done() and not self.idle.is_set():
             done = asyncio.ensure_future(self.idle.wait())
             await asyncio.wait([done, train], return_when=asyncio.FIRST_COMPLETED)
@@ -250,6 +280,6 @@ class LearnerCheckpoints:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await train
         await self.settled()
-        if not self.failed_stop and svc.version > self.saved_version and svc.trainer is not None:
+        if not self.failed_stop and self.run.version > self.saved_version and self.trainer is not None:
             await self.save("stop")
         return EXIT_CHECKPOINT_FAILED if self.failed_stop else 0

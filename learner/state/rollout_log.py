@@ -69,7 +69,7 @@ import struct
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -386,25 +386,26 @@ class RolloutLogFailed(Exception):
 
 
 class LearnerRolloutLog:
-    """The rollout log of one :class:`learner.serve.service.LearnerService` (duck-typed ``svc``: cfg,
-    run_id, version, buffer, run_dir, log, metrics, checkpoints). Opened at start, after a resume's
-    checkpoint was applied (:meth:`open`); every accepted result goes through :meth:`receive`."""
+    """The learner's rollout log: handed the run state (run id, version), the buffer samples come
+    back into, the metrics, the event log and where the resume's checkpoint is (``resumed_from()``;
+    None without a resume). Opened at start, after a resume's checkpoint was applied
+    (:meth:`open`); every accepted result goes through :meth:`receive`."""
 
-    def __init__(self, svc: Any, settings: RolloutLogSettings):
-        self.svc = svc
-        self.settings = settings
-        self.root = Path(settings.path) if settings.path else Path(svc.cfg.run_dir) / "rollout_log"
+    def __init__(self, settings: RolloutLogSettings, run_dir: str | Path, *, run: Any, buffer: Any,
+                 metrics: Any, log: Callable[..., None], resumed_from: Callable[[], Path | None]):
+        self.settings, self.run, self.buffer, self.log, self.resumed_from = settings, run, buffer, log, resumed_from
+        self.run_dir = Path(run_dir)
+        self.root = Path(settings.path) if settings.path else self.run_dir / "rollout_log"
         self.writer: RolloutLogWriter | None = None
         self.skip_assignments: dict[str, np.ndarray] = {}   # restored id -> its prompt's tokens
-        m = svc.metrics                       # a learner.metrics.LearnerMetrics: defined there
+        m = metrics                           # a learner.metrics.LearnerMetrics: defined there
         self.m_bytes = m.rollout_log_bytes
         self.m_failures = m.rollout_log_failures
         self.m_restored = m.rollout_log_restored
 
     async def open(self) -> None:
         """A new life; after a resume, the untrained samples of the last life back into the buffer."""
-        svc = self.svc
-        ckpt = getattr(svc.checkpoints, "resumed_from", None)
+        ckpt = self.resumed_from()
         plan = None
         if ckpt is not None:
             import json
@@ -412,10 +413,10 @@ class LearnerRolloutLog:
             from learner.state.checkpoint import effective_trained_ids
 
             state = json.loads((Path(ckpt) / "state.json").read_text())
-            trained = effective_trained_ids(svc.run_dir / "trained_ids.jsonl")
+            trained = effective_trained_ids(self.run_dir / "trained_ids.jsonl")
             reader = LogReader(self.root)
             reader.life = reader.last_life()
-            plan = untrained_groups(iter(reader), version=svc.version,
+            plan = untrained_groups(iter(reader), version=self.run.version,
                                     saved_at=float(state.get("saved_at", 0.0)),
                                     known_ids=set(state["buffer"].get("seen", [])),
                                     trained_ids=set(trained))
@@ -427,25 +428,25 @@ class LearnerRolloutLog:
             raise protocol.StartupError(
                 f"learner.rollout_log.path {str(self.root)!r} cannot be written ({e.strerror or e}); "
                 "point it at a writable directory") from None
-        self.writer.append(LIFE, {"life": self.writer.life, "run_id": svc.run_id,
-                                  "start_version": svc.version, "started_at": time.time(),
+        self.writer.append(LIFE, {"life": self.writer.life, "run_id": self.run.run_id,
+                                  "start_version": self.run.version, "started_at": time.time(),
                                   "resumed_from": str(ckpt) if ckpt else None})
         if plan is None:
             self.writer.sync()
             return
         groups, why = plan
-        back, outcome = await restore_groups(svc.buffer, groups, svc.version)
+        back, outcome = await restore_groups(self.buffer, groups, self.run.version)
         for s_ in back:
             self.skip_assignments.setdefault(s_.assignment_id, s_.prompt_token_ids)
         if back:
-            self.writer.append(RESULT, {"life": self.writer.life, "version": svc.version,
+            self.writer.append(RESULT, {"life": self.writer.life, "version": self.run.version,
                                         "time": time.time(), "restored": True},
                                protocol.encode(protocol.RolloutResult(server_id="rollout_log",
                                                                       samples=back)))
         self.writer.sync()
         self.m_restored.inc(len(back))
-        svc.log("rollout_log_restored", samples=len(back), groups=len({s_.assignment_id for s_ in back}),
-                outcome=dict(outcome), left_out=dict(why), log=log_stats, resumed_version=svc.version,
+        self.log("rollout_log_restored", samples=len(back), groups=len({s_.assignment_id for s_ in back}),
+                outcome=dict(outcome), left_out=dict(why), log=log_stats, resumed_version=self.run.version,
                 **({"hint": "the checkpoint is older than the last life of the log: nothing restored"}
                    if why.get("lineage") else {}))
 
@@ -457,13 +458,13 @@ class LearnerRolloutLog:
             return True
         w = self.writer
         try:
-            n = w.append(RESULT, {"life": w.life, "version": self.svc.version, "time": time.time()},
+            n = w.append(RESULT, {"life": w.life, "version": self.run.version, "time": time.time()},
                          protocol.encode(res))
             if self.settings.fsync == "record":
                 await w.sync_async()
         except OSError as e:
             self.m_failures.inc()
-            self.svc.log("rollout_log_failed", level="error", server=msg.server_id,
+            self.log("rollout_log_failed", level="error", server=msg.server_id,
                          samples=len(res.samples), error=f"{type(e).__name__}: {e}"[:300],
                          directory=str(self.root), action="no Ack sent: the server keeps the result",
                          hint="free disk space or make learner.rollout_log.path writable")
@@ -490,7 +491,7 @@ class LearnerRolloutLog:
 
     def _sync_failed(self, e: OSError) -> None:
         self.m_failures.inc()
-        self.svc.log("rollout_log_failed", level="error", error=f"{type(e).__name__}: {e}"[:300],
+        self.log("rollout_log_failed", level="error", error=f"{type(e).__name__}: {e}"[:300],
                      directory=str(self.root), action="fsync failed: the last step's records are in "
                      "the OS, not known to be on disk", hint="check the disk of learner.rollout_log.path")
 

@@ -3,8 +3,6 @@ resume takes back (learner.state.rollout_log). Pure file I/O; no model."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -20,6 +18,7 @@ from learner.state.rollout_log import (
     accepted_result,
     untrained_groups,
 )
+from learner.state.run_state import RunState
 
 
 def sample(aid: str, i: int, versions=(0, 0), reward: float = 0.0, size: int = 2) -> protocol.Sample:
@@ -159,9 +158,8 @@ def test_which_samples_a_resume_takes_back(tmp_path):
 
 async def test_a_log_directory_that_cannot_be_written_is_a_startup_error(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    svc = SimpleNamespace(cfg=SimpleNamespace(run_dir=str(tmp_path)), metrics=LearnerMetrics(),
-                          checkpoints=SimpleNamespace(resumed_from=None), run_id="r", version=0,
-                          log=lambda *a, **k: None)
-    log = LearnerRolloutLog(svc, RolloutLogSettings(path=str(tmp_path / "file" / "log")))
+    log = LearnerRolloutLog(RolloutLogSettings(path=str(tmp_path / "file" / "log")), tmp_path,
+                            run=RunState("r"), buffer=None, metrics=LearnerMetrics(),
+                            log=lambda *a, **k: None, resumed_from=lambda: None)
     with pytest.raises(protocol.StartupError, match="learner.rollout_log.path"):
         await log.open()
