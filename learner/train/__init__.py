@@ -3,6 +3,7 @@
 Owns the trainer (:mod:`.trainer`) and its step statistics (:mod:`.step`), micro-batch plans
 (:mod:`.batching`), advantages and returns (:mod:`.returns`), the reference model
 (:mod:`.reference`), the critic (:mod:`.critic`), learning-rate schedules, devices, dropout, the
-DeepSpeed strategy (:mod:`.distributed`, :mod:`.ds_config`) and the publish layout of weights
+strategies the trainer is given (:mod:`.strategy`: plain; the DeepSpeed one in :mod:`.distributed`,
+:mod:`.ds_state`, :mod:`.ds_config`, :mod:`.ds_group`) and the publish layout of weights
 (:mod:`.weights`). Never imports :mod:`learner.serve`: a trainer knows nothing of sockets.
 """

@@ -1,15 +1,20 @@
 """The learner on several processes: the policy (and critic) as DeepSpeed engines, data-parallel
-(issue 11; the section is ``learner.deepspeed``, learner/train/ds_config.py).
+(issue 11; the section is ``learner.deepspeed``, learner/train/ds_config.py). It is a strategy
+the one :class:`learner.train.trainer.Trainer` is given (:class:`DeepSpeedStrategy`, the
+operations of learner.train.strategy); :func:`make_trainer` builds the trainer either way.
 
 Who does what. Rank 0 is the learner service: the sockets, the buffer, control, metrics and
 publishing, exactly as one process. Every other rank runs :func:`worker_main`: no sockets, no
-buffer; it waits for rank 0's next command on a gloo group and runs the same trainer method, so
-the collectives of the two sides always meet in the same order. Ranks never talk ZeroMQ.
+buffer; it waits for rank 0's next command on a gloo group and runs the same handler
+(``DeepSpeedStrategy._do_<command>``), so the collectives of the two sides always meet in the same
+order. Ranks never talk ZeroMQ.
 
     command       rank 0 sends                 every rank runs
-    step          the live config, the batch   Trainer.step on the whole batch, training its share
+    step          the live config, the batch   Trainer.local_step on the whole batch, training its share
     gather        -                            ZeRO-3: the publish's parameters, bucket by bucket
     save_policy   the directory                ZeRO-3: the gathered policy, written by rank 0
+    save_engine   the directory                engine/ of a checkpoint (learner.train.ds_state)
+    load_engine   the directory                every rank sets its partitions and RNG states from it
     ping          -                            nothing (rank 0 is alive while it waits for rollouts)
     stop          -                            the worker exits 0
 
@@ -34,7 +39,8 @@ are discarded through DeepSpeed's own overflow path; earlier updates of the step
 (below).
 
 Checkpoints. learner.state.checkpoint writes them as for one process (atomically, with a manifest);
-the trainer adds ``engine/``: each trained parameter's float32 master weight and Adam moments,
+the strategy adds ``engine/`` (learner.train.ds_state): each trained parameter's float32 master
+weight and Adam moments,
 gathered whole from every rank's partitions and written by rank 0 as safetensors (no pickle,
 and a resume may use another number of ranks); resuming, every rank reads it and sets its own
 partitions. The policy directory is saved as well (plain HF, gathered under ZeRO-3).
@@ -52,7 +58,7 @@ non-finite loss, or a non-finite reduced gradient that DeepSpeed declined to app
 every rank, what the step's earlier updates changed: this rank's float32 master partitions, its
 partitions (ZeRO-3) or copies (ZeRO-1/2) of the model's parameters, and the torch optimizer's
 state (Adam moments and step counts) — all local, no collective, each rank the part it holds
-(:meth:`DeepSpeedTrainer._snapshot`). Every rank takes the same decision (the losses are gathered,
+(:meth:`DeepSpeedStrategy.snapshot`). Every rank takes the same decision (the losses are gathered,
 the norm is the reduced one), so every rank rolls back. The same copy guards a step of one update
 that trains both the policy and a critic: DeepSpeed knows a gradient norm only inside
 ``engine.step()``, so the policy's update is undone when the critic's is then skipped. The cost
@@ -71,7 +77,6 @@ non-zero, and the launcher takes the group down.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -80,7 +85,6 @@ import torch
 
 from buffer import Batch
 from learner.config import LearnerConfig, changed_paths, set_path
-from learner.train.batching import BatchTensors
 from learner.train.ds_config import engine_config
 from learner.train.ds_group import (
     Group,
@@ -93,31 +97,30 @@ from learner.train.ds_group import (
     join_group,
     local_data,
     master_weights,
-    seed_rank,
 )
+from learner.train.ds_state import load_engine, save_engine
+from learner.train.policy_io import publish_tensors, save_pretrained
 from learner.train.step import MiniBatch, SkippedStep, StepData, UpdateLog
+from learner.train.strategy import Skip
 from learner.train.trainer import Trainer
 from protocol.errors import StartupError
 
-__all__ = ["DeepSpeedTrainer", "launch_ranks", "make_trainer", "serve", "worker_main"]
-
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
-ENGINE_TENSORS = "engine.safetensors"
-ENGINE_JSON = "engine.json"
-ENGINE_RNG = "rng.safetensors"
+__all__ = ["DeepSpeedStrategy", "join_group", "launch_ranks", "make_trainer", "serve", "worker_main"]
 
 
-class DeepSpeedTrainer(Trainer):
-    """:class:`learner.train.trainer.Trainer` with its models as DeepSpeed engines over a :class:`Group`
-    (module docstring). On rank 0 the service calls it as it calls a Trainer; the methods that are
-    collective send their command to the other ranks first."""
+class DeepSpeedStrategy:
+    """:class:`learner.train.strategy.TrainStrategy` with the trainer's models as DeepSpeed
+    engines over a :class:`Group` (module docstring). On rank 0 the service calls the trainer as
+    it calls a plain one; the operations that are collective send their command to the other ranks
+    first. Made before the trainer (it checks the section and joins the group: a StartupError
+    comes before any model loads); :meth:`wrap` builds the engines."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, group: Group | None = None):
-        import deepspeed
+    def __init__(self, cfg: LearnerConfig, group: Group | None = None):
+        import deepspeed  # noqa: F401 - an ImportError before anything else
 
         ds = cfg.deepspeed
         if ds is None:
-            raise StartupError("DeepSpeedTrainer needs a learner.deepspeed section")
+            raise StartupError("DeepSpeedStrategy needs a learner.deepspeed section")
         if cfg.runtime.dtype not in ("auto", "float32"):
             raise StartupError(f"learner.runtime.dtype={cfg.runtime.dtype} with learner.deepspeed: load in float32 "
                                "(dtype: auto or float32) and set learner.deepspeed.precision "
@@ -125,42 +128,55 @@ class DeepSpeedTrainer(Trainer):
         self.group = group or join_group(ds)
         self.ds = ds
         check_precision(ds)
-        # The engines decide the device (one per rank) and cast to their precision themselves.
-        runtime = cfg.runtime.model_copy(update={"device": self.group.device, "dtype": "float32"})
-        super().__init__(cfg.model_copy(update={"runtime": runtime}), model_path)
-        world = self.group.world
-        self.engine, *_ = deepspeed.initialize(
-            model=self.model, optimizer=self.optimizer, dist_init_required=False,
-            config=engine_config(ds, cfg.optimizer.max_grad_norm, world))
+        self.trainer: Trainer | None = None
+        self.engine = None
         self.critic_engine = None
-        if self.critic is not None:
-            self.critic_engine, *_ = deepspeed.initialize(
-                model=self.critic, optimizer=self.critic_optimizer, dist_init_required=False,
-                config=engine_config(ds, cfg.critic.max_grad_norm, world))
-        # Every pass goes through the engine's forward (it starts DeepSpeed's per-micro-batch
-        # bookkeeping: without it ZeRO-3 keeps only the last micro-batch's gradients).
-        self.forward.model = self.engine
-        if self.critic_engine is not None:
-            self.critic = self.critic_engine
-        if ds.zero_stage == 3:
-            # The hidden-state path multiplies by the head's weight outside the head's forward,
-            # where ZeRO-3 holds only this rank's partition of it: the logits path instead.
-            self.forward.uses_hidden = False
-            if self.reference is not None and not self.reference.owns_weights:
-                self.reference.forward.uses_hidden = False
         self._dirty: set[str] = set()          # engines with gradients not yet stepped
-        self._dummy_rows: torch.Tensor | None = None
-        self._dummies = 0
         self.last_gather: dict[str, float] = {}
-        self._heartbeat = None
+        self._heartbeat: Heartbeat | None = None
         self._closed = False
-        if self.group.rank == 0 and world > 1:
-            self._heartbeat = Heartbeat(self.group, ds.heartbeat_s)
-            self._heartbeat.start()
 
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    def configure(self, cfg: LearnerConfig) -> LearnerConfig:
+        """The engines decide the device (one per rank) and cast to their precision themselves."""
+        runtime = cfg.runtime.model_copy(update={"device": self.group.device, "dtype": "float32"})
+        return cfg.model_copy(update={"runtime": runtime})
+
+    def wrap(self, trainer: Trainer) -> None:
+        import deepspeed
+
+        self.trainer = trainer
+        cfg, world = trainer.cfg, self.group.world
+        self.engine, *_ = deepspeed.initialize(
+            model=trainer.model, optimizer=trainer.optimizer, dist_init_required=False,
+            config=engine_config(self.ds, cfg.optimizer.max_grad_norm, world))
+        if trainer.critic is not None:
+            self.critic_engine, *_ = deepspeed.initialize(
+                model=trainer.critic, optimizer=trainer.critic_optimizer, dist_init_required=False,
+                config=engine_config(self.ds, cfg.critic.max_grad_norm, world))
+        # Every pass goes through the engine's forward (it starts DeepSpeed's per-micro-batch
+        # bookkeeping: without it ZeRO-3 keeps only the last micro-batch's gradients).
+        trainer.forward.model = self.engine
+        if self.critic_engine is not None:
+            trainer.critic = self.critic_engine
+        if self.ds.zero_stage == 3:
+            # The hidden-state path multiplies by the head's weight outside the head's forward,
+            # where ZeRO-3 holds only this rank's partition of it: the logits path instead.
+            trainer.forward.uses_hidden = False
+            if trainer.reference is not None and not trainer.reference.owns_weights:
+                trainer.reference.forward.uses_hidden = False
+        if self.group.rank == 0 and world > 1:
+            self._heartbeat = Heartbeat(self.group, self.ds.heartbeat_s)
+            self._heartbeat.start()
+
+    def engines(self) -> list[tuple[str, object, torch.optim.Optimizer]]:
+        """(name, engine, the torch optimizer it steps) of each trained model."""
+        tr = self.trainer
+        return [(n, e, o) for n, e, o in (("policy", self.engine, tr.optimizer),
+                                          ("critic", self.critic_engine, tr.critic_optimizer)) if e is not None]
 
     # ---- commands ----------------------------------------------------------------------------
     def _command(self, name: str, *args):
@@ -171,22 +187,22 @@ class DeepSpeedTrainer(Trainer):
 
     def step(self, batch: Batch) -> dict[str, float]:
         with self.group.lock:
-            self.group.send("step", self.cfg.model_dump(mode="json"), batch_to_wire(batch))
-            return Trainer.step(self, batch)
+            self.group.send("step", self.trainer.cfg.model_dump(mode="json"), batch_to_wire(batch))
+            return self.trainer.local_step(batch)
 
     def _do_step(self, cfg: dict, batch: dict) -> dict[str, float]:
         """A worker: what changed in rank 0's config since the last step (``ctl set`` changes it
         between steps; each changed key validated by its section, not the whole config again),
         then the step. The device and dtype stay this rank's own."""
-        mine = self.cfg.model_dump(mode="json")
-        for key, value in changed_paths(mine, cfg):
+        live = self.trainer.cfg
+        for key, value in changed_paths(live.model_dump(mode="json"), cfg):
             if key not in ("runtime.device", "runtime.dtype"):
-                set_path(self.cfg, key, value)
-        return Trainer.step(self, batch_from_wire(batch))
+                set_path(live, key, value)
+        return self.trainer.local_step(batch_from_wire(batch))
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        if self.ds.zero_stage != 3:
-            return super().named_tensors()       # stages 1, 2: parameters are whole on every rank
+        if self.ds.zero_stage != 3:             # stages 1, 2: parameters are whole on every rank
+            return publish_tensors(self.trainer.model, lora=self.trainer.lora_config is not None)
         return self._command("gather")
 
     def _do_gather(self) -> list[tuple[str, torch.Tensor]]:
@@ -196,15 +212,16 @@ class DeepSpeedTrainer(Trainer):
 
         import deepspeed
 
+        tr = self.trainer
         t0, total = time.perf_counter(), 0
         out: list[tuple[str, torch.Tensor]] = []
-        if self.lora_config is not None:
+        if tr.lora_config is not None:
             from peft import get_peft_model_state_dict
 
-            with deepspeed.zero.GatheredParameters(self.trainable, modifier_rank=None):
+            with deepspeed.zero.GatheredParameters(tr.trainable, modifier_rank=None):
                 if self.rank == 0:
                     out = [(n, t.detach().to("cpu", copy=True))
-                           for n, t in get_peft_model_state_dict(self.model).items()]
+                           for n, t in get_peft_model_state_dict(tr.model).items()]
         else:
             bucket: list[tuple[str, torch.nn.Parameter]] = []
             size = 0
@@ -215,7 +232,7 @@ class DeepSpeedTrainer(Trainer):
                         out.extend((n, p.detach().to("cpu", copy=True)) for n, p in bucket)
                 bucket.clear()
 
-            for name, p in self.model.named_parameters():
+            for name, p in tr.model.named_parameters():
                 nbytes = int(getattr(p, "ds_numel", p.numel())) * p.element_size()
                 bucket.append((name, p))
                 size += nbytes
@@ -230,17 +247,18 @@ class DeepSpeedTrainer(Trainer):
         self.last_gather = {"bytes": float(total), "seconds": time.perf_counter() - t0}
         return out
 
-    def save_policy(self, path: str | Path) -> Path:
+    def save_policy(self, path: Path) -> Path:
         if self.ds.zero_stage != 3:
-            return super().save_policy(path)
+            return save_pretrained(self.trainer.model, self.trainer.tokenizer, path)
         return self._command("save_policy", str(path))
 
     def _do_save_policy(self, path: str) -> Path:
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+        model = self.trainer.model
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             if self.rank == 0:
-                return super().save_policy(path)
+                return save_pretrained(model, self.trainer.tokenizer, path)
         return Path(path)
 
     def close(self) -> None:
@@ -261,62 +279,24 @@ class DeepSpeedTrainer(Trainer):
         finally:
             self.group.lock.release()
 
-    # ---- checkpoints (learner.state.checkpoint calls these; module docstring) ------------------------
-    def state_dict(self) -> dict:
-        """What a checkpoint's trainer.json / trainer.safetensors hold under DeepSpeed: the KL
-        controller and the running reward moments. Weights and optimizer moments are the
+    # ---- checkpoints (learner.state.checkpoint calls these through the trainer) -------------
+    def model_state(self) -> dict:
+        """Nothing in trainer.json / trainer.safetensors: weights and optimizer moments are the
         engines' (:meth:`save_engine_state`); the reference is the initial policy (not saved)."""
-        return {"kl_controller": self.kl_controller.state_dict(),
-                "reward_moments": self.reward_moments.state_dict()}
+        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        self.reward_moments.load_state_dict(state["reward_moments"])
-
-    def _engines(self) -> list[tuple[str, object]]:
-        return [(n, e) for n, e in (("policy", self.engine), ("critic", self.critic_engine)) if e is not None]
+    def load_model_state(self, state: dict) -> None:
+        return None
 
     def save_engine_state(self, path: str | Path) -> None:
-        """Write ``path/engine.safetensors`` and ``path/engine.json``: every trained parameter's
-        float32 master weight and Adam moments, each gathered whole from the ranks' partitions
-        (collective) and written by rank 0, so a resume does not depend on the number of ranks
-        and nothing is pickled (DeepSpeed's own checkpoints are torch.save files)."""
+        """Write ``path/`` (learner.train.ds_state): every trained parameter's float32 master
+        weight and Adam moments, gathered whole from the ranks' partitions (collective) and
+        written by rank 0, and every rank's RNG states; so a resume does not depend on the number
+        of ranks and nothing is pickled (DeepSpeed's own checkpoints are torch.save files)."""
         self._command("save_engine", str(path))
 
     def _do_save_engine(self, path: str) -> None:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        from learner.state.tree import rng_state
-
-        rng_tensors: dict[str, torch.Tensor] = {}
-        rng = rng_state(rng_tensors)           # first: nothing below draws, but say so
-        ranks_rng = self.group.gather([rng, {k: t.cpu().numpy().tobytes() for k, t in rng_tensors.items()}])
-        tensors: dict[str, torch.Tensor] = {}
-        steps: dict[str, int] = {}
-        for prefix, engine in self._engines():
-            for name, p in engine.module.named_parameters():
-                if not p.requires_grad:
-                    continue
-                values = {"fp32": safe_get_full_fp32_param(p)}
-                for key in ADAM_STATES:
-                    values[key] = safe_get_full_optimizer_state(p, key)
-                if self.rank == 0:
-                    for key, t in values.items():
-                        tensors[f"{prefix}/{key}/{name}"] = t.detach().float().cpu().contiguous().clone()
-            opt = self.optimizer if prefix == "policy" else self.critic_optimizer
-            steps[prefix] = max((int(st["step"]) for st in opt.state.values() if "step" in st), default=0)
-        if self.rank != 0:
-            return
-        from safetensors.torch import save_file
-
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / ENGINE_TENSORS))
-        save_file({f"rank{r}/{k}": torch.frombuffer(bytearray(b), dtype=torch.uint8)
-                   for r, (_, raw) in enumerate(ranks_rng) for k, b in raw.items()}, str(out / ENGINE_RNG))
-        (out / ENGINE_JSON).write_text(json.dumps({"zero_stage": self.ds.zero_stage, "world": self.group.world,
-                                                   "precision": self.ds.precision, "adam_steps": steps,
-                                                   "rng": [state for state, _ in ranks_rng]}))
+        save_engine(path, self.engines(), self.group, self.ds.zero_stage, self.ds.precision)
 
     def load_engine_state(self, path: str | Path) -> None:
         """Every rank reads ``path`` (a directory every rank can see) and sets its partitions of
@@ -324,123 +304,28 @@ class DeepSpeedTrainer(Trainer):
         docstring: another rank count); ValueError when the file does not fit this model."""
         self._command("load_engine", str(path))
 
-    def _init_adam_state(self) -> None:
-        """Before the first step torch's AdamW has no state (it makes it in its first step) and
-        DeepSpeed has not linked its parameters to it: make both, as that first step would (zero
-        moments), so a resume can set them."""
-        for _, engine in self._engines():
-            opt = self.optimizer if engine is self.engine else self.critic_optimizer
-            flats = [p for group in opt.param_groups for p in group["params"]]
-            for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-                flats += list(getattr(engine.optimizer, name, None) or [])   # ZeRO-1/2, ZeRO-3
-            for p in {id(p): p for p in flats}.values():
-                st = opt.state[p]
-                if "exp_avg" not in st:
-                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                              exp_avg_sq=torch.zeros_like(p))
-            link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-            if callable(link):
-                link()
-
     def _do_load_engine(self, path: str) -> None:
-        import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-        from safetensors.torch import load_file
+        load_engine(path, self.engines(), self.rank, self.ds.zero_stage, self.trainer.cfg.seed)
 
-        self._init_adam_state()
-        src = Path(path)
-        meta = json.loads((src / ENGINE_JSON).read_text())
-        tensors = load_file(str(src / ENGINE_TENSORS))
-        want = {f"{prefix}/{key}/{name}" for prefix, engine in self._engines()
-                for name, p in engine.module.named_parameters() if p.requires_grad
-                for key in ("fp32", *ADAM_STATES)}
-        if set(tensors) != want:
-            extra, missing = sorted(set(tensors) - want)[:2], sorted(want - set(tensors))[:2]
-            raise ValueError(f"engine state does not fit: extra {extra}, missing {missing}")
-        for prefix, engine in self._engines():
-            for name, p in engine.module.named_parameters():
-                if not p.requires_grad:
-                    continue
-                t = tensors[f"{prefix}/fp32/{name}"]
-                shape = tuple(getattr(p, "ds_shape", p.shape))
-                if tuple(t.shape) != shape:
-                    raise ValueError(f"engine tensor {name!r} has shape {tuple(t.shape)}, the model {shape}")
-                safe_set_full_fp32_param(p, t.to(engine.device))
-                for key in ADAM_STATES:
-                    safe_set_full_optimizer_state(p, tensors[f"{prefix}/{key}/{name}"].to(engine.device), key)
-                if self.ds.zero_stage == 3:
-                    with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
-                        if self.rank == 0:
-                            p.data.copy_(t.to(p.dtype))
-                else:
-                    with torch.no_grad():
-                        p.data.copy_(t.to(p.dtype))
-            opt = self.optimizer if prefix == "policy" else self.critic_optimizer
-            for st in opt.state.values():
-                if "step" in st:
-                    old, n = st["step"], meta["adam_steps"][prefix]
-                    st["step"] = (torch.tensor(float(n), dtype=old.dtype, device=old.device)
-                                  if torch.is_tensor(old) else n)
-        self._load_rng(src, meta)
-
-    def _load_rng(self, src: Path, meta: dict) -> None:
-        """This rank's saved RNG states, or the :func:`rank_seed` rule (module docstring)."""
-        from safetensors.torch import load_file
-
-        from learner.state.tree import set_rng_state
-
-        saved = meta.get("rng") or []
-        if self.rank >= len(saved):
-            seed_rank(self.cfg.seed, self.rank)
-            return
-        prefix = f"rank{self.rank}/"
-        tensors = {k[len(prefix):]: t for k, t in load_file(str(src / ENGINE_RNG)).items()
-                   if k.startswith(prefix)}
-        set_rng_state(saved[self.rank], tensors)
-
-    # ---- the trainer's hooks -----------------------------------------------------------------
+    # ---- inside a step -----------------------------------------------------------------------
     def _engine(self, which: str):
         return self.engine if which == "policy" else self.critic_engine
 
-    def _my_chunks(self, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    def share(self, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         """(this rank's chunks ``rank::N``, dummy passes to make every rank's count equal)."""
         n = -(-len(chunks) // self.group.world)
         mine = chunks[self.rank::self.group.world]
         return mine, n - len(mine)
 
-    @torch.no_grad()
-    def _no_grad_pass(self, bt: BatchTensors, chunks: list[torch.Tensor], fn) -> torch.Tensor:
-        mine, dummies = self._my_chunks(chunks)
-        out = torch.zeros(bt.mask.shape, dtype=torch.float32, device=bt.mask.device)
-        for rows in mine:
-            sub = bt.rows(rows)
-            out[rows, :sub.mask.shape[1]] = fn(sub).float()
-        for _ in range(dummies):
-            fn(bt.rows(chunks[0]))
-        return self.group.sum_(out)          # rows are disjoint: the sum is each row's own value
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        return self.group.sum_(t)             # rows are disjoint: the sum is each row's own value
 
-    def _local_micro_batches(self, micros: list[torch.Tensor]) -> list[torch.Tensor]:
-        mine, self._dummies = self._my_chunks(micros)
-        self._dummy_rows = micros[0]
-        return mine
-
-    def _backward(self, loss: torch.Tensor, which: str) -> None:
+    def backward(self, loss: torch.Tensor, which: str) -> None:
         # DeepSpeed averages over ranks; times N the reduced gradient is the mini-batch's sum.
         self._engine(which).backward(loss * self.group.world)
         self._dirty.add(which)
 
-    def _dummy_micro(self, s: StepData) -> None:
-        """A pass with a zero loss: the same collectives as a real micro-batch, no gradient."""
-        sub = s.bt.rows(self._dummy_rows)
-        if s.train_policy:
-            lp, _ = self._logprobs(sub, "none")
-            self._backward(lp.sum() * 0.0, "policy")
-        if self.critic is not None:
-            self._backward(self.critic(sub.input_ids, sub.attention_mask).sum() * 0.0, "critic")
-
-    def _minibatch_done(self, s: StepData, mb: MiniBatch) -> MiniBatch:
-        for _ in range(self._dummies):
-            self._dummy_micro(s)
+    def merge_minibatch(self, mb: MiniBatch) -> MiniBatch:
         merged = MiniBatch()
         for losses, pg, vf in self.group.gather((mb.losses, mb.pg_parts, mb.vf_parts)):
             for k, v in losses.items():
@@ -449,16 +334,16 @@ class DeepSpeedTrainer(Trainer):
             merged.vf_parts.extend(vf)
         return merged
 
-    def _clip_grads(self, s: StepData) -> tuple[float, float]:
+    def clip_grads(self, s: StepData) -> tuple[float, float]:
         return 0.0, 0.0                      # DeepSpeed clips inside engine.step (reduced gradients)
 
-    def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
+    def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
         norms = {"policy": 0.0, "critic": 0.0}
-        both = s.train_policy and self.critic is not None
+        critic = self.critic_engine is not None
         # One update of both models: the trainer takes no snapshot (one optimizer step), but the
         # critic's norm is known only after the policy's update (module docstring).
-        guard = self._snapshot(("policy",)) if both and s.n_updates == 1 else None
-        for which, on in (("policy", s.train_policy), ("critic", self.critic is not None)):
+        guard = self.snapshot(("policy",)) if s.train_policy and critic and s.n_updates == 1 else None
+        for which, on in (("policy", s.train_policy), ("critic", critic)):
             if not on:
                 continue
             engine = self._engine(which)
@@ -468,25 +353,24 @@ class DeepSpeedTrainer(Trainer):
             norm = float(norm) if norm is not None else float("nan")
             if not engine.was_step_applied() or not math.isfinite(norm):
                 if guard is not None:
-                    self._restore(guard)
+                    self.restore(guard)
                 raise skip(f"non-finite {which} gradient norm (DeepSpeed skipped the update)")
             norms[which] = norm
         return norms["policy"], norms["critic"]
 
-    def _zero_grad(self) -> None:
+    def zero_grad(self) -> None:
         for which in sorted(self._dirty):
             discard_gradients(self._engine(which))
         self._dirty.clear()
 
-    def _snapshot(self, which: tuple[str, ...] = ("policy", "critic")) -> list:
+    def snapshot(self, which: tuple[str, ...] = ("policy", "critic")) -> list:
         """What an update changes on this rank, copied (module docstring, "Rolling back"): per
         engine, the trained parameters' local data (ZeRO-3: the partition), the float32 master
         partitions and the torch optimizer's state. Local: no collective."""
         snap = []
-        for name, engine in self._engines():
+        for name, engine, opt in self.engines():
             if name not in which:
                 continue
-            opt = self.optimizer if name == "policy" else self.critic_optimizer
             params = [local_data(p) for p in engine.module.parameters() if p.requires_grad]
             masters = master_weights(engine)
             state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
@@ -495,7 +379,7 @@ class DeepSpeedTrainer(Trainer):
         return snap
 
     @torch.no_grad()
-    def _restore(self, snap: list) -> None:
+    def restore(self, snap: list) -> None:
         for _, opt, tensors, state in snap:
             for live, saved in tensors:
                 live.copy_(saved)
@@ -512,12 +396,7 @@ class DeepSpeedTrainer(Trainer):
                     elif before is not None:
                         st[k] = before[k]
 
-    def _update(self, s: StepData, start: float) -> UpdateLog:
-        log = super()._update(s, start)
-        self._merge_log(s, log)
-        return log
-
-    def _merge_log(self, s: StepData, log: UpdateLog) -> None:
+    def merge_log(self, s: StepData, log: UpdateLog) -> None:
         """What each rank's micro-batches recorded outside the mini-batch: entropy sums, the
         shortcut's proximal log-probs and importance statistics, the sanity check."""
         if self.group.world == 1:
@@ -563,11 +442,12 @@ def launch_ranks(nproc: int, cfg: LearnerConfig, config_file: str, overrides: li
     return 1                                  # not reached
 
 
-def make_trainer(cfg: LearnerConfig, model_path: str) -> Trainer:
-    """The plain Trainer, or the DeepSpeed one when ``learner.deepspeed`` is set."""
+def make_trainer(cfg: LearnerConfig, model_path: str, group: Group | None = None) -> Trainer:
+    """The Trainer: plain, or given a :class:`DeepSpeedStrategy` (on ``group``, by default this
+    process's) when ``learner.deepspeed`` is set."""
     if cfg.deepspeed is None:
         return Trainer(cfg, model_path)
-    return DeepSpeedTrainer(cfg, model_path)
+    return Trainer(cfg, model_path, DeepSpeedStrategy(cfg, group))
 
 
 def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
@@ -575,13 +455,14 @@ def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
     from protocol.plumbing.process import EventLog
 
     log = EventLog(f"learner-rank{group.rank}")
-    trainer = DeepSpeedTrainer(cfg, model_path, group)
+    trainer = make_trainer(cfg, model_path, group)
     log("worker_ready", rank=group.rank, world=group.world, pid=os.getpid())
     return serve(trainer, group)
 
 
-def serve(trainer: DeepSpeedTrainer, group: Group) -> int:
-    """Run rank 0's commands on ``trainer`` until ``stop`` (then 0)."""
+def serve(trainer: Trainer, group: Group) -> int:
+    """Run rank 0's commands on ``trainer`` (its :class:`DeepSpeedStrategy`'s handlers) until
+    ``stop`` (then 0)."""
     while True:
         name, args = group.receive()
         if name == "stop":
@@ -589,6 +470,6 @@ def serve(trainer: DeepSpeedTrainer, group: Group) -> int:
         if name == "ping":
             continue
         try:
-            getattr(trainer, f"_do_{name}")(*args)
+            getattr(trainer.strategy, f"_do_{name}")(*args)
         except SkippedStep:
             pass                              # rank 0 reports it; every rank skipped the same

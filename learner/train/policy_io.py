@@ -1,8 +1,10 @@
 """The policy model's I/O outside a step: how it is loaded (attention implementation), its optimizer,
 what a publish carries (full tensors, or a LoRA adapter and its config) and its state for a
-checkpoint. Functions of the model alone, so the plain and the DeepSpeed trainer share them."""
+checkpoint. Functions of the model alone, so the plain and the DeepSpeed strategy share them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -63,6 +65,16 @@ def publish_tensors(model, *, lora: bool) -> list[tuple[str, torch.Tensor]]:
 
         return [(n, t.detach()) for n, t in get_peft_model_state_dict(model).items()]
     return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def save_pretrained(model, tokenizer, path: str | Path) -> Path:
+    """``save_pretrained`` of the policy (the full model, or a PEFT model's adapter) and of the
+    tokenizer into ``path`` (made if missing); returns it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def policy_state(model, *, lora: bool) -> dict[str, torch.Tensor]:

@@ -14,11 +14,15 @@ weights, rewards, advantages, importance weights, then the updates.
 The proximal pass (when a step needs one, and the single-step shortcut where it does not), the
 seeds' sanity check it makes possible, ``recompute_logprobs: false``, ``clip_anchor: behavior``,
 and what a step that applies nothing restores: docs/design.md §4.
+
+What differs between one process and data-parallel engines (backward, clipping and optimizer
+steps, zeroing, who computes which micro-batches, rollback copies, publish gathers, checkpoint
+state) is the trainer's :class:`learner.train.strategy.TrainStrategy`: :class:`PlainStrategy`
+unless it is given another (:class:`learner.train.distributed.DeepSpeedStrategy`).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from pathlib import Path
@@ -34,19 +38,12 @@ from learner.train.batching import BatchTensors, collate, plan_updates, take
 from learner.train.critic import Critic
 from learner.train.devices import resolve_device, resolve_dtype
 from learner.train.dropout import disable_dropout
-from learner.train.policy_io import (
-    adamw,
-    attn_kwargs,
-    load_policy,
-    load_policy_state,
-    lora_publish_fields,
-    policy_state,
-    publish_tensors,
-)
+from learner.train.policy_io import adamw, attn_kwargs, load_policy, lora_publish_fields
 from learner.train.reference import ReferencePolicy
 from learner.train.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.train.schedules import lr_factor
 from learner.train.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog, step_stats
+from learner.train.strategy import PlainStrategy, TrainStrategy
 from protocol import LoraSpec
 
 __all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
@@ -69,9 +66,14 @@ class Trainer:
     trained (and in the optimizer); the reference is the base with the adapter disabled; a publish
     (:meth:`named_tensors`) carries the adapter's tensors under ``get_peft_model_state_dict`` names,
     with :meth:`publish_lora` the adapter config.
+
+    ``strategy``: how the models are trained (module docstring); it may change the config the
+    models load with (DeepSpeed: the rank's device, float32) and wraps them once they are built.
     """
 
-    def __init__(self, cfg: LearnerConfig, model_path: str):
+    def __init__(self, cfg: LearnerConfig, model_path: str, strategy: TrainStrategy | None = None):
+        self.strategy: TrainStrategy = strategy if strategy is not None else PlainStrategy()
+        cfg = self.strategy.configure(cfg)
         self.cfg = cfg
         self.device = resolve_device(cfg.runtime.device)
         # Mixed precision keeps float32 weights (dtype auto included) and computes under autocast.
@@ -118,6 +120,7 @@ class Trainer:
         else:
             self.kl_controller = ops.FixedKLController(cfg.kl.coef)
         self.reward_moments = ops.RunningMoments()
+        self.strategy.wrap(self)
 
     # ---- what the service uses -------------------------------------------------------------
     def encode_prompt(self, text: str) -> np.ndarray:
@@ -142,53 +145,46 @@ class Trainer:
         """What a publish sends. Full: every parameter in the training dtype, tied parameters once
         (``named_parameters`` yields a shared tensor under its first name only, e.g. the embedding
         and not ``lm_head.weight``; both engines re-tie on load). LoRA: the adapter's tensors
-        under ``get_peft_model_state_dict`` names (``base_model.model.<module>.lora_A.weight``)."""
-        return publish_tensors(self.model, lora=self.lora_config is not None)
+        under ``get_peft_model_state_dict`` names (``base_model.model.<module>.lora_A.weight``).
+        Collective under ZeRO-3 (gathered from the ranks' partitions; [] on the other ranks)."""
+        return self.strategy.named_tensors()
 
     def save_policy(self, path: str | Path) -> Path:
         """``save_pretrained`` of the policy — the full model in the training dtype, or the PEFT
         adapter (``adapter_config.json`` + ``adapter_model.safetensors``, which transformers with
-        PEFT, PEFT itself and vLLM's ``LoRARequest`` load as they are) — and the tokenizer."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        return path
+        PEFT, PEFT itself and vLLM's ``LoRARequest`` load as they are) — and the tokenizer
+        (ZeRO-3: gathered, written by rank 0)."""
+        return self.strategy.save_policy(Path(path))
 
-    # ---- checkpoint hooks ------------------------------------------------------------------
-    def _policy_state(self) -> dict[str, torch.Tensor]:
-        return policy_state(self.model, lora=self.lora_config is not None)
+    def close(self) -> None:
+        """Done with this trainer (DeepSpeed: rank 0 tells the other ranks to exit)."""
+        self.strategy.close()
 
-    def _load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_policy_state(self.model, state, lora=self.lora_config is not None)
-
+    # ---- checkpoints (learner.state.checkpoint) --------------------------------------------
     def state_dict(self) -> dict:
-        """Everything a resume needs besides the config: policy (the adapter alone under LoRA: the
-        base is the loaded model, frozen), critic, reference (empty under LoRA), optimizers, KL
-        controller and running reward moments (plain tensors and numbers)."""
-        state = {"policy": self._policy_state(), "optimizer": self.optimizer.state_dict(),
-                 "kl_controller": self.kl_controller.state_dict(),
-                 "reward_moments": self.reward_moments.state_dict()}
-        if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-            state["critic_optimizer"] = self.critic_optimizer.state_dict()
-        return state
+        """Everything a resume needs besides the config and :attr:`save_engine_state`: the
+        strategy's models and optimizers (plain: policy — the adapter alone under LoRA —, its
+        optimizer, reference, critic and its optimizer; DeepSpeed: none), the KL controller and
+        the running reward moments (plain tensors and numbers)."""
+        return {**self.strategy.model_state(), "kl_controller": self.kl_controller.state_dict(),
+                "reward_moments": self.reward_moments.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._load_policy_state(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_model_state(state)
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.reward_moments.load_state_dict(state["reward_moments"])
-        for key, target in (("reference", self.reference), ("critic", self.critic)):
-            if (key in state) != (target is not None):
-                raise ValueError(f"checkpoint has {'a' if key in state else 'no'} {key}, "
-                                 f"the config {'uses' if target is not None else 'does not use'} one")
-            if target is not None:
-                target.load_state_dict(state[key])
-        if self.critic is not None:
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    @property
+    def save_engine_state(self):
+        """The strategy's writer of the state it keeps outside the model (DeepSpeed: the engines'
+        master weights, Adam moments and every rank's RNG states), or None: a checkpoint then
+        holds the policy directory and :meth:`state_dict` alone."""
+        return self.strategy.save_engine_state
+
+    @property
+    def load_engine_state(self):
+        """Its reader (every rank), or None: a resume loads the policy directory."""
+        return self.strategy.load_engine_state
 
     # ---- passes ----------------------------------------------------------------------------
     def _logprobs(self, sub: BatchTensors, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -199,12 +195,17 @@ class Trainer:
 
     @torch.no_grad()
     def _no_grad_pass(self, bt: BatchTensors, chunks: list[torch.Tensor], fn) -> torch.Tensor:
-        """``fn(sub)`` -> (b, L_sub-1) over the row chunks, gathered into a (B, L-1) tensor."""
+        """``fn(sub)`` -> (b, L_sub-1) over the row chunks, gathered into a (B, L-1) tensor. Each
+        process computes its share of the chunks (and dummy passes on the first, so that every
+        rank makes the same passes); the rows are disjoint, so the sum over ranks is each row's."""
+        mine, dummies = self.strategy.share(chunks)
         out = torch.zeros(bt.mask.shape, dtype=torch.float32, device=bt.mask.device)
-        for rows in chunks:
+        for rows in mine:
             sub = bt.rows(rows)
             out[rows, :sub.mask.shape[1]] = fn(sub).float()
-        return out
+        for _ in range(dummies):
+            fn(bt.rows(chunks[0]))
+        return self.strategy.sum_(out)
 
     def _proximal_pass(self, bt: BatchTensors, chunks: list[torch.Tensor]) -> torch.Tensor:
         """log π at the current weights, no grad, in eval mode (dropout off whatever the config)."""
@@ -267,25 +268,6 @@ class Trainer:
                 g["lr"] = critic_lr
         return lr, critic_lr
 
-    # ---- rollback --------------------------------------------------------------------------
-    def _snapshot(self) -> dict:
-        snap = {"policy": [p.detach().clone() for p in self.trainable],   # frozen ones cannot change
-                "optimizer": copy.deepcopy(self.optimizer.state_dict())}
-        if self.critic is not None:
-            snap["critic"] = [p.detach().clone() for p in self.critic.parameters()]
-            snap["critic_optimizer"] = copy.deepcopy(self.critic_optimizer.state_dict())
-        return snap
-
-    @torch.no_grad()
-    def _restore(self, snap: dict) -> None:
-        for p, saved in zip(self.trainable, snap["policy"], strict=True):
-            p.copy_(saved)
-        self.optimizer.load_state_dict(snap["optimizer"])
-        if self.critic is not None:
-            for p, saved in zip(self.critic.parameters(), snap["critic"], strict=True):
-                p.copy_(saved)
-            self.critic_optimizer.load_state_dict(snap["critic_optimizer"])
-
     # ---- the step --------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[str, float]:
         """One policy step on a batch whose groups are contiguous and complete (module docstring).
@@ -309,7 +291,14 @@ class Trainer:
         once per row; ``pg_*`` over every applied update's micro-batches, combined by
         ``ops.merge_stats``; entropy over the first epoch's forwards. Raises :class:`SkippedStep`
         when a loss or gradient is not finite (nothing applied).
+
+        The strategy runs :meth:`local_step` (under DeepSpeed rank 0 first sends the batch and the
+        live config to the other ranks, which run it too).
         """
+        return self.strategy.step(batch)
+
+    def local_step(self, batch: Batch) -> dict[str, float]:
+        """:meth:`step` in this process (every rank of a group runs it on the whole batch)."""
         phases = Phases()
         start = time.monotonic()
         with phases("collate"):
@@ -320,6 +309,7 @@ class Trainer:
         self._proximal_and_weights(s, phases)
         with phases("update"):
             log = self._update(s, start)
+            self.strategy.merge_log(s, log)
         if s.use_kl:
             s.kl_next = self.kl_controller.update(self._reference_kl(s, log)[1], len(s.bt))
         ref_kl = self._reference_kl(s, log) if s.use_kl else None
@@ -454,20 +444,20 @@ class Trainer:
                 if (cfg.algorithm.target_kl is not None and s.train_policy and log.applied > 0
                         and ops.merge_stats(mb.pg_parts)["approx_kl"] > cfg.algorithm.target_kl):
                     log.early_stopped = True               # this mini-batch's gradients are dropped
-                    self._zero_grad()
+                    self.strategy.zero_grad()
                     return log
                 where = f"update {log.applied + 1} of {s.n_updates}"
                 bad = next((name for name in sorted(mb.losses, key=lambda n: n != "loss")
                             if not math.isfinite(mb.losses[name])), None)   # the total first
                 if bad is not None:
                     raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
-                gn, cn = self._clip_grads(s)
+                gn, cn = self.strategy.clip_grads(s)
                 for which, norm in (("policy", gn), ("critic", cn)):
                     if not math.isfinite(norm):
                         raise self._skip(s, snapshot, log, f"non-finite {which} gradient norm at {where}", start)
                 if s.n_updates > 1 and snapshot is None:
-                    snapshot = self._snapshot()             # before the first optimizer step
-                gn, cn = self._optimizer_steps(s, gn, cn, lambda reason, snap=snapshot, at=where: self._skip(
+                    snapshot = self.strategy.snapshot()     # before the first optimizer step
+                gn, cn = self.strategy.optimizer_steps(s, gn, cn, lambda reason, snap=snapshot, at=where: self._skip(
                     s, snap, log, f"{reason} at {at}", start))
                 if s.train_policy:
                     log.grad_norms.append(gn)
@@ -480,60 +470,26 @@ class Trainer:
                 log.applied += 1
         return log
 
-    # ---- hooks a data-parallel trainer replaces (learner.train.distributed) -----------------------
-    def _clip_grads(self, s: StepData) -> tuple[float, float]:
-        """(policy, critic) gradient norms before clipping, each clipped once (0.0 where unused)."""
-        gn = cn = 0.0
-        if s.train_policy:
-            gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.optimizer.max_grad_norm))
-        if self.critic is not None:
-            cn = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.critic.max_grad_norm))
-        return gn, cn
-
-    def _optimizer_steps(self, s: StepData, gn: float, cn: float, skip) -> tuple[float, float]:
-        """One optimizer step of the policy (when trained) and of the critic; returns the norms
-        (``skip(reason)`` builds the SkippedStep to raise where a step could not be applied)."""
-        if s.train_policy:
-            self.optimizer.step()
-        if self.critic is not None:
-            self.critic_optimizer.step()
-        return gn, cn
-
-    def _local_micro_batches(self, micros: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The micro-batches of a mini-batch this process trains (all of them here)."""
-        return micros
-
-    def _backward(self, loss: torch.Tensor, which: str) -> None:
-        """Backward of one micro-batch's loss (``which``: policy or critic)."""
-        loss.backward()
-
-    def _minibatch_done(self, s: StepData, mb: MiniBatch) -> MiniBatch:
-        """What a mini-batch measured, over every process that trained part of it."""
-        return mb
-
-    def _zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
-
-    def _skip(self, s: StepData, snapshot: dict | None, log: UpdateLog, reason: str,
+    def _skip(self, s: StepData, snapshot: object | None, log: UpdateLog, reason: str,
               start: float) -> SkippedStep:
         """Undo what this step changed and say why (raised by the caller)."""
         if snapshot is not None:
-            self._restore(snapshot)
+            self.strategy.restore(snapshot)
         self.reward_moments.load_state_dict(s.moments_before)
-        self._zero_grad()
+        self.strategy.zero_grad()
         return SkippedStep(reason, {"updates_applied_before_skip": float(log.applied),
                                     "step_s": time.monotonic() - start})
 
     def _accumulate(self, s: StepData, log: UpdateLog, micros: list[torch.Tensor], epoch: int,
                     first: bool) -> MiniBatch:
-        """Forward and backward of one mini-batch's micro-batches (gradients accumulate)."""
+        """Forward and backward of one mini-batch's micro-batches (gradients accumulate): this
+        process's share of them, then its dummy passes."""
         cfg, bt = self.cfg, s.bt
         normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.algorithm.loss_agg)
-        self._zero_grad()
+        self.strategy.zero_grad()
         mb = MiniBatch()
-        for rows in self._local_micro_batches(micros):
+        mine, dummies = self.strategy.share(micros)
+        for rows in mine:
             sub = bt.rows(rows)
             L = sub.input_ids.shape[1]
             mask = sub.mask
@@ -545,10 +501,21 @@ class Trainer:
                 vf_loss, vf_stats = ops.value_loss(
                     values, take(s.old_values, rows, L), take(s.targets, rows, L), mask,
                     clip=cfg.critic.value_clip, agg=cfg.algorithm.loss_agg, normalizer=normalizer)
-                self._backward(vf_loss, "critic")
+                self.strategy.backward(vf_loss, "critic")
                 mb.add("vf_loss", vf_loss)
                 mb.vf_parts.append((vf_stats, n_tok))
-        return self._minibatch_done(s, mb)
+        for _ in range(dummies):
+            self._dummy_micro(s, micros[0])
+        return self.strategy.merge_minibatch(mb)
+
+    def _dummy_micro(self, s: StepData, rows: torch.Tensor) -> None:
+        """A pass with a zero loss: the same collectives as a real micro-batch, no gradient."""
+        sub = s.bt.rows(rows)
+        if s.train_policy:
+            lp, _ = self._logprobs(sub, "none")
+            self.strategy.backward(lp.sum() * 0.0, "policy")
+        if self.critic is not None:
+            self.strategy.backward(self.critic(sub.input_ids, sub.attention_mask).sum() * 0.0, "critic")
 
     def _policy_micro(self, s: StepData, log: UpdateLog, mb: MiniBatch, sub: BatchTensors,
                       rows: torch.Tensor, normalizer: float, n_tok: int, epoch: int, first: bool) -> None:
@@ -587,7 +554,7 @@ class Trainer:
             ent_val, _ = ops.entropy_loss(entropy, mask, cfg.algorithm.loss_agg, normalizer)
             total = total - cfg.algorithm.entropy_coef * ent_val
             mb.add("entropy_bonus", ent_val)
-        self._backward(total, "policy")
+        self.strategy.backward(total, "policy")
         mb.add("loss", total)
         mb.pg_parts.append((pg_stats, n_tok))
 

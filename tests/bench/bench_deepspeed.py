@@ -60,7 +60,7 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
     from bench_learner import demo_batch
 
     from learner.config import LearnerConfig
-    from learner.train.distributed import DeepSpeedTrainer, join_group, worker_main
+    from learner.train.distributed import join_group, make_trainer, worker_main
     from learner.train.trainer import Trainer
 
     cfg = LearnerConfig(**nested(**FIELDS, deepspeed={"zero_stage": stage, "timeout_s": 600, "heartbeat_s": 30,
@@ -68,7 +68,7 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
     group = join_group(cfg.deepspeed)
     if group.rank != 0:
         return worker_main(cfg, model_dir, group)
-    ds = DeepSpeedTrainer(cfg, model_dir, group)
+    ds = make_trainer(cfg, model_dir, group)
     plain = Trainer(LearnerConfig(**nested(FIELDS)), model_dir)
     batch = demo_batch(plain.tokenizer)
     times: dict[str, list[float]] = {"plain": [], "ds": []}
@@ -81,7 +81,7 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
                 times[name].append(time.perf_counter() - t0)
         if stage == 3:
             ds.named_tensors()
-            gathers.append(dict(ds.last_gather))
+            gathers.append(dict(ds.strategy.last_gather))
     result = {k: statistics.median(v) for k, v in times.items()}
     if gathers:
         result["gather_bytes"] = gathers[-1]["bytes"]

@@ -6,7 +6,7 @@ sharing it keeps the test group short). Each run builds the DeepSpeed trainer on
 1. the oracle: rank 0 drives it as the service would (two steps, the second after a live config
    change, then a publish), the others run the real worker loop (:func:`serve`) until rank 0's
    ``stop``;
-2. the rollback checks (every rank, in step: the ``_do_*`` bodies are the collectives): a step of
+2. the rollback checks (every rank, in step: the strategy's ``_do_*`` bodies are the collectives): a step of
    several updates whose update ``at`` gets a NaN gradient on rank 1 only (``which``: policy or
    critic); every rank records whether its parameters, float32 masters and optimizer state are
    bit for bit what they were before the step, and how far update 1 had moved them;
@@ -40,17 +40,19 @@ from learner.config import (  # noqa: E402
     LearnerConfig,  # noqa: E402
     set_path,
 )
-from learner.train.distributed import DeepSpeedTrainer, serve  # noqa: E402
+from learner.train.distributed import make_trainer, serve  # noqa: E402
 from learner.train.ds_group import batch_to_wire, join_group, master_weights  # noqa: E402
 from learner.train.step import SkippedStep  # noqa: E402
+from learner.train.trainer import Trainer  # noqa: E402
 
 SECOND_STEP = {"batch.ppo_epochs": 1, "kl.coef": 0.0}
 """The live change before the oracle's second step (rank 0 sends the trainer's config with each step)."""
 
 
-def oracle(tr: DeepSpeedTrainer) -> dict | None:
-    if tr.rank != 0:
-        serve(tr, tr.group)
+def oracle(tr: Trainer) -> dict | None:
+    st = tr.strategy
+    if st.rank != 0:
+        serve(tr, st.group)
         return None
     stats = [tr.step(make_batch(seed=0))]
     for k, v in SECOND_STEP.items():
@@ -58,17 +60,17 @@ def oracle(tr: DeepSpeedTrainer) -> dict | None:
     stats.append(tr.step(make_batch(seed=1)))
     tensors = {n: t.detach().float().cpu().clone() for n, t in tr.named_tensors()}
     tr.close()                                # the workers leave serve(); every rank goes on below
-    return {"stats": stats, "tensors": tensors, "world": tr.group.world, "gather": tr.last_gather}
+    return {"stats": stats, "tensors": tensors, "world": st.group.world, "gather": st.last_gather}
 
 
-def engine_view(tr: DeepSpeedTrainer) -> dict[str, torch.Tensor]:
+def engine_view(tr: Trainer) -> dict[str, torch.Tensor]:
     """Everything an update changes, as every rank sees it (collective under ZeRO-3): each trained
     parameter's full float32 master and Adam moments, this rank's own data of it (the ZeRO-3
     partition), and the optimizer's step counts."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
-    for prefix, engine in tr._engines():
+    for prefix, engine, opt in tr.strategy.engines():
         for name, p in engine.module.named_parameters():
             if not p.requires_grad:
                 continue
@@ -77,42 +79,42 @@ def engine_view(tr: DeepSpeedTrainer) -> dict[str, torch.Tensor]:
                 out[f"{prefix}/{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
             local = p.ds_tensor if hasattr(p, "ds_tensor") else p
             out[f"{prefix}/local/{name}"] = local.detach().cpu().clone()
-        opt = tr.optimizer if prefix == "policy" else tr.critic_optimizer
         steps = [float(st["step"]) for st in opt.state.values() if "step" in st]
         out[f"{prefix}/adam_steps"] = torch.tensor(steps)
     return out
 
 
-def poisoned_step(tr: DeepSpeedTrainer, fields: dict, at: int, which: str, seed: int) -> dict:
+def poisoned_step(tr: Trainer, fields: dict, at: int, which: str, seed: int) -> dict:
     """One step (every rank) with ``fields`` set, whose update ``at`` backs a NaN through ``which``
     on rank 1 only; what it did to this rank's engine state."""
+    st = tr.strategy
     before = engine_view(tr)
-    masters_before = [t.clone() for _, e in tr._engines() for t in _masters(e)]
+    masters_before = [t.clone() for _, e, _ in st.engines() for t in _masters(e)]
     seen = {"update": 0, "moved": 0.0}
-    accumulate, backward = tr._accumulate, tr._backward
+    accumulate, backward = tr._accumulate, st.backward
 
     def counting(*a, **k):
         seen["update"] += 1
         if seen["update"] == at:                # what the earlier updates changed here
-            now = [t for _, e in tr._engines() for t in _masters(e)]
+            now = [t for _, e, _ in st.engines() for t in _masters(e)]
             seen["moved"] = max(float((x - y).abs().max()) for x, y in zip(now, masters_before, strict=True))
         return accumulate(*a, **k)
 
     def poisoning(loss, w):
-        if tr.rank == 1 and seen["update"] == at and w == which:
+        if st.rank == 1 and seen["update"] == at and w == which:
             loss = loss * float("nan")
         return backward(loss, w)
 
-    tr._accumulate, tr._backward = counting, poisoning
+    tr._accumulate, st.backward = counting, poisoning
     for key, value in fields.items():           # (flat names for short) on every rank's own config
         set_path(tr.cfg, MOVED_KEYS.get(key, key), value)
     try:
-        tr._do_step({}, batch_to_wire(make_batch(seed=seed)))
+        st._do_step({}, batch_to_wire(make_batch(seed=seed)))
         reason, applied = "", -1.0
     except SkippedStep as e:
         reason, applied = str(e), float(e.stats["updates_applied_before_skip"])
     finally:
-        del tr._accumulate, tr._backward
+        del tr._accumulate, st.backward
     after = engine_view(tr)
     changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
     return {"reason": reason, "applied_before_skip": applied, "moved_before_skip": seen["moved"],
@@ -127,21 +129,22 @@ def draw() -> list[float]:
     return [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
 
 
-def rng_checks(tr: DeepSpeedTrainer, out_dir: Path, one_rank: str) -> dict:
-    r = tr.rank
+def rng_checks(tr: Trainer, out_dir: Path, one_rank: str) -> dict:
+    st = tr.strategy
+    r = st.rank
     torch.manual_seed(1000 + r)
     random.seed(2000 + r)
     np.random.seed(3000 + r)
     saved = out_dir / "engine-two-ranks"
-    tr._do_save_engine(str(saved))           # rank 0 writes it; the file system is shared
-    tr.group.gather(None)                    # a barrier: written before any rank reads it
+    st._do_save_engine(str(saved))           # rank 0 writes it; the file system is shared
+    st.group.gather(None)                    # a barrier: written before any rank reads it
     uninterrupted = draw()
     torch.manual_seed(7)                     # what a fresh process would have instead
     random.seed(7)
     np.random.seed(7)
-    tr._do_load_engine(str(saved))
+    st._do_load_engine(str(saved))
     resumed = draw()
-    tr._do_load_engine(one_rank)
+    st._do_load_engine(one_rank)
     from_one_rank = draw()
     return {"uninterrupted": uninterrupted, "resumed": resumed, "from_one_rank": from_one_rank}
 
@@ -152,8 +155,8 @@ def main() -> int:
     for run in spec["runs"]:
         cfg = LearnerConfig(**nested(run["fields"]))
         group = group or join_group(cfg.deepspeed)
-        tr = DeepSpeedTrainer(cfg, model_dir, group)
-        result = {"oracle": oracle(tr), "rank": tr.rank}
+        tr = make_trainer(cfg, model_dir, group)
+        result = {"oracle": oracle(tr), "rank": tr.strategy.rank}
         result["rollback"] = [poisoned_step(tr, **p) for p in run.get("poison", [])]
         if run.get("rng"):
             result["rng"] = rng_checks(tr, out_dir, run["rng"]["one_rank"])

@@ -103,14 +103,14 @@ def test_a_precision_the_device_cannot_run_is_a_startup_error(tiny_model_dir, bu
     supported on your device"): one line saying what to use instead, before any model loads."""
     from deepspeed.accelerator import get_accelerator
 
-    from learner.train.distributed import DeepSpeedTrainer
+    from learner.train.distributed import make_trainer
     from protocol.errors import StartupError
 
     if get_accelerator().is_fp16_supported():
         pytest.skip("this accelerator runs fp16")
     _group_of_one(monkeypatch, builtin_cache)
     with pytest.raises(StartupError, match=r"precision=fp16 is not supported .* use bf16 or fp32"):
-        DeepSpeedTrainer(LearnerConfig(**nested(deepspeed={"precision": "fp16"})), tiny_model_dir)
+        make_trainer(LearnerConfig(**nested(deepspeed={"precision": "fp16"})), tiny_model_dir)
 
 
 def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir, subprocess_env,
@@ -210,12 +210,12 @@ def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_gr
 
     import numpy as np
 
-    from learner.train.distributed import DeepSpeedTrainer
+    from learner.train.distributed import make_trainer
 
     out = tmp_path_factory.mktemp("ds-ranks")
     with pytest.MonkeyPatch.context() as mp:
         _group_of_one(mp, builtin_cache)
-        one = DeepSpeedTrainer(LearnerConfig(**nested(**RUNS["zero2-critic"]["fields"])), tiny_model_dir)
+        one = make_trainer(LearnerConfig(**nested(**RUNS["zero2-critic"]["fields"])), tiny_model_dir)
         one.step(make_batch(seed=0))
         torch.manual_seed(4000)
         random.seed(4001)
@@ -335,12 +335,12 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
     two updates whose second backs a NaN gradient; the rollback puts the Adam state the first one
     made back to Adam's initial one. The next good step ends where a fresh trainer's does, bit for
     bit (stale NaN gradients would make it NaN, the first update's moments elsewhere)."""
-    from learner.train.distributed import DeepSpeedTrainer
+    from learner.train.distributed import make_trainer
     from learner.train.step import SkippedStep
 
     _group_of_one(monkeypatch, builtin_cache)
     cfg = LearnerConfig(**nested(**{**ORACLE, "ppo_epochs": 1}, reward_norm="running", deepspeed={"zero_stage": 2}))
-    a = DeepSpeedTrainer(cfg, tiny_model_dir)
+    a = make_trainer(cfg, tiny_model_dir)
     before = {n: t.clone() for n, t in a.named_tensors()}
     bad = make_batch()
     bad.samples[3].reward = float("nan")
@@ -349,23 +349,23 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
     assert all(torch.equal(before[n], t) for n, t in a.named_tensors())
     assert a.reward_moments.count == 0
     seen = {"updates": 0}
-    accumulate, backward = a._accumulate, a._backward
+    accumulate, backward = a._accumulate, a.strategy.backward
 
     def counting(*args, **kwargs):
         seen["updates"] += 1
         return accumulate(*args, **kwargs)
 
     a._accumulate = counting
-    a._backward = lambda loss, which: backward(loss * (float("nan") if seen["updates"] == 2 else 1.0), which)
+    a.strategy.backward = lambda loss, which: backward(loss * (float("nan") if seen["updates"] == 2 else 1.0), which)
     a.cfg.batch.ppo_epochs = 2
     with pytest.raises(SkippedStep, match="non-finite policy gradient norm .* at update 2 of 2"):
         a.step(make_batch(seed=2))
-    del a._accumulate, a._backward
+    del a._accumulate, a.strategy.backward
     a.cfg.batch.ppo_epochs = 1
     assert seen["updates"] == 2 and all(torch.equal(before[n], t) for n, t in a.named_tensors())
     assert all(float(st["step"]) == 0 for st in a.optimizer.state.values())
     a.step(make_batch(seed=1))
-    b = DeepSpeedTrainer(cfg, tiny_model_dir)
+    b = make_trainer(cfg, tiny_model_dir)
     b.step(make_batch(seed=1))
     tb = dict(b.named_tensors())
     assert all(torch.equal(t, tb[n]) for n, t in a.named_tensors())
@@ -389,13 +389,13 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     (master weights and Adam moments) loaded into a fresh trainer gives it the same published
     weights (a fresh trainer's are the initial ones, over 1e-3 away) and, one step later on the
     same batch, the same parameters, bit for bit (zero Adam moments would step elsewhere)."""
-    from learner.train.distributed import DeepSpeedTrainer
+    from learner.train.distributed import make_trainer
 
     _group_of_one(monkeypatch, builtin_cache)
     cfg = LearnerConfig(**nested(**{**ORACLE, "ppo_epochs": 1, "lr": 1e-2}, lora={"r": 4},
                         deepspeed={"zero_stage": 3, "publish_bucket_bytes": 4096}))
     plain_names = [n for n, _ in Trainer(LearnerConfig(**nested(**{**ORACLE, "lora": {"r": 4}})), tiny_model_dir).named_tensors()]
-    a = DeepSpeedTrainer(cfg, tiny_model_dir)
+    a = make_trainer(cfg, tiny_model_dir)
     before = dict(a.named_tensors())
     a.step(make_batch(seed=0))
     after = dict(a.named_tensors())
@@ -403,7 +403,7 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     assert all("lora_" in n for n in after)
     assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-3
     a.save_engine_state(tmp_path / "engine")
-    b = DeepSpeedTrainer(cfg, tiny_model_dir)
+    b = make_trainer(cfg, tiny_model_dir)
     b.load_engine_state(tmp_path / "engine")
     assert all(torch.equal(t, after[n]) for n, t in b.named_tensors())
     a.step(make_batch(seed=1))
@@ -427,7 +427,7 @@ async def test_one_rank_zero2_trains_and_the_server_applies_every_version(tmp_pa
     gaps: list[float] = []
     async with running_learner(cfg, tiny_model_dir) as svc:
         tr = svc.trainer
-        assert type(tr).__name__ == "DeepSpeedTrainer" and tr.engine.zero_optimization_stage() == 2
+        assert type(tr.strategy).__name__ == "DeepSpeedStrategy" and tr.strategy.engine.zero_optimization_stage() == 2
         step = tr.step
 
         def checking_step(batch):
