@@ -4,7 +4,7 @@
 
 The same total batch (the default demo's: 8 prompts × 8 completions on the demo model's
 architecture, random weights; micro-batches of 16, so 4 per step: 2 per rank with two ranks)
-through ``Trainer.step`` plain and through ``DeepSpeedTrainer.step`` with 1 and 2 ranks under
+through ``Trainer.step`` plain and with a ``DeepSpeedStrategy`` on 1 and 2 ranks under
 ZeRO-2, and with 2 ranks under ZeRO-3 with the gather a publish does (bytes, seconds, buckets of
 ``publish_bucket_bytes``). Each configuration runs in its own ``torchrun``; its rank 0 also holds
 a plain trainer and alternates plain and DeepSpeed steps, so every ratio is against a baseline
