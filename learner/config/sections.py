@@ -27,6 +27,30 @@ from ops import (
 )
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
 
+__all__ = [
+    "AlgorithmSettings",
+    "BatchSettings",
+    "CheckpointSettings",
+    "CriticSettings",
+    "DataSettings",
+    "DeepSpeedSettings",
+    "EvaluationSettings",
+    "FSYNC_POLICIES",
+    "KlSettings",
+    "LearnerSecurity",
+    "LoraSettings",
+    "METRICS_SINKS",
+    "NetworkSettings",
+    "OptimizerSettings",
+    "RewardSettings",
+    "RolloutLogSettings",
+    "RuntimeSettings",
+    "SamplingSettings",
+    "ServersSettings",
+    "StalenessSettings",
+    "WeightsSettings",
+]
+
 LR_SCHEDULES = ("constant", "linear", "cosine")
 REWARD_NORMS = ("none", "batch", "running")
 BATCH_FILTERS = ("none", "pf_ppo")
