@@ -157,12 +157,13 @@ def train_offline(log_dir: str | Path, cfg: Any, model_path: str, steps: int,
     """Up to ``steps`` Trainer steps on batches of ``cfg.batch.batch_prompts`` logged groups; the policy
     saved to ``out`` (as the learner's ``final/``) when given."""
     from buffer import Batch
+    from learner.config import TrainerConfig
     from learner.train.distributed import make_trainer
 
     entries, _ = read_samples(log_dir)
     groups = [g for g in groups_of(entries) if len(g) == cfg.batch.group_size]
     k = cfg.batch.batch_prompts
-    trainer = make_trainer(cfg, model_path)
+    trainer = make_trainer(TrainerConfig.of(cfg), model_path)
     stats_rows = []
     for step in range(min(steps, len(groups) // k)):
         chosen = groups[step * k:(step + 1) * k]
@@ -196,7 +197,7 @@ def dpo_offline(log_dir: str | Path, model_path: str, steps: int, beta: float = 
     """``steps`` DPO steps (:class:`learner.train.dpo.DPOTrainer` under ``cfg``, the learner's
     config, default the defaults) on the log's pairs; the loss of every step. The policy is saved
     to ``out`` when given."""
-    from learner.config import LearnerConfig
+    from learner.config import LearnerConfig, TrainerConfig
     from learner.train.dpo import DPOTrainer
 
     entries, _ = read_samples(log_dir)
@@ -204,7 +205,8 @@ def dpo_offline(log_dir: str | Path, model_path: str, steps: int, beta: float = 
     if not pairs:
         emit(json.dumps({"event": "no_pairs", "samples": len(entries)}))
         return []
-    trainer = DPOTrainer(cfg if cfg is not None else LearnerConfig(), model_path, pairs, beta=beta, lr=lr)
+    trainer = DPOTrainer(TrainerConfig.of(cfg if cfg is not None else LearnerConfig()), model_path, pairs,
+                         beta=beta, lr=lr)
     losses = []
     for step in range(steps):
         stats = trainer.step()

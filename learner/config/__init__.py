@@ -22,7 +22,9 @@ from learner.config.keys import (
 )
 from learner.config.model import (
     MOVED_KEYS,
+    TRAINER_KEYS,
     LearnerConfig,
+    TrainerConfig,
 )
 from learner.config.sections import *  # noqa: F403 - every section model (sections.__all__)
 from learner.config.sections import __all__ as _SECTIONS
@@ -30,6 +32,8 @@ from learner.config.sections import __all__ as _SECTIONS
 __all__ = [
     "LIVE_KEYS",
     "LearnerConfig",
+    "TRAINER_KEYS",
+    "TrainerConfig",
     "MOVED_KEYS",
     "STEP_SETTINGS",
     "changed_paths",

@@ -52,7 +52,7 @@ import zmq.asyncio
 
 import protocol
 from buffer import Batch, RolloutBuffer
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, TrainerConfig
 from learner.data.evaluation import Evaluation
 from learner.data.prompts import PromptSource
 from learner.metrics import LearnerMetrics
@@ -286,7 +286,7 @@ class LearnerService:
             self.checkpoints.load_run_state(resumed, self.state)
         # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
-        self.trainer = make_trainer(self.cfg.model_copy(deep=True), self.model_path)   # DeepSpeed or not
+        self.trainer = make_trainer(TrainerConfig.of(self.cfg), self.model_path)   # DeepSpeed or not
         self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
         self.weights.lora = self.trainer.publish_lora()
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),

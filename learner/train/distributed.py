@@ -84,7 +84,7 @@ from pathlib import Path
 import torch
 
 from buffer import Batch
-from learner.config import LearnerConfig, changed_paths, set_path
+from learner.config import LearnerConfig, TrainerConfig, changed_paths, set_path
 from learner.train.ds_config import engine_config
 from learner.train.ds_group import (
     Group,
@@ -115,7 +115,7 @@ class DeepSpeedStrategy:
     first. Made before the trainer (it checks the section and joins the group: a StartupError
     comes before any model loads); :meth:`wrap` builds the engines."""
 
-    def __init__(self, cfg: LearnerConfig, group: Group | None = None):
+    def __init__(self, cfg: TrainerConfig, group: Group | None = None):
         import deepspeed  # noqa: F401 - an ImportError before anything else
 
         ds = cfg.deepspeed
@@ -140,7 +140,7 @@ class DeepSpeedStrategy:
     def rank(self) -> int:
         return self.group.rank
 
-    def configure(self, cfg: LearnerConfig) -> LearnerConfig:
+    def configure(self, cfg: TrainerConfig) -> TrainerConfig:
         """The engines decide the device (one per rank) and cast to their precision themselves."""
         runtime = cfg.runtime.model_copy(update={"device": self.group.device, "dtype": "float32"})
         return cfg.model_copy(update={"runtime": runtime})
@@ -442,7 +442,7 @@ def launch_ranks(nproc: int, cfg: LearnerConfig, config_file: str, overrides: li
     return 1                                  # not reached
 
 
-def make_trainer(cfg: LearnerConfig, model_path: str, group: Group | None = None) -> Trainer:
+def make_trainer(cfg: TrainerConfig, model_path: str, group: Group | None = None) -> Trainer:
     """The Trainer: plain, or given a :class:`DeepSpeedStrategy` (on ``group``, by default this
     process's) when ``learner.deepspeed`` is set."""
     if cfg.deepspeed is None:
@@ -455,7 +455,7 @@ def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
     from protocol.plumbing.process import EventLog
 
     log = EventLog(f"learner-rank{group.rank}")
-    trainer = make_trainer(cfg, model_path, group)
+    trainer = make_trainer(TrainerConfig.of(cfg), model_path, group)
     log("worker_ready", rank=group.rank, world=group.world, pid=os.getpid())
     return serve(trainer, group)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import ops
-from learner.config import LearnerConfig
+from learner.config import TrainerConfig
 from learner.models.logprobs import LogprobForward
 from learner.train.batching import BatchTensors, collate, plan_updates
 from learner.train.devices import resolve_device, resolve_dtype
@@ -77,7 +77,7 @@ class DPOTrainer:
     ``pairs`` of (chosen, rejected) samples of one prompt each; ``lr`` replaces
     ``cfg.optimizer.lr`` when given, ``label_smoothing`` is ``ops.dpo_loss``'s ε."""
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, pairs: list[tuple[Sample, Sample]], *,
+    def __init__(self, cfg: TrainerConfig, model_path: str, pairs: list[tuple[Sample, Sample]], *,
                  beta: float = 0.1, lr: float | None = None, label_smoothing: float = 0.0):
         if not pairs:
             raise ValueError("DPOTrainer: no preference pairs")

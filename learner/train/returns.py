@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 
 import ops
-from learner.config import LearnerConfig
+from learner.config import TrainerConfig
 
 __all__ = ["advantages_and_targets", "sequence_scores", "token_rewards"]
 
 
-def sequence_scores(cfg: LearnerConfig, rewards: torch.Tensor, lengths: torch.Tensor,
+def sequence_scores(cfg: TrainerConfig, rewards: torch.Tensor, lengths: torch.Tensor,
                     moments: ops.RunningMoments) -> torch.Tensor:
     """Scores (B,) from raw rewards (B,) and completion lengths (B,); updates ``moments`` under
     ``reward_norm: running`` (the running statistics include this batch, as TRL's)."""
@@ -55,7 +55,7 @@ def _group_advantages(scores: torch.Tensor, group_sizes: list[int], method: str)
 
 
 def advantages_and_targets(
-    cfg: LearnerConfig,
+    cfg: TrainerConfig,
     rewards_t: torch.Tensor,
     mask: torch.Tensor,
     group_sizes: list[int],

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from buffer import Batch
-from learner.config import LearnerConfig
+from learner.config import TrainerConfig
 from learner.train.policy_io import load_policy_state, policy_state, publish_tensors, save_pretrained
 from learner.train.step import MiniBatch, SkippedStep, StepData, UpdateLog
 
@@ -58,7 +58,7 @@ class TrainStrategy(Protocol):
     load_engine_state: Callable[[str | Path], None] | None
     """Read it back (every rank); None where :attr:`save_engine_state` is."""
 
-    def configure(self, cfg: LearnerConfig) -> LearnerConfig:
+    def configure(self, cfg: TrainerConfig) -> TrainerConfig:
         """The config the trainer loads its models with (device, dtype)."""
         ...
 
@@ -144,7 +144,7 @@ class PlainStrategy:
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
 
-    def configure(self, cfg: LearnerConfig) -> LearnerConfig:
+    def configure(self, cfg: TrainerConfig) -> TrainerConfig:
         return cfg
 
     def wrap(self, trainer: Trainer) -> None:

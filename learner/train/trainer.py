@@ -32,7 +32,7 @@ import torch
 
 import ops
 from buffer import Batch
-from learner.config import LearnerConfig
+from learner.config import TrainerConfig
 from learner.models.logprobs import LogprobForward
 from learner.train.batching import BatchTensors, collate, plan_updates, take
 from learner.train.critic import Critic
@@ -71,7 +71,10 @@ class Trainer:
     models load with (DeepSpeed: the rank's device, float32) and wraps them once they are built.
     """
 
-    def __init__(self, cfg: LearnerConfig, model_path: str, strategy: TrainStrategy | None = None):
+    def __init__(self, cfg: TrainerConfig, model_path: str, strategy: TrainStrategy | None = None):
+        if not isinstance(cfg, TrainerConfig):
+            raise TypeError("Trainer takes a TrainerConfig (its sections of the learner's config: "
+                            f"TrainerConfig.of(learner_config)), not {type(cfg).__name__}")
         self.strategy: TrainStrategy = strategy if strategy is not None else PlainStrategy()
         cfg = self.strategy.configure(cfg)
         self.cfg = cfg

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_
 from config_kit import nested  # noqa: E402
 
 from buffer import Batch  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, TrainerConfig  # noqa: E402
 from learner.state.checkpoint import Checkpointer  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
 from protocol import Sample  # noqa: E402
@@ -78,9 +78,9 @@ def bench(name: str, repeat: int, workdir: Path) -> dict:
 
     model_dir = _model_dir(name, workdir)
     cfg = LearnerConfig(**nested(group_size=4, batch_prompts=2, micro_batch_samples=8, threads=2, seed=0))
-    tr = Trainer(cfg, model_dir)
+    tr = Trainer(TrainerConfig.of(cfg), model_dir)
     tr.step(_batch(tr.vocab_size))
-    fresh = Trainer(cfg, model_dir)
+    fresh = Trainer(TrainerConfig.of(cfg), model_dir)
     store = Checkpointer(workdir / f"ck-{name.replace(':', '_')}", keep_last=1)
     save, pause, verify, restore, raw_save, raw_load = [], [], [], [], [], []
     path = None

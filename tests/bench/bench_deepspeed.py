@@ -59,7 +59,7 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
     import torch  # noqa: F401 - before deepspeed
     from bench_learner import demo_batch
 
-    from learner.config import LearnerConfig
+    from learner.config import LearnerConfig, TrainerConfig
     from learner.train.distributed import join_group, make_trainer, worker_main
     from learner.train.trainer import Trainer
 
@@ -68,8 +68,8 @@ def rank_main(model_dir: str, stage: int, repeats: int, out: str) -> int:
     group = join_group(cfg.deepspeed)
     if group.rank != 0:
         return worker_main(cfg, model_dir, group)
-    ds = make_trainer(cfg, model_dir, group)
-    plain = Trainer(LearnerConfig(**nested(FIELDS)), model_dir)
+    ds = make_trainer(TrainerConfig.of(cfg), model_dir, group)
+    plain = Trainer(TrainerConfig.of(LearnerConfig(**nested(FIELDS))), model_dir)
     batch = demo_batch(plain.tokenizer)
     times: dict[str, list[float]] = {"plain": [], "ds": []}
     gathers = []

@@ -56,7 +56,7 @@ from config_kit import nested  # noqa: E402
 
 import protocol  # noqa: E402
 from buffer import Batch  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, TrainerConfig  # noqa: E402
 from learner.models.builtin import build_model, build_tokenizer  # noqa: E402
 from learner.serve.weights_server import WeightsServer  # noqa: E402
 from learner.train.trainer import Trainer, collate  # noqa: E402
@@ -115,7 +115,7 @@ def longtail(model_dir: str, tokenizer, threads: int, repeats: int) -> dict:
     """``LONGTAIL_CONFIGS`` interleaved on one long-tail batch: step medians, × the one pass."""
     batch = longtail_batch(tokenizer)
     bt = collate(batch.samples, tokenizer.pad_token_id)
-    trainers = {n: Trainer(LearnerConfig(**nested(threads=threads, **kw)), model_dir) for n, kw in LONGTAIL_CONFIGS.items()}
+    trainers = {n: Trainer(TrainerConfig.of(LearnerConfig(**nested(threads=threads, **kw))), model_dir) for n, kw in LONGTAIL_CONFIGS.items()}
     steps: dict[str, list[float]] = {n: [] for n in trainers}
     for r in range(3 + repeats):                              # 3 warm-up rounds
         for n, tr in trainers.items():
@@ -230,7 +230,7 @@ def main() -> None:
     configs = dict(CONFIGS)
     if args.attn:
         configs.update({f"demo_{attn}": dict(DEMO_SETTINGS, attn_implementation=attn) for attn in ("sdpa", "eager")})
-    trainers = {name: Trainer(LearnerConfig(**nested(threads=args.threads, **kw)), str(tmp)) for name, kw in configs.items()}
+    trainers = {name: Trainer(TrainerConfig.of(LearnerConfig(**nested(threads=args.threads, **kw))), str(tmp)) for name, kw in configs.items()}
     servers = {name: WeightsServer(64 << 20) for name in configs}
     versions = dict.fromkeys(configs, 0)
     for _ in range(3):                                       # warm-up

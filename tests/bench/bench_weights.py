@@ -110,13 +110,14 @@ async def _learner_side(conn, model_dir, dtype, lora, chunk_bytes) -> None:
     import zmq.asyncio
 
     import protocol
+    from learner.config import TrainerConfig
     from learner.metrics import LearnerMetrics
     from learner.serve.router import RouterSocket
     from learner.serve.weights_server import Publisher, WeightsServer
     from learner.train.trainer import Trainer
     from protocol.plumbing.sockets import make_socket
 
-    trainer = Trainer(learner_config(dtype, lora), model_dir)
+    trainer = Trainer(TrainerConfig.of(learner_config(dtype, lora)), model_dir)
     ws = WeightsServer(chunk_bytes, kind=trainer.publish_kind, lora=trainer.publish_lora())
     ctx = zmq.asyncio.Context()
     sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=16)
@@ -278,11 +279,12 @@ def model_batch(vocab: int, samples: int, prompt_len: int, completion_len: int, 
 
 
 async def loop_wait(model_dir: str, reps: int, samples: int, prompt_len: int, completion_len: int) -> dict:
+    from learner.config import TrainerConfig
     from learner.serve.weights_server import Publisher, WeightsServer
     from learner.train.trainer import Trainer
 
-    trainer = Trainer(learner_config("float32", batch_prompts=samples // 4, group_size=4,
-                                     micro_batch_samples=samples), model_dir)
+    trainer = Trainer(TrainerConfig.of(learner_config("float32", batch_prompts=samples // 4, group_size=4,
+                                     micro_batch_samples=samples)), model_dir)
     batch = model_batch(trainer.model.config.vocab_size, samples, prompt_len, completion_len)
     ws = WeightsServer(64 << 20)
 
@@ -325,11 +327,12 @@ async def service_wait(steps: int) -> dict:
 
 # ---- 4. checkpoints -----------------------------------------------------------------------------
 def checkpoint_times(model_dir: str, lora: dict | None, samples: int) -> dict:
+    from learner.config import TrainerConfig
     from learner.state.checkpoint import Checkpointer
     from learner.train.trainer import Trainer
 
     cfg = learner_config("float32", lora, batch_prompts=samples // 4, group_size=4)
-    trainer = Trainer(cfg, model_dir)
+    trainer = Trainer(TrainerConfig.of(cfg), model_dir)
     trainer.step(model_batch(trainer.model.config.vocab_size, samples, 8, 8))
     with tempfile.TemporaryDirectory() as root:
         ck = Checkpointer(root)
@@ -337,7 +340,7 @@ def checkpoint_times(model_dir: str, lora: dict | None, samples: int) -> dict:
         path = ck.save(1, {"run_id": "bench", "data": {}, "buffer": {}, "assignment_counter": 0}, trainer)
         save_s = time.monotonic() - t
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        fresh = Trainer(cfg, model_dir)
+        fresh = Trainer(TrainerConfig.of(cfg), model_dir)
         t = time.monotonic()
         ck.restore_trainer(ck.read(path), fresh)
         load_s = time.monotonic() - t

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_
 from config_kit import nested  # noqa: E402
 
 from buffer import Batch  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, TrainerConfig  # noqa: E402
 from learner.data.tasks import get_task  # noqa: E402
 from learner.models.builtin import ensure_builtin_model  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
@@ -107,7 +107,7 @@ def our_gradient(model_dir: Path, rows: list[dict], overrides: dict, threads: in
                         lr=LR, max_grad_norm=1e9, is_mode="none", temperature=TEMPERATURE,
                         attn_implementation="eager", autocast="none", seed=1, threads=threads,
                         **overrides))
-    tr = Trainer(cfg, str(model_dir))
+    tr = Trainer(TrainerConfig.of(cfg), str(model_dir))
     grads: dict[str, torch.Tensor] = {}
     step = tr.optimizer.step
 

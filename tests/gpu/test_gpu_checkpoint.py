@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner" / "train"
 from config_kit import nested
 from test_trainer import make_batch  # noqa: E402
 
-from learner.config import LearnerConfig, LoraSettings  # noqa: E402
+from learner.config import LearnerConfig, LoraSettings, TrainerConfig  # noqa: E402
 from learner.state.checkpoint import Checkpointer  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_checkpoint_round_trip_on_cuda_bf16(tmp_path, tiny_model_dir, lora):
     cfg = LearnerConfig(**nested(group_size=4, batch_prompts=2, micro_batch_samples=8, lr=1e-3, seed=0,
                         device="cuda", dtype="bfloat16",
                         lora=LoraSettings(r=8, alpha=16) if lora else None))
-    a = Trainer(cfg, tiny_model_dir)
+    a = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     a.step(make_batch())
     torch.cuda.manual_seed(1234)
     store = Checkpointer(tmp_path / "ck")
@@ -38,7 +38,7 @@ def test_checkpoint_round_trip_on_cuda_bf16(tmp_path, tiny_model_dir, lora):
     save_s = time.perf_counter() - t0
     rng = torch.cuda.get_rng_state()
     torch.cuda.manual_seed(99)                                     # moved on: the restore puts it back
-    b = Trainer(cfg, tiny_model_dir)
+    b = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     t0 = time.perf_counter()
     store.restore_trainer(store.read(path), b)
     load_s = time.perf_counter() - t0

@@ -22,7 +22,7 @@ from config_kit import nested
 from learner_testkit import learner_config, running_learner, wait_until  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
-from learner.config import LearnerConfig, LoraSettings  # noqa: E402
+from learner.config import LearnerConfig, LoraSettings, TrainerConfig  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
 from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
@@ -48,7 +48,7 @@ def trainer(model_dir: str, **overrides) -> Trainer:
     cfg = dict(group_size=4, batch_prompts=2, micro_batch_samples=8, lr=1e-3, seed=0,
                device="cuda", dtype="bfloat16")
     cfg.update(overrides)
-    return Trainer(LearnerConfig(**nested(cfg)), model_dir)
+    return Trainer(TrainerConfig.of(LearnerConfig(**nested(cfg))), model_dir)
 
 
 def timed_steps(tr: Trainer, n: int = 3) -> tuple[dict, float]:

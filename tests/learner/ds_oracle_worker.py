@@ -38,6 +38,7 @@ from test_trainer import make_batch  # noqa: E402
 from learner.config import (  # noqa: E402
     MOVED_KEYS,
     LearnerConfig,  # noqa: E402
+    TrainerConfig,
     set_path,
 )
 from learner.train.distributed import make_trainer, serve  # noqa: E402
@@ -155,7 +156,7 @@ def main() -> int:
     for run in spec["runs"]:
         cfg = LearnerConfig(**nested(run["fields"]))
         group = group or join_group(cfg.deepspeed)
-        tr = make_trainer(cfg, model_dir, group)
+        tr = make_trainer(TrainerConfig.of(cfg), model_dir, group)
         result = {"oracle": oracle(tr), "rank": tr.strategy.rank}
         result["rollback"] = [poisoned_step(tr, **p) for p in run.get("poison", [])]
         if run.get("rng"):

@@ -19,7 +19,7 @@ import torch
 from config_kit import nested
 from learner_testkit import HonestServer, learner_config, metric, running_learner, wait_until
 
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, TrainerConfig
 from learner.train.trainer import Trainer
 from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
@@ -155,7 +155,7 @@ async def test_eta_0_is_synchronous_training(tmp_path, demo_model):
         async with rollout_server(svc, demo_model):
             await wait_until(lambda: svc.finished, timeout_s=120, what="the last step")
     assert len(batches) == steps
-    sync = Trainer(LearnerConfig(**nested(cfg.model_dump())), demo_model)   # the synchronous loop
+    sync = Trainer(TrainerConfig.of(LearnerConfig(**nested(cfg.model_dump()))), demo_model)   # the synchronous loop
     rewards = set()
     for v, (batch, stats) in enumerate(zip(batches, learner_stats, strict=True)):
         assert batch.version == v and batch.staleness == [0] * len(batch.samples)

@@ -19,7 +19,7 @@ from learner_testkit import HonestServer, ctl, learner_config, metric, wait_unti
 
 import learner.state.checkpoint as ckpt_mod
 from buffer import Batch
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, TrainerConfig
 from learner.serve.service import LearnerService
 from learner.state.checkpoint import Checkpointer, effective_trained_ids
 from learner.train.trainer import Trainer
@@ -77,7 +77,7 @@ def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
     the same loss (1e-6) and the same parameters afterwards. A trainer given only the weights (no
     optimizer state) does not match: the check can fail."""
     cfg = trainer_cfg(**CONFIGS[name])
-    a = Trainer(cfg, tiny_model_dir)
+    a = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     for v in range(3):
         a.step(make_batch(v, seed=v))
     store = Checkpointer(tmp_path / "ck", keep_last=2)
@@ -86,7 +86,7 @@ def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
     policy_file = "adapter_model.safetensors" if name == "lora" else "model.safetensors"
     assert (path / "policy" / policy_file).is_file()              # loadable by transformers as is
 
-    b = Trainer(cfg, tiny_model_dir)
+    b = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     store.restore_trainer(store.read(store.latest_complete()), b)
     before_a, before_b = all_params(a), all_params(b)
     assert before_a.keys() == before_b.keys()
@@ -103,7 +103,7 @@ def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
     assert worst <= 1e-6, worst
 
     # The negative control: the same weights without the optimizer state train differently.
-    c = Trainer(cfg, tiny_model_dir)
+    c = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     ckpt_mod.load_policy(c.model, path / "policy")
     assert all(torch.equal(before_a[k], p) for k, p in all_params(c).items() if k.startswith("policy."))
     c.step(nxt)
@@ -114,7 +114,7 @@ def test_resume_oracle_same_next_step(tmp_path, tiny_model_dir, name):
 def test_checkpoint_loads_with_from_pretrained(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    tr = Trainer(trainer_cfg(), tiny_model_dir)
+    tr = Trainer(TrainerConfig.of(trainer_cfg()), tiny_model_dir)
     tr.step(make_batch(0, seed=0))
     path = Checkpointer(tmp_path / "ck").save(1, STATE, tr)
     loaded = AutoModelForCausalLM.from_pretrained(path / "policy", dtype=torch.float32)
@@ -123,13 +123,13 @@ def test_checkpoint_loads_with_from_pretrained(tmp_path, tiny_model_dir):
 
 
 def test_a_lora_checkpoint_holds_the_adapter_only_and_refuses_a_full_config(tmp_path, tiny_model_dir):
-    tr = Trainer(trainer_cfg(lora={"r": 4, "alpha": 8.0}), tiny_model_dir)
+    tr = Trainer(TrainerConfig.of(trainer_cfg(lora={"r": 4, "alpha": 8.0})), tiny_model_dir)
     tr.step(make_batch(0, seed=0))
     store = Checkpointer(tmp_path / "ck")
     path = store.save(1, STATE, tr)
     assert not (path / "policy" / "model.safetensors").exists()
     assert (path / "policy" / "adapter_config.json").is_file()
-    full = Trainer(trainer_cfg(), tiny_model_dir)
+    full = Trainer(TrainerConfig.of(trainer_cfg()), tiny_model_dir)
     with pytest.raises(StartupError, match="LoRA adapter"):
         store.restore_trainer(store.read(path), full)
 
@@ -147,7 +147,7 @@ def test_resume_flags_parse():
 def test_prepare_copies_so_training_may_go_on_while_commit_writes(tmp_path, tiny_model_dir):
     """prepare() reads the trainer; a step taken before commit() does not leak into the checkpoint."""
     cfg = trainer_cfg()
-    a = Trainer(cfg, tiny_model_dir)
+    a = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     a.step(make_batch(0, seed=0))
     at_1 = all_params(a)
     moments = [st["exp_avg"].clone() for st in a.optimizer.state.values()]
@@ -155,7 +155,7 @@ def test_prepare_copies_so_training_may_go_on_while_commit_writes(tmp_path, tiny
     pending = store.prepare(1, STATE, a)
     a.step(make_batch(1, seed=1))                                 # training goes on meanwhile
     path = store.commit(pending)
-    b = Trainer(cfg, tiny_model_dir)
+    b = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
     store.restore_trainer(store.read(path), b)
     assert all(torch.equal(at_1[k], v) for k, v in all_params(b).items())
     assert all(torch.equal(m, st["exp_avg"]) for m, st in zip(moments, b.optimizer.state.values(), strict=True))
@@ -165,7 +165,7 @@ def test_prepare_copies_so_training_may_go_on_while_commit_writes(tmp_path, tiny
 def saved(tmp_path_factory, tiny_model_dir):
     """A trainer after one step and a complete checkpoint of it (copied by the tests that break it)."""
     root = tmp_path_factory.mktemp("saved")
-    tr = Trainer(trainer_cfg(), tiny_model_dir)
+    tr = Trainer(TrainerConfig.of(trainer_cfg()), tiny_model_dir)
     tr.step(make_batch(0, seed=0))
     path = Checkpointer(root / "ck").save(1, STATE, tr)
     return tr, path
@@ -273,7 +273,7 @@ def test_crafted_or_corrupt_checkpoint_is_refused_with_one_line(tmp_path, saved,
     shutil.copytree(good, path)
     _break(path, how)
     store = Checkpointer(tmp_path)
-    fresh = Trainer(trainer_cfg(), tiny_model_dir) if how in ("shape_mismatch", "optimizer_shape") else None
+    fresh = Trainer(TrainerConfig.of(trainer_cfg()), tiny_model_dir) if how in ("shape_mismatch", "optimizer_shape") else None
     with pytest.raises(StartupError, match=message) as err:
         store.restore_trainer(store.read(path), fresh) if fresh is not None else store.read(path)
     text = str(err.value)
@@ -284,7 +284,7 @@ def test_a_config_that_does_not_fit_is_refused(tmp_path, saved, tiny_model_dir):
     """A checkpoint without a critic into a config with one: one line, before anything runs."""
     _, good = saved
     store = Checkpointer(good.parent)
-    critic = Trainer(trainer_cfg(advantage="gae"), tiny_model_dir)
+    critic = Trainer(TrainerConfig.of(trainer_cfg(advantage="gae")), tiny_model_dir)
     with pytest.raises(StartupError, match="critic") as err:
         store.restore_trainer(store.read(good), critic)
     assert "\n" not in str(err.value)

@@ -32,7 +32,7 @@ from learner_testkit import learner_config, running_learner, wait_until
 from test_algorithms_service import jsonl, rollout_server
 from test_trainer import make_batch
 
-from learner.config import DeepSpeedSettings, LearnerConfig
+from learner.config import DeepSpeedSettings, LearnerConfig, TrainerConfig
 from learner.train.batching import collate
 from learner.train.ds_config import engine_config
 from learner.train.trainer import Trainer
@@ -110,7 +110,7 @@ def test_a_precision_the_device_cannot_run_is_a_startup_error(tiny_model_dir, bu
         pytest.skip("this accelerator runs fp16")
     _group_of_one(monkeypatch, builtin_cache)
     with pytest.raises(StartupError, match=r"precision=fp16 is not supported .* use bf16 or fp32"):
-        make_trainer(LearnerConfig(**nested(deepspeed={"precision": "fp16"})), tiny_model_dir)
+        make_trainer(TrainerConfig.of(LearnerConfig(**nested(deepspeed={"precision": "fp16"}))), tiny_model_dir)
 
 
 def test_nproc_without_a_deepspeed_section_is_one_line(tmp_path, tiny_model_dir, subprocess_env,
@@ -215,7 +215,7 @@ def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_gr
     out = tmp_path_factory.mktemp("ds-ranks")
     with pytest.MonkeyPatch.context() as mp:
         _group_of_one(mp, builtin_cache)
-        one = make_trainer(LearnerConfig(**nested(**RUNS["zero2-critic"]["fields"])), tiny_model_dir)
+        one = make_trainer(TrainerConfig.of(LearnerConfig(**nested(**RUNS["zero2-critic"]["fields"]))), tiny_model_dir)
         one.step(make_batch(seed=0))
         torch.manual_seed(4000)
         random.seed(4001)
@@ -237,7 +237,7 @@ def two_ranks(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_gr
 
 def _plain(model_dir: str, fields: dict, hidden: bool) -> tuple[list[dict], dict, dict]:
     """One plain process through the oracle's two steps: (stats, initial and updated tensors)."""
-    tr = Trainer(LearnerConfig(**nested(fields)), model_dir)
+    tr = Trainer(TrainerConfig.of(LearnerConfig(**nested(fields))), model_dir)
     tr.forward.uses_hidden = tr.forward.uses_hidden and hidden
     initial = {n: t.detach().clone() for n, t in tr.named_tensors()}
     stats = [tr.step(make_batch(seed=0))]
@@ -340,7 +340,7 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
 
     _group_of_one(monkeypatch, builtin_cache)
     cfg = LearnerConfig(**nested(**{**ORACLE, "ppo_epochs": 1}, reward_norm="running", deepspeed={"zero_stage": 2}))
-    a = make_trainer(cfg, tiny_model_dir)
+    a = make_trainer(TrainerConfig.of(cfg), tiny_model_dir)
     before = {n: t.clone() for n, t in a.named_tensors()}
     bad = make_batch()
     bad.samples[3].reward = float("nan")
@@ -365,7 +365,7 @@ def test_a_non_finite_loss_is_skipped_and_its_gradients_dropped(tiny_model_dir, 
     assert seen["updates"] == 2 and all(torch.equal(before[n], t) for n, t in a.named_tensors())
     assert all(float(st["step"]) == 0 for st in a.optimizer.state.values())
     a.step(make_batch(seed=1))
-    b = make_trainer(cfg, tiny_model_dir)
+    b = make_trainer(TrainerConfig.of(cfg), tiny_model_dir)
     b.step(make_batch(seed=1))
     tb = dict(b.named_tensors())
     assert all(torch.equal(t, tb[n]) for n, t in a.named_tensors())
@@ -394,8 +394,8 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     _group_of_one(monkeypatch, builtin_cache)
     cfg = LearnerConfig(**nested(**{**ORACLE, "ppo_epochs": 1, "lr": 1e-2}, lora={"r": 4},
                         deepspeed={"zero_stage": 3, "publish_bucket_bytes": 4096}))
-    plain_names = [n for n, _ in Trainer(LearnerConfig(**nested(**{**ORACLE, "lora": {"r": 4}})), tiny_model_dir).named_tensors()]
-    a = make_trainer(cfg, tiny_model_dir)
+    plain_names = [n for n, _ in Trainer(TrainerConfig.of(LearnerConfig(**nested(**{**ORACLE, "lora": {"r": 4}}))), tiny_model_dir).named_tensors()]
+    a = make_trainer(TrainerConfig.of(cfg), tiny_model_dir)
     before = dict(a.named_tensors())
     a.step(make_batch(seed=0))
     after = dict(a.named_tensors())
@@ -403,7 +403,7 @@ def test_zero3_lora_publishes_the_adapter_and_the_engine_state_resumes_exactly(t
     assert all("lora_" in n for n in after)
     assert max(float((after[n] - before[n]).abs().max()) for n in after) > 1e-3
     a.save_engine_state(tmp_path / "engine")
-    b = make_trainer(cfg, tiny_model_dir)
+    b = make_trainer(TrainerConfig.of(cfg), tiny_model_dir)
     b.load_engine_state(tmp_path / "engine")
     assert all(torch.equal(t, after[n]) for n, t in b.named_tensors())
     a.step(make_batch(seed=1))

@@ -18,7 +18,7 @@ from ops_twins import dpo_loss_loop  # noqa: E402
 from test_trainer import make_samples  # noqa: E402
 
 import ops  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, TrainerConfig  # noqa: E402
 from learner.models.logprobs import LogprobForward  # noqa: E402
 from learner.train.batching import collate  # noqa: E402
 from learner.train.dpo import DPOTrainer, best_and_worst  # noqa: E402
@@ -54,8 +54,8 @@ def test_best_and_worst_pairs_skip_ties_and_failed_completions():
 def test_dpo_logprobs_are_the_trainers_and_its_loss_the_twins(tiny_model_dir):
     cfg = make_cfg()
     pairs = make_pairs()
-    trainer = Trainer(cfg, tiny_model_dir)
-    dpo = DPOTrainer(cfg, tiny_model_dir, pairs, beta=BETA, lr=1e-2)
+    trainer = Trainer(TrainerConfig.of(cfg), tiny_model_dir)
+    dpo = DPOTrainer(TrainerConfig.of(cfg), tiny_model_dir, pairs, beta=BETA, lr=1e-2)
     assert type(dpo.forward) is type(trainer.forward) is LogprobForward
     assert dpo.forward.uses_hidden and trainer.forward.uses_hidden
     # The Trainer's forward on the same rows (one micro-batch: the collated batch as it is).
@@ -86,8 +86,8 @@ def test_micro_batches_change_no_gradient(tiny_model_dir, split):
     """One pair per micro-batch, or pairs packed by a token budget, against one micro-batch: the
     same loss, statistics and (with SGD, whose update is the gradient) the same weights after."""
     pairs = make_pairs()
-    whole = DPOTrainer(make_cfg(), tiny_model_dir, pairs, beta=BETA)
-    cut = DPOTrainer(make_cfg(**split), tiny_model_dir, pairs, beta=BETA)
+    whole = DPOTrainer(TrainerConfig.of(make_cfg()), tiny_model_dir, pairs, beta=BETA)
+    cut = DPOTrainer(TrainerConfig.of(make_cfg(**split)), tiny_model_dir, pairs, beta=BETA)
     assert len(whole.micro_batches) == 1 and len(cut.micro_batches) > 1
     assert all(sorted(torch.cat(t.micro_batches).tolist()) == list(range(len(pairs))) for t in (whole, cut))
     for t in (whole, cut):
@@ -102,11 +102,11 @@ def test_micro_batches_change_no_gradient(tiny_model_dir, split):
 
 def test_lora_trains_only_the_adapter(tiny_model_dir, tmp_path):
     pairs = make_pairs()
-    dpo = DPOTrainer(make_cfg(lora=LORA), tiny_model_dir, pairs, beta=BETA, lr=1e-2)
+    dpo = DPOTrainer(TrainerConfig.of(make_cfg(lora=LORA)), tiny_model_dir, pairs, beta=BETA, lr=1e-2)
     trainable = {n for n, p in dpo.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     # The reference (the identity adapter) is the plain policy's.
-    plain = DPOTrainer(make_cfg(), tiny_model_dir, pairs, beta=BETA)
+    plain = DPOTrainer(TrainerConfig.of(make_cfg()), tiny_model_dir, pairs, beta=BETA)
     torch.testing.assert_close(dpo.ref_chosen, plain.ref_chosen, atol=1e-6, rtol=0)
     before = {n: p.detach().clone() for n, p in dpo.model.named_parameters()}
     losses = [dpo.step()["dpo_loss"] for _ in range(4)]

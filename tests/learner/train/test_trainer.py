@@ -22,7 +22,7 @@ from ops_twins import (  # noqa: E402
 )
 
 from buffer import Batch  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
+from learner.config import LearnerConfig, TrainerConfig  # noqa: E402
 from learner.train.batching import sampling_temperature  # noqa: E402
 from learner.train.trainer import FLAGGED_IS_MODE, Trainer  # noqa: E402
 from protocol import Sample  # noqa: E402
@@ -62,7 +62,7 @@ def make_trainer(model_dir: str, **overrides) -> Trainer:
     cfg = dict(group_size=GROUP, batch_prompts=B // GROUP, micro_batch_samples=B, lr=1e-2,
                max_grad_norm=1e6, is_mode="tis", is_cap=1.5, seed=0, threads=1)
     cfg.update(overrides)
-    return Trainer(LearnerConfig(**nested(cfg)), model_dir)
+    return Trainer(TrainerConfig.of(LearnerConfig(**nested(cfg))), model_dir)
 
 
 def grads(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -295,3 +295,16 @@ def test_the_policy_optimizer_is_fused_and_updates_as_the_default_adamw():
         plain.step()
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainer_takes_its_sections_not_the_learner_config(tiny_model_dir):
+    """The trainer is given a TrainerConfig (the training sections, the same paths); the whole
+    learner config (sockets, data, checkpoints, security) is refused."""
+    cfg = LearnerConfig(**nested(lr=1e-3, is_mode="mis", max_staleness=3))
+    with pytest.raises(TypeError, match="TrainerConfig.of"):
+        Trainer(cfg, tiny_model_dir)
+    own = TrainerConfig.of(cfg)
+    assert own.optimizer.lr == 1e-3 and own.algorithm.is_mode == "mis"
+    assert not hasattr(own, "network") and not hasattr(own, "staleness") and not hasattr(own, "data")
+    own.optimizer.lr = 5e-4                              # its own copy: the learner's is untouched
+    assert cfg.optimizer.lr == 1e-3
