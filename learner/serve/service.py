@@ -113,7 +113,7 @@ class LearnerService:
         # The run id, the policy version and the assignment counter (a resume loads them first).
         self.state = RunState(run_id or f"{Path(cfg.run_dir).name}-{uuid.uuid4().hex[:6]}")
         self.run_dir = Path(cfg.run_dir)
-        self.log = EventLog("learner", run_id=lambda: self.run_id, version=lambda: self.version)
+        self.log = EventLog("learner", run_id=self.state.current_run_id, version=self.state.current_version)
         self.metrics = LearnerMetrics()
         # The model's load, every step, the checkpoints' tensor copies and the final save on one
         # thread: torch's OpenMP pool belongs to the thread that calls into it, and a second
@@ -166,7 +166,7 @@ class LearnerService:
         self.curve: LearnerCurve | None = None
         self.sockets: dict[str, RouterSocket] = {}
         self.admission = Admission(
-            self.buffer, self._send_rollout, self._new_assignment, version=lambda: self.version,
+            self.buffer, self._send_rollout, self._new_assignment, version=self.state.current_version,
             welcome=self._welcome, metrics=self.metrics, log=self.log,
             server_timeout_s=cfg.servers.server_timeout_s, reannounce_s=cfg.servers.reannounce_s,
             weights_failure_limit=cfg.servers.weights_failure_limit,
@@ -292,7 +292,7 @@ class LearnerService:
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
                              max_new_tokens=lambda: self.cfg.sampling.max_new_tokens,
                              max_abs_reward=lambda: self.cfg.servers.max_abs_reward,
-                             version=lambda: self.version, metrics=self.metrics, log=self.log)
+                             version=self.state.current_version, metrics=self.metrics, log=self.log)
         self._load_prompts()
         staleness = self.cfg.staleness
         self.checkpoints.attach(self.trainer, {          # state.json's parts besides the run state
@@ -314,7 +314,8 @@ class LearnerService:
             self.evaluation = Evaluation.from_config(
                 cfg.evaluation, cfg.data, seed=cfg.seed, max_new_tokens=cfg.sampling.max_new_tokens,
                 lease_timeout_s=cfg.servers.lease_timeout_s, tokenizer=tok, encode=encode, run_id=self.run_id,
-                version=lambda: self.version, metrics=self.metrics, record=self.records.eval_round, log=self.log)
+                version=self.state.current_version, metrics=self.metrics, record=self.records.eval_round,
+                log=self.log)
             self.admission.side_work = self.evaluation
         if self.prompts.finite:
             self.log("prompts", **self.prompts.status())

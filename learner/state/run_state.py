@@ -32,6 +32,13 @@ class RunState:
                 raise ValueError(f"{name} {value!r} is not a non-negative integer")
         self.run_id, self.version, self.assignment_counter = run_id, version, counter
 
+    # What components are handed to read the run state at use time (one provider for all).
+    def current_version(self) -> int:
+        return self.version
+
+    def current_run_id(self) -> str:
+        return self.run_id
+
     def next_assignment_id(self) -> str:
         """The id of the next training assignment (the counter moves on)."""
         self.assignment_counter += 1
