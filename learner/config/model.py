@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from learner.config.sections import (
     METRICS_SINKS,
@@ -210,30 +210,22 @@ TRAINER_KEYS = ("seed", "threads", "total_steps", "batch", "optimizer", "algorit
 """The parts of the learner's config a trainer reads (the run-wide keys and sections by name)."""
 
 
-class TrainerConfig(BaseModel):
+class _TrainerConfig(BaseModel):
     """What the trainer is given: the sections of a (validated) :class:`LearnerConfig` that a
     policy step reads, under the same paths (``optimizer.lr``, ``algorithm.is_mode``), so ``ctl``'s
     step settings land on it as they do on the learner's (learner.serve.control.Control.before_step).
-    The service, the sockets, the data and the checkpoints' settings are not in it."""
+    The service, the sockets, the data and the checkpoints' settings are not in it. Its fields are
+    LearnerConfig's own (:data:`TRAINER_KEYS`), defined once there."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    seed: int = 0
-    threads: int = Field(0, ge=0)
-    total_steps: int = Field(200, ge=1)
-    batch: BatchSettings = Field(default_factory=BatchSettings)
-    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
-    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
-    kl: KlSettings = Field(default_factory=KlSettings)
-    reward: RewardSettings = Field(default_factory=RewardSettings)
-    critic: CriticSettings = Field(default_factory=CriticSettings)
-    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
-    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
-    lora: LoraSettings | None = None
-    deepspeed: DeepSpeedSettings | None = None
 
     @classmethod
     def of(cls, cfg: LearnerConfig) -> TrainerConfig:
         """The trainer's own copy of ``cfg``'s training sections (a deep copy: ``ctl set`` changes
         the learner's at once and reaches this one between steps)."""
         return cls.model_validate({k: getattr(cfg, k) for k in TRAINER_KEYS}).model_copy(deep=True)
+
+
+TrainerConfig = create_model(
+    "TrainerConfig", __base__=_TrainerConfig, __module__=__name__,
+    **{k: (LearnerConfig.model_fields[k].annotation, LearnerConfig.model_fields[k]) for k in TRAINER_KEYS})
