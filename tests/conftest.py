@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from config_kit import nested  # noqa: F401 - re-exported for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_STOP_S = 10.0
