@@ -58,7 +58,11 @@ async def test_tensorboard_event_files_hold_the_step_statistics(tmp_path, tiny_m
     for row in rows:
         for key in ("reward_mean", "entropy", "step_s", "mismatch_kl"):
             assert scalars[f"train/{key}"][row["step"]] == pytest.approx(row[key], rel=1e-6)
-        assert scalars["servers/good"][row["step"]] == row["server_versions"]["good"]
+        # (a step trained after the server left has no version for it, there or in the events)
+        if "good" in row["server_versions"]:
+            assert scalars["servers/good"][row["step"]] == row["server_versions"]["good"]
+        else:
+            assert row["step"] not in scalars.get("servers/good", {})
     assert "train/time" not in scalars and "train/run_id" not in scalars
 
 
