@@ -60,7 +60,7 @@ class Batch:
 
 
 COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invalid", "expired",
-                 "released", "failed", "cancelled", "abandoned", "dropped_stale",
+                 "released", "preempted", "failed", "cancelled", "abandoned", "dropped_stale",
                  "dropped_incomplete", "consumed", "corrected", "batches", "stale_late",
                  "failed_reported")
 """The counters of :attr:`buffer.RolloutBuffer.counters` (a copy; all in samples but ``batches``)::
@@ -69,7 +69,10 @@ COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invali
     accepted, duplicate,     acknowledgements, one per put (accepted includes failed samples)
       stale, invalid
     expired, released        samples whose lease was lost to its deadline (or a learner
-                             restart) / because its holder left
+                             restart) / because its holder left or gave it back (it refused
+                             the assignment, or the learner refused a sample of it)
+    preempted                samples whose lease was taken from a silent holder for re-issue
+                             (no attempt used up: LeaseTable.preempt_holder)
     failed                   samples reported failed + samples never returned after the last attempt
     cancelled                in-flight samples of assignments cancelled by the caller
     abandoned                in-flight samples whose group was dropped before they arrived

@@ -253,9 +253,17 @@ class RolloutBuffer:
         return self._lost(*self.leases.release_holder(holder), "released")
 
     def release(self, assignment_id: str, holder: str) -> list[Lease]:
-        """``holder`` refused one assignment: its lease is lost now (a no-op unless ``holder``
+        """``holder`` gave one assignment back (it refused it, or the learner refused a sample of
+        it: that sample will not come again): its lease is lost now (a no-op unless ``holder``
         holds it). Returns it for :meth:`reissue`, or nothing when it is out of attempts."""
         return self._lost(*self.leases.release(assignment_id, holder), "released")
+
+    def preempt_holder(self, holder: str) -> list[Lease]:
+        """``holder`` went silent while others wait for work: its leases are taken for
+        :meth:`reissue` elsewhere, the first few times without using up an attempt
+        (:meth:`LeaseTable.preempt_holder`; a late result of the holder's is still accepted, the
+        first copy of each sample wins). Returns the leases to re-issue."""
+        return self._lost(*self.leases.preempt_holder(holder), "preempted")
 
     def _lost(self, retry: list[Lease], exhausted: list[Lease], counter: str) -> list[Lease]:
         """Count the missing samples of lost leases in ``counter``; give up the exhausted ones."""

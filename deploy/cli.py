@@ -2,8 +2,9 @@
 
 Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
 is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
-are found before the model loads where they can be: the dataset, the learner endpoint. Anything
-else is a bug or a runtime failure and keeps its traceback (exit 1).
+are found before the model loads where they can be: the dataset, the learner endpoint, the run
+directory, the model directory's ``config.json``. Anything else is a bug or a runtime failure and
+keeps its traceback (exit 1).
 
 Imports are lazy: ``slipstream ctl`` needs only ``protocol`` and pyzmq, never torch.
 """
@@ -11,8 +12,12 @@ Imports are lazy: ``slipstream ctl`` needs only ``protocol`` and pyzmq, never to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from protocol.errors import StartupError
 
@@ -32,12 +37,19 @@ def _add_resume_arg(p: argparse.ArgumentParser) -> None:
                         "checkpoint directory, or the checkpoint directory PATH")
 
 
+def _add_log_format_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=["auto", "text", "json"], default="auto",
+                   help="events on stdout: readable lines like `slipstream run` (text) or one JSON "
+                        "object per line (json); auto: text on a terminal, json when piped")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("learner", help="run the learner process")
     _add_config_args(p, required=True)
     _add_resume_arg(p)
+    _add_log_format_arg(p)
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="start N learner ranks on this machine through torchrun (needs a "
                         "learner.deepspeed section; rank 0 serves, the others train their share)")
@@ -45,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=True)
     p.add_argument("--learner", metavar="tcp://HOST:PORT", help="the learner's rollout endpoint")
     p.add_argument("--engine", choices=["hf", "vllm"], help="generation engine (rollout.engine)")
+    _add_log_format_arg(p)
     p = sub.add_parser("run", help="start a learner and N rollout servers, supervise them")
     _add_config_args(p, required=False)
     _add_resume_arg(p)
@@ -105,8 +118,64 @@ def _fail(message: str) -> int:
 
 def _resolve_model(name: str) -> str:
     from deploy.builtin import resolve_model
+    from learner.models import check_model_dir
 
-    return resolve_model(name, log=lambda m: print(json.dumps({"proc": "setup", "event": m}), flush=True))
+    path = resolve_model(name, log=lambda m: print(json.dumps({"proc": "setup", "event": m}), flush=True))
+    check_model_dir(path)
+    return path
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Refuse, as one line, a directory setting that cannot be created or written into. Tried
+    for real (the missing directories made, a file created in it and removed), since permission
+    bits do not tell: root passes them, a read-only mount or a pseudo file system (/proc) does
+    not. What the probe made is removed again, so a later config error leaves nothing behind; a
+    directory that turns unwritable after this check is a runtime failure, not this line."""
+    target = Path(path)
+    missing, probe = [], target
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    created: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+        fd, name = tempfile.mkstemp(dir=target, prefix=".slipstream-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        if probe.exists() and not probe.is_dir():
+            reason = f"{'it' if probe == target else probe} is not a directory"
+        else:
+            shown = e.filename and Path(e.filename) in missing[1:]        # a parent, not the probe
+            reason = f"{e.strerror or e}" + (f": {e.filename}" if shown else "")
+        raise StartupError(f"{key} {path!r} cannot be created or written ({reason}); "
+                           f"point {key} at a writable directory") from None
+    finally:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def _log_format(args) -> None:
+    from deploy.logfmt import apply
+
+    apply(getattr(args, "log_format", "auto"))
+
+
+def _check_learner_dirs(lc, resume: str | None) -> None:
+    """The learner's directories: the run directory (free for a new run: learner.state.run_dir),
+    and the checkpoint and rollout-log directories where they are set apart from it."""
+    from learner.state.run_dir import check_free
+
+    if resume is None:
+        check_free(lc.run_dir, lc.checkpoint.dir)
+    check_writable_dir(lc.run_dir, "learner.run_dir")
+    if lc.checkpoint.dir:
+        check_writable_dir(lc.checkpoint.dir, "learner.checkpoint.dir")
+    if lc.rollout_log is not None and lc.rollout_log.path:
+        check_writable_dir(lc.rollout_log.path, "learner.rollout_log.path")
 
 
 def _ctl(args) -> int:
@@ -150,8 +219,9 @@ def _run(args) -> int:
     from deploy.config import load_config
     from deploy.launcher import launch
 
-    return launch(load_config(args.config, args.overrides), args.config, args.overrides,
-                  resume=args.resume)
+    cfg = load_config(args.config, args.overrides)
+    _check_learner_dirs(cfg.learner, args.resume)
+    return launch(cfg, args.config, args.overrides, resume=args.resume)
 
 
 def _learner(args) -> int:
@@ -161,7 +231,9 @@ def _learner(args) -> int:
     cfg = load_config(args.config, args.overrides)
     lc = cfg.learner                        # the datasets (and their keys) are checked before the model
     check_dataset(lc.data, lc.evaluation.data, seed=lc.seed, batch_prompts=lc.batch.batch_prompts)
+    _check_learner_dirs(lc, args.resume)
     model_path = _resolve_model(cfg.model)
+    _log_format(args)
     if args.nproc > 1:
         from learner.train.distributed import launch_ranks
 
@@ -183,6 +255,7 @@ def _rollout(args) -> int:
         rollout = rollout.model_copy(update={"engine": args.engine})
     check_endpoint(rollout.learner, "--learner" if args.learner else "rollout.learner")
     model_path = _resolve_model(cfg.model)
+    _log_format(args)
     from rollout_server.service import serve
 
     return serve(rollout, model_path)
@@ -192,8 +265,21 @@ COMMANDS = {"ctl": _ctl, "config": _config, "run": _run, "learner": _learner, "r
             "report": _report, "replay": _replay}
 
 
+def _quiet_deepspeed() -> None:
+    """Without a GPU, DeepSpeed (imported by transformers and peft once it is installed) warns
+    "Setting accelerator to CPU" in every process; saying so up front (``DS_ACCELERATOR``, which
+    the children of ``slipstream run`` inherit) is the same choice without the warning."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("learner", "rollout", "run"):
+        _quiet_deepspeed()
     try:
         return COMMANDS[args.command](args)
     except StartupError as e:

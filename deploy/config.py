@@ -31,7 +31,7 @@ class ConfigError(StartupError):
 class LauncherConfig(BaseModel):
     """How `slipstream run` starts the processes."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     num_rollout_servers: int = Field(1, ge=1)
     """Rollout server processes to start next to the learner."""
@@ -47,6 +47,12 @@ class LauncherConfig(BaseModel):
     """Longest delay before a restart."""
     restart_window_s: float = Field(600.0, gt=0)
     """Restarts older than this no longer count toward restart_limit."""
+    secure: bool = True
+    """CURVE on every socket of the run, with key pairs generated into RUN_DIR/keys (owner-only:
+    directory 0700, secret keys 0600; reused on --resume): only processes that can read them —
+    this run's servers, and `slipstream ctl --run-dir` as the same user — can connect. Without it
+    anyone on this host can send samples, take the weights or stop the run. Ignored when
+    learner.security.curve is set (your own keys); false = no authentication."""
     pin_cores: bool = True
     """Pin each process to its own cores when the thread split uses the machine's cores exactly
     (deploy/cores.py: at η > 0 with at least as many cores as processes); false leaves placement
@@ -56,7 +62,7 @@ class LauncherConfig(BaseModel):
 class SlipstreamConfig(BaseModel):
     """One file configures a whole run; each process reads its own section."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     model: str = "builtin:tiny-arith"
     """Hugging Face model directory, builtin:tiny-arith (built in code, no download) or

@@ -1,14 +1,17 @@
 """``slipstream ctl``: status and live settings of a running learner over its control socket.
 
 Imports only ``protocol`` and pyzmq (no torch): it answers in a fraction of a second. The reply's
-result goes to stdout as JSON; errors go to stderr as one line (exit 2 for a refused request or
-a bad endpoint, 1 when the learner does not answer).
+result goes to stdout (aligned lines on a terminal, JSON with ``--json``; ``set`` prints only what
+it changed); errors go to stderr as one line (exit 2 for a refused request, a value the protocol
+cannot carry (an integer past 64 bits) or a bad endpoint, 1 when the learner does not answer).
 
 CURVE (learner.security.curve): ``--secret-key FILE`` (or ``$SLIPSTREAM_CTL_SECRET_KEY``) is this
 operator's key pair, whose public key must be in the learner's control allow-list;
 ``--learner-key FILE`` (or ``$SLIPSTREAM_CTL_LEARNER_KEY``) the learner's public key, by default
 the one the learner wrote into ``RUN_DIR/learner.json``. A key the learner refuses is said at once
-(exit 2), read from the socket's handshake events rather than waited out.
+(exit 2), read from the socket's handshake events rather than waited out. A run that `slipstream
+run` secured by itself (launcher.secure) needs neither: ``--run-dir`` finds its operator key in
+``RUN_DIR/keys``.
 """
 
 from __future__ import annotations
@@ -124,6 +127,37 @@ def parse_value(text: str):
         return text
 
 
+MSGPACK_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""The integers the protocol's encoding (msgpack) holds: int64 and uint64."""
+
+
+def _big_int(value) -> int | None:
+    """The first integer in ``value`` (a JSON value: nested lists and maps too) that msgpack
+    cannot hold, or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        lo, hi = MSGPACK_INT_RANGE
+        return None if lo <= value <= hi else value
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((b for b in map(_big_int, children) if b is not None), None)
+
+
+def unsendable(req: protocol.ControlRequest) -> str | None:
+    """Why ``req`` cannot be sent, as the one line to print (exit 2: the user's value is wrong,
+    not the learner), or None. Checked before connecting: an encoding error is not a learner
+    that did not answer."""
+    big = _big_int(req.args.get("value"))
+    if big is not None:
+        return (f"{req.command} {req.args.get('key')}: the integer {big} is out of range "
+                "(the protocol carries -2**63 .. 2**64-1)")
+    try:
+        protocol.encode(req)
+    except protocol.ProtocolError as e:
+        return f"{req.command}: cannot send this request ({e})"
+    return None
+
+
 def human(result: dict, indent: str = "") -> str:
     """A reply as aligned ``key  value`` lines (nested dicts indented), for a terminal."""
     if not result:
@@ -140,6 +174,14 @@ def human(result: dict, indent: str = "") -> str:
     return "\n".join(lines)
 
 
+def changed_line(changed: dict) -> str:
+    """What ``set`` changed, as one line: ``algorithm.max_staleness: 4 -> 1 (from the next step)``."""
+    when = changed.get("takes_effect")
+    when = "from the next step" if when == "next step" else "now" if when == "now" else when
+    return (f"{changed.get('key')}: {json.dumps(changed.get('previous'))} -> "
+            f"{json.dumps(changed.get('value'))} ({when})")
+
+
 def ctl(args) -> int:
     learner_public = None
     if args.endpoint:
@@ -147,8 +189,14 @@ def ctl(args) -> int:
     else:
         info = learner_file(args.run_dir)
         endpoint, learner_public = info["control"], info.get("curve_public_key")
-    curve = curve_keys(getattr(args, "secret_key", None), getattr(args, "learner_key", None),
-                       learner_public)
+    secret_key = getattr(args, "secret_key", None) or os.environ.get(SECRET_KEY_ENV)
+    if not secret_key and learner_public and not args.endpoint:
+        # `slipstream run`'s own keys (launcher.secure)
+        from deploy.keys import run_operator_key
+
+        found = run_operator_key(args.run_dir)
+        secret_key = str(found) if found is not None else None
+    curve = curve_keys(secret_key, getattr(args, "learner_key", None), learner_public)
     if args.action == "set":
         if args.key is None or args.value is None:
             return _error("usage: slipstream ctl set KEY VALUE (e.g. slipstream ctl set max_staleness 1)", 2)
@@ -159,6 +207,9 @@ def ctl(args) -> int:
         if args.key is not None:
             return _error(f"{args.action} takes no arguments", 2)
         req = protocol.ControlRequest(command=args.action)
+    problem = unsendable(req)
+    if problem:
+        return _error(problem, 2)
     try:
         reply = request(endpoint, req, args.timeout_s, curve)
     except Refused as e:
@@ -169,6 +220,8 @@ def ctl(args) -> int:
         return _error(reply.error, 2)
     if getattr(args, "json", False):
         print(json.dumps(reply.result, indent=2, sort_keys=True))
+    elif args.action == "set" and isinstance(reply.result.get("changed"), dict):
+        print(changed_line(reply.result["changed"]))
     elif args.action == "get" and args.key is not None and len(reply.result) == 1:
         value = next(iter(reply.result.values()))
         print(value if isinstance(value, str) else json.dumps(value))

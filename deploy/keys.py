@@ -52,8 +52,9 @@ def generate(directory: str | Path, clients: list[str], operators: list[str]) ->
 
 def config_snippet(directory: str | Path, secrets: dict[str, Path], clients: list[str],
                    operators: list[str]) -> str:
-    """The YAML to paste into a run's config, and the ctl flags."""
+    """The YAML to paste into a run's config, and the ctl flags (absolute paths throughout)."""
     d = Path(directory).resolve()
+    secrets = {name: Path(p).resolve() for name, p in secrets.items()}
     lines = ["learner:", "  network:", "    bind_host: 0.0.0.0        # CURVE on: the sockets may leave loopback",
              "  security:", "    curve: true", f"    secret_key_file: {d / 'learner.key_secret'}",
              f"    allowed_clients_dir: {d / 'clients'}"]
@@ -70,8 +71,42 @@ def config_snippet(directory: str | Path, secrets: dict[str, Path], clients: lis
 
 
 def keys(args) -> int:
-    secrets = generate(args.dir, args.client, args.operator)
+    # Every path printed is absolute: the snippet is pasted into configs read from other
+    # directories (and by processes started elsewhere), where a relative path means another file.
+    directory = Path(args.dir).resolve()
+    secrets = generate(directory, args.client, args.operator)
     for path in secrets.values():
         print(f"wrote {path} (secret) and {path.with_suffix('.key')}")
-    print(config_snippet(args.dir, secrets, args.client, args.operator))
+    print(config_snippet(directory, secrets, args.client, args.operator))
     return 0
+
+
+RUN_KEYS = "keys"
+"""``slipstream run`` (launcher.secure): the run's keys, in RUN_DIR/keys."""
+RUN_SERVER, RUN_OPERATOR = "rollout", "operator"
+
+
+def run_keys(run_dir: str | Path) -> tuple[dict, dict]:
+    """``(learner.security, rollout.security)`` for a run whose keys are in ``RUN_DIR/keys``,
+    generated there (owner-only) when missing; a resumed run finds and reuses them."""
+    d = Path(run_dir).resolve() / RUN_KEYS
+    names = (LEARNER, RUN_SERVER, RUN_OPERATOR)
+    have = [n for n in names if (d / f"{n}.key_secret").exists()]
+    if len(have) != len(names):
+        if have:
+            raise StartupError(f"{d} holds only some of the run's keys ({', '.join(have)}); remove "
+                               "the directory to have new ones made, or set launcher.secure: false")
+        d.mkdir(parents=True, exist_ok=True)
+        d.chmod(0o700)
+        generate(d, [RUN_SERVER], [RUN_OPERATOR])
+    learner = {"curve": True, "secret_key_file": str(d / f"{LEARNER}.key_secret"),
+               "allowed_clients_dir": str(d / "clients"), "control_allowed_dir": str(d / "operators")}
+    rollout = {"curve": True, "secret_key_file": str(d / f"{RUN_SERVER}.key_secret"),
+               "learner_public_key_file": str(d / f"{LEARNER}{PUBLIC_SUFFIX}")}
+    return learner, rollout
+
+
+def run_operator_key(run_dir: str | Path) -> Path | None:
+    """The operator's secret key ``slipstream run`` made for this run, if there is one."""
+    p = Path(run_dir) / RUN_KEYS / f"{RUN_OPERATOR}.key_secret"
+    return p if p.exists() else None

@@ -44,7 +44,9 @@ from deploy.live import LiveView, cell
 SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
                 "control_set", "control_pause", "control_resume", "staleness_changed", "checkpoint", "resumed",
                 "checkpoint_failed", "data_exhausted", "protocol_error", "server_dropped", "server_readmitted",
-                "server_version_mismatch", "new_run", "step_skipped")
+                "server_version_mismatch", "new_run", "step_skipped", "samples_refused",
+                "leases_preempted", "server_refused", "welcome_refused", "diverged", "record_failed",
+                "record_recovered", "record_torn", "checkpoint_skipped")
 STDERR_TAIL_LINES = 30
 """Lines of a crashed child's stderr shown (enough for a Python traceback)."""
 STDERR_DRAIN_S = 5.0
@@ -217,6 +219,10 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
     resolved["model"] = model_path
     resolved["learner"]["threads"] = learner_threads
     resolved["rollout"]["threads"] = rollout_threads
+    if cfg.launcher.secure and not cfg.learner.security.curve:
+        from deploy.keys import run_keys
+
+        resolved["learner"]["security"], resolved["rollout"]["security"] = run_keys(run_dir)
     cfg_file = run_dir / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(resolved, sort_keys=False))
     (run_dir / "learner.json").unlink(missing_ok=True)      # a stale endpoint file misleads ctl

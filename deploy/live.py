@@ -32,6 +32,8 @@ ROWS = 12
 
 def cell(ev: dict, key: str, fmt: str) -> str:
     value = ev.get(key)
+    if value in ("nan", "inf", "-inf"):     # a non-finite float, as the event log writes it
+        value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "-" if value is None else str(value)
     if isinstance(value, float) and math.isnan(value):

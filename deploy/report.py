@@ -12,14 +12,22 @@ critic no value loss, and a plot none of whose columns exist is left out. Column
 ``PLOTS`` below and the functions it names. Written to ``RUN_DIR/report/`` (``--out`` elsewhere):
 ``report.md``, one PNG per plot and ``overview.png`` (the six main plots on one page).
 
-matplotlib (``pip install 'slipstream[report]'``) draws through its Agg canvas only: no display,
-no pyplot state, safe at the end of ``slipstream run``.
+A plot is meant to be read, so: the reward axis holds reward-like series only (an eval round's
+sample count or seconds would squash reward and accuracy flat, :func:`reward_like`); a series equal
+to one already drawn on the same axes is named in that one's legend, not drawn again
+(:func:`same_series`); a constant setting such as a fixed learning rate is stated, not drawn on an
+axis of float noise (:func:`constant`); and each ``ctl`` change is a dotted mark on every
+policy-step axis (:func:`control_changes` says which rows carry them).
+
+matplotlib (a base dependency: the report is part of ``slipstream run``) draws through its Agg
+canvas only: no display, no pyplot state, safe at the end of ``slipstream run``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,10 +35,53 @@ from pathlib import Path
 
 from protocol.errors import StartupError
 
-WINDOW_FRACTION = 0.1
-"""The summary compares the mean of the first and of the last 10 % of steps (at least one step)."""
+WINDOW_FRACTION = 0.25
+"""The summary compares the mean of the first and of the last quarter of steps (at least one step;
+a tenth of a short run was its single first and last step, which says nothing of a noisy reward)."""
+SAME_TOLERANCE = 1e-12
+"""Two series closer than this everywhere (relative above 1) are one series drawn twice."""
 DPI = 100
 FIGSIZE = (8.0, 4.0)
+
+
+def is_step(row: dict) -> bool:
+    """A policy step's row: no ``kind`` (eval rounds and control changes have one) and not an
+    event record."""
+    return row.get("kind") is None and "event" not in row
+
+
+@dataclass
+class Change:
+    """One ``ctl set``: after which policy step it was made, and when (learner clock, if known)."""
+
+    step: float
+    key: str
+    value: object
+    previous: object
+    time: float = math.nan
+
+
+def control_changes(rows: list[dict]) -> list[Change]:
+    """The ``ctl`` changes among ``rows``.
+
+    The report reads only ``metrics.jsonl``. The learner's ``control_set`` event goes to its event
+    log (stdout), so a change reaches the report when a row records it; two shapes are read:
+    ``{"kind": "control", "step": V, "key", "value", "previous", "time"}`` (``step``: the learner's
+    version when the change was made, the last step trained) and the event line itself
+    (``{"event": "control_set", "version": V, "key", "value", "previous"}``), for a file that
+    gathered the learner's events. A change is drawn between step V and V + 1, where it took effect.
+    """
+    out = []
+    for r in rows:
+        if not (r.get("kind") == "control" or r.get("event") == "control_set"):
+            continue
+        step = r.get("step", r.get("version"))
+        if not isinstance(step, (int, float)) or not isinstance(r.get("key"), str):
+            continue
+        t = r.get("time")
+        out.append(Change(float(step), r["key"], r.get("value"), r.get("previous"),
+                          float(t) if isinstance(t, (int, float)) else math.nan))
+    return out
 
 
 @dataclass
@@ -39,6 +90,17 @@ class Run:
 
     run_id: str
     rows: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    """Evaluation rounds (``kind: eval``) once :meth:`split`: not steps, drawn at their version."""
+    controls: list[Change] = field(default_factory=list)
+    """``ctl`` changes once :meth:`split` (:func:`control_changes`)."""
+
+    def split(self) -> Run:
+        """The run with ``rows`` its policy steps only, the evaluation rounds in ``evals`` and the
+        control changes in ``controls``: a per-step line has no hole at every eval row, and
+        throughput is measured between steps."""
+        return Run(self.run_id, [r for r in self.rows if is_step(r)],
+                   [r for r in self.rows if r.get("kind") == "eval"], control_changes(self.rows))
 
     def values(self, column: str) -> list[float]:
         """The column as floats, NaN where a row lacks it or holds something else."""
@@ -96,8 +158,8 @@ def read_runs(path: Path) -> tuple[dict[str, Run], int]:
             run_id = f"legacy-{legacy}"
         run = runs.setdefault(run_id, Run(run_id))
         step = row.get("step")
-        if row.get("kind") != "eval" and isinstance(step, (int, float)) and any(
-                r.get("kind") != "eval" and isinstance(r.get("step"), (int, float)) and r["step"] >= step
+        if is_step(row) and isinstance(step, (int, float)) and any(
+                is_step(r) and isinstance(r.get("step"), (int, float)) and r["step"] >= step
                 for r in run.rows):
             # A resume from an earlier checkpoint trains these steps again: the later life wins
             # (the earlier life's rows from this step on were rolled back, learner/state/checkpoint.py).
@@ -151,8 +213,16 @@ def rolling_mean(values: list[float], k: int) -> list[float]:
     return out
 
 
+def _finite_points(x: list[float], v: list[float]) -> tuple[list[float], list[float]]:
+    """The points where both coordinates are numbers: a row without the column is no hole in
+    the line (a line broken at every other point shows nothing but dots)."""
+    pts = [(a, b) for a, b in zip(x, v) if math.isfinite(a) and math.isfinite(b)]
+    return [a for a, _ in pts], [b for _, b in pts]
+
+
 def _plot_smoothed(ax, x: list[float], v: list[float], label: str, **kwargs) -> None:
     """The raw line, faint, under its rolling mean once the run is long enough."""
+    x, v = _finite_points(x, v)
     if len(v) >= SMOOTH_FROM_STEPS:
         k = max(2, len(v) // 20)
         (raw,) = ax.plot(x, v, linewidth=0.8, alpha=0.3, **kwargs)
@@ -161,22 +231,90 @@ def _plot_smoothed(ax, x: list[float], v: list[float], label: str, **kwargs) -> 
         ax.plot(x, v, label=label, linewidth=1.2, **kwargs)
 
 
-def _lines(ax, run: Run, columns: list[tuple[str, str]], x: list[float] | None = None,
-           smooth: bool = True) -> bool:
-    drawn = False
-    x = run.steps if x is None else x
+def same_series(a: list[float], b: list[float]) -> bool:
+    """Whether two columns are one series: missing at the same rows and within
+    :data:`SAME_TOLERANCE` at every other (``pg_approx_kl`` is ``mismatch_kl`` under
+    ``clip_anchor: behavior``; ``loss`` is ``pg_loss`` without a critic, KL loss or bonus)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if math.isfinite(x) != math.isfinite(y):
+            return False
+        if math.isfinite(x) and abs(x - y) > SAME_TOLERANCE * max(1.0, abs(x), abs(y)):
+            return False
+    return True
+
+
+def distinct(run: Run, columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The columns that exist, each column equal to an earlier one left out and named in that
+    one's label ("loss = policy loss"): drawn twice, one line hides the other and the legend
+    claims two measurements."""
+    kept: list[list] = []
     for column, label in columns:
         if not run.has(column):
             continue
+        values = run.values(column)
+        twin = next((k for k in kept if same_series(k[2], values)), None)
+        if twin is not None:
+            twin[1] += f" = {label}"
+        else:
+            kept.append([column, label, values])
+    return [(c, label) for c, label, _ in kept]
+
+
+def constant(values: list[float]) -> float | None:
+    """The value of a column that never changes (a fixed learning rate or KL coefficient), None
+    when it changes or is missing."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return None
+    c = finite[0]
+    return c if all(abs(v - c) <= SAME_TOLERANCE * max(1.0, abs(c)) for v in finite) else None
+
+
+def _plain_y(ax, values: list[float]) -> None:
+    """Tick labels that read as values: no offset ("+2.85e-4" under ticks of 1e-5), and a
+    constant series centred on an axis of its own size rather than ±5 % of float noise."""
+    ax.ticklabel_format(axis="y", useOffset=False)
+    c = constant(values)
+    if c is not None:
+        d = abs(c) * 0.5 if c else 1.0
+        ax.set_ylim(c - d, c + d)
+
+
+def _lines(ax, run: Run, columns: list[tuple[str, str]], x: list[float] | None = None,
+           smooth: bool = True) -> bool:
+    x = run.steps if x is None else x
+    columns = distinct(run, columns)
+    for column, label in columns:
         if smooth:
             _plot_smoothed(ax, x, run.values(column), label)
         else:
-            ax.plot(x, run.values(column), label=label, linewidth=1.2)
-        drawn = True
-    if drawn:
+            ax.plot(*_finite_points(x, run.values(column)), label=label, linewidth=1.2)
+    if columns:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    return drawn
+        _plain_y(ax, [v for c, _ in columns for v in run.values(c)])
+    return bool(columns)
+
+
+def _setting(ax, run: Run, column: str, label: str, loc: str) -> None:
+    """A setting beside the plot's own lines: a constant one is stated in the axes' title (an axis
+    of its own would show float noise), a changing one gets a dashed line on a twin axis."""
+    if not run.has(column):
+        return
+    c = constant(run.values(column))
+    if c is not None:
+        title = ax.get_title()
+        ax.set_title(f"{title}; {label} {c:.3g} (constant)" if title else f"{label} {c:.3g} (constant)",
+                     fontsize=9)
+        return
+    twin = ax.twinx()
+    twin.plot(*_finite_points(run.steps, run.values(column)), color="gray", linestyle="--", linewidth=1,
+              label=label)
+    twin.set_ylabel(label)
+    twin.ticklabel_format(axis="y", useOffset=False)
+    twin.legend(fontsize=7, loc=loc)
 
 
 def _positive_log(ax, run: Run, columns: list[str]) -> None:
@@ -188,36 +326,56 @@ def _positive_log(ax, run: Run, columns: list[str]) -> None:
         ax.set_ylim(bottom=max(min(vals), max(vals) * 1e-5) * 0.8)
 
 
+REWARD_COLUMNS = (("reward_mean", "reward mean"), ("score_mean", "score mean (before shaping)"),
+                  ("reward_std", "reward std (in the batch)"))
+"""The step columns on the reward axis."""
+
+
+def reward_like(column: str) -> bool:
+    """Whether an evaluation column is on the reward axis: accuracies, rewards and scores are;
+    counts, seconds and versions (``eval_samples`` 32, ``eval_seconds`` 20) are not, they would
+    squash reward and accuracy flat at the bottom. They stay in the summary's table."""
+    return column.startswith("eval_") and column.endswith(("accuracy", "reward_mean", "score_mean"))
+
+
 def _draw_reward(fig, run: Run) -> bool:
     ax = fig.subplots()
-    steps, mean = run.steps, run.values("reward_mean")
-    cols = [("reward_mean", "reward mean")]
-    if run.has("score_mean") and run.values("score_mean") != mean:     # shaping changed the reward
-        cols.append(("score_mean", "score mean (before shaping)"))
-    cols.append(("reward_std", "reward std (in the batch)"))
-    drawn = _lines(ax, run, cols)
-    evals = [c for c in run.columns() if c.startswith("eval_")]
-    for c in evals:
-        pts = [(s, v) for s, v in zip(steps, run.values(c)) if math.isfinite(v)]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=c.replace("_", " "), markersize=3)
-    if drawn or evals:
+    drawn = _lines(ax, run, list(REWARD_COLUMNS))
+    evals = Run(run.run_id, run.evals)
+    cols = distinct(evals, [(c, c.replace("_", " ")) for c in evals.columns() if reward_like(c)])
+    for c, label in cols:
+        ax.plot(*_finite_points(evals.steps, evals.values(c)), "o-", label=label, markersize=3)
+    if drawn or cols:
         ax.legend(fontsize=8, loc="best")
         ax.grid(True, alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("policy step")
-    return drawn or bool(evals)
+    return drawn or bool(cols)
+
+
+def _approx_kl_label(run: Run) -> str:
+    """The update's approx KL, said to be the mismatch KL when it is (``clip_anchor: behavior``:
+    the anchor is the behavior policy), since the mismatch plot draws the same line."""
+    label = "approx KL of the update (PPO)"
+    if run.has("mismatch_kl") and same_series(run.values("pg_approx_kl"), run.values("mismatch_kl")):
+        label += " = mismatch KL"
+    return label
 
 
 def _draw_kl(fig, run: Run) -> bool:
     ax = fig.subplots()
-    cols = [("ref_kl", "KL to reference"), ("pg_approx_kl", "approx KL of the update (PPO)")]
-    drawn = _lines(ax, run, cols)
-    if run.has("kl_coef") and drawn:
-        twin = ax.twinx()
-        twin.plot(run.steps, run.values("kl_coef"), color="gray", linestyle="--", linewidth=1, label="kl_coef")
-        twin.set_ylabel("kl_coef")
-        twin.legend(fontsize=8, loc="upper left")
+    drawn = _lines(ax, run, [("ref_kl", "KL to reference"), ("pg_approx_kl", _approx_kl_label(run))])
+    if drawn:
+        _setting(ax, run, "kl_coef", "kl_coef", "upper left")
     ax.set_xlabel("policy step")
     return drawn
+
+
+def _draw_mismatch(fig, run: Run) -> bool:
+    label = "mismatch KL"
+    if run.has("pg_approx_kl") and same_series(run.values("pg_approx_kl"), run.values("mismatch_kl")):
+        label += " = approx KL of the update"
+    return _simple([("mismatch_kl", label)], "nats", log=True)(fig, run)
 
 
 def _simple(columns: list[tuple[str, str]], ylabel: str = "", log: bool = False, ylim=None,
@@ -289,6 +447,7 @@ def _draw_throughput(fig, run: Run, tokens: bool = True) -> bool:
     ax = fig.subplots()
     steps, sps, tps = throughput(run)
     _plot_smoothed(ax, steps, sps, "samples/s")
+    _plain_y(ax, sps)
     if tokens:
         ax.set_ylabel("samples/s")
     ax.set_xlabel("policy step")
@@ -298,6 +457,7 @@ def _draw_throughput(fig, run: Run, tokens: bool = True) -> bool:
     if any(math.isfinite(v) for v in tps):
         twin = ax.twinx()
         _plot_smoothed(twin, steps, tps, "completion tokens/s", color="tab:green")
+        _plain_y(twin, tps)
         twin.set_ylabel("tokens/s")
         twin.legend(fontsize=8, loc="upper right")
     ax.legend(fontsize=8, loc="upper left")
@@ -379,11 +539,7 @@ def _draw_loss(fig, run: Run) -> bool:
     a = _lines(left, run, [("loss", "loss"), ("pg_loss", "policy loss"), ("vf_loss", "value loss"),
                            ("kl_loss", "KL loss"), ("entropy_bonus", "entropy bonus")])
     b = _lines(right, run, [("grad_norm", "grad norm"), ("critic_grad_norm", "critic grad norm")])
-    if run.has("lr"):
-        twin = right.twinx()
-        twin.plot(run.steps, run.values("lr"), color="gray", linestyle="--", linewidth=1, label="lr")
-        twin.set_ylabel("lr")
-        twin.legend(fontsize=7, loc="lower right")
+    _setting(right, run, "lr", "lr", "lower right")
     for ax in (left, right):
         ax.set_xlabel("policy step")
     return a or b
@@ -406,8 +562,7 @@ PLOTS = (
          _simple([("pg_clip_fraction", "clip fraction"), ("pg_dual_clip_fraction", "dual-clip fraction")],
                  "fraction of tokens")),
     Plot("importance", "Importance weights and ESS", _draw_importance),
-    Plot("mismatch_kl", "Mismatch KL (behavior vs proximal policy)",
-         _simple([("mismatch_kl", "mismatch KL")], "nats", log=True)),
+    Plot("mismatch_kl", "Mismatch KL (behavior vs proximal policy)", _draw_mismatch),
     Plot("staleness", "Staleness", _draw_staleness),
     Plot("throughput", "Throughput", _draw_throughput),
     Plot("versions", "Policy versions: learner and each server", _draw_versions),
@@ -415,14 +570,54 @@ PLOTS = (
     Plot("loss", "Loss, gradient norm, learning rate", _draw_loss),
     Plot("idle", "Idle ratios", _draw_idle),
 )
-OVERVIEW = (("reward", _draw_reward), ("mismatch KL", _simple([("mismatch_kl", "mismatch KL")], log=True)),
+OVERVIEW = (("reward", _draw_reward), ("mismatch KL", _draw_mismatch),
             ("entropy", _simple([("entropy", "entropy")])),
             ("ESS ratio", _simple([("is_ess_ratio", "ESS ratio")], ylim=(-0.02, 1.02))),
             ("staleness", _simple([("staleness_mean", "mean"), ("staleness_max", "max")], smooth=False)),
             ("samples/s", None))
 
 
-def _overview(run: Run, path: Path) -> bool:
+CONTROL_COLOR = "tab:purple"
+
+
+def mark_controls(fig, run: Run) -> None:
+    """A dotted line at each ``ctl`` change on every axes of ``fig`` over policy steps (between the
+    step after which it was made and the next, where it took effect) or over seconds (at its
+    time), with the key and the new value at the top; twin axes share the x axis and are skipped."""
+    if not run.controls:
+        return
+    t0 = next((t for t in run.values("time") if math.isfinite(t)), math.nan)
+    for ax in fig.axes:
+        xlabel = ax.get_xlabel()
+        for change in run.controls:
+            x = (change.step + 0.5 if xlabel == "policy step"
+                 else change.time - t0 if xlabel == "seconds" else math.nan)
+            if not math.isfinite(x):
+                continue
+            ax.axvline(x, color=CONTROL_COLOR, linestyle=":", linewidth=1.2, gid="ctl")
+            ax.text(x, 0.98, f" {change.key.rsplit('.', 1)[-1]}={_value(change.value)}",
+                    transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="left",
+                    fontsize=6, color=CONTROL_COLOR)
+
+
+def _value(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def figure(plot: Plot, run: Run):
+    """The Figure of one plot of a :meth:`Run.split` run, None when it has nothing to draw."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    fig.suptitle(plot.title, fontsize=11)
+    if not plot.draw(fig, run):
+        return None
+    mark_controls(fig, run)
+    return fig
+
+
+def overview_figure(run: Run):
+    """The six main plots on one page (a :meth:`Run.split` run), None when none has data."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 6.5), dpi=DPI, layout="constrained")
@@ -435,21 +630,23 @@ def _overview(run: Run, path: Path) -> bool:
             drawn |= _draw_throughput(sub, run, tokens=False)
         else:
             drawn |= bool(draw(sub, run))
-    if drawn:
-        fig.savefig(path)
-    return drawn
+        mark_controls(sub, run)
+    return fig if drawn else None
 
+
+def _overview(run: Run, path: Path) -> bool:
+    fig = overview_figure(run)
+    if fig is not None:
+        fig.savefig(path)
+    return fig is not None
 
 
 def draw_plots(run: Run, out: Path) -> list[tuple[Plot, Path]]:
     """Write each plot that has data to ``out/NAME.png``; the plots written."""
-    from matplotlib.figure import Figure
-
     written = []
     for plot in PLOTS:
-        fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-        fig.suptitle(plot.title, fontsize=11)
-        if plot.draw(fig, run):
+        fig = figure(plot, run)
+        if fig is not None:
             path = out / f"{plot.name}.png"
             fig.savefig(path)
             written.append((plot, path))
@@ -480,34 +677,78 @@ def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
 
-def summary_rows(run: Run) -> list[tuple[str, float, float, float, float]]:
-    """``(label, first window mean, last window mean, min, max)`` for the summary columns present,
-    plus every ``eval_*`` column."""
-    n = len(run.rows)
-    k = max(1, int(n * WINDOW_FRACTION))
-    cols = list(SUMMARY_COLUMNS) + [(c, c.replace("_", " ")) for c in run.columns() if c.startswith("eval_")]
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def window(n: int) -> int:
+    """How many of ``n`` steps (or eval rounds) each end of the summary averages."""
+    return max(1, int(n * WINDOW_FRACTION))
+
+
+def _stats(run: Run, cols: list[tuple[str, str]], k: int) -> list[tuple[str, float, float, float, float]]:
     out = []
     for column, label in cols:
         if not run.has(column):
             continue
-        v = run.values(column)
-        finite = [x for x in v if math.isfinite(x)]
-        first = [x for x in v if math.isfinite(x)][:k]
-        last = [x for x in v if math.isfinite(x)][-k:]
-        out.append((label, _mean(first), _mean(last), min(finite), max(finite)))
+        finite = [x for x in run.values(column) if math.isfinite(x)]
+        out.append((label, _mean(finite[:k]), _mean(finite[-k:]), min(finite), max(finite)))
     return out
+
+
+def summary_rows(run: Run) -> list[tuple[str, float, float, float, float]]:
+    """``(label, first window mean, last window mean, min, max)`` for the summary columns present
+    in the steps of a :meth:`Run.split` run (windows: :func:`window` of its steps)."""
+    return _stats(run, list(SUMMARY_COLUMNS), window(len(run.rows)))
+
+
+def eval_rows(run: Run) -> list[tuple[str, float, float, float, float]]:
+    """The same over the evaluation rounds (windows of rounds), accuracy and reward first; the
+    versions a round evaluated are the table's header, not a statistic."""
+    evals = Run(run.run_id, run.evals)
+    cols = [c for c in evals.columns() if c.startswith("eval_") and "version" not in c]
+    cols.sort(key=lambda c: not reward_like(c))
+    return _stats(evals, [(c, c.replace("_", " ")) for c in cols], window(len(evals.rows)))
+
+
+def _window_header(which: str, k: int, unit: str, names: list[str]) -> str:
+    """``first 15 steps (1–15)``, ``last step (60)``: what a column of the table averages."""
+    span = names[:k] if which == "first" else names[-k:]
+    where = f" ({span[0]}–{span[-1]})" if len(span) > 1 else f" ({span[0]})" if span else ""
+    return (f"{which} {unit}" if k == 1 else f"{which} {k} {unit}s") + where
+
+
+def _table(head: str, first: str, last: str, rows: list[tuple[str, float, float, float, float]]) -> list[str]:
+    return ([f"| {head} | {first} | {last} | min | max |", "|---|---:|---:|---:|---:|"]
+            + [f"| {label} | {_fmt(a)} | {_fmt(b)} | {_fmt(lo)} | {_fmt(hi)} |" for label, a, b, lo, hi in rows]
+            + [""])
+
+
+def _servers_at_the_end(run: Run) -> str:
+    """Each server's version at the last step, or when it left: the last step it reported at."""
+    parts = []
+    steps = run.steps
+    for s, v in server_versions(run).items():
+        if math.isfinite(v[-1]):
+            parts.append(f"{s} v{int(v[-1])}")
+            continue
+        seen = [i for i, x in enumerate(v) if math.isfinite(x)]
+        step = steps[seen[-1]] if seen else math.nan
+        parts.append(f"{s} left after step {int(step)} (at v{int(v[seen[-1]])})"
+                     if seen and math.isfinite(step) else f"{s} left")
+    return "servers at the end: " + ", ".join(parts)
 
 
 def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_lines: int,
              overview: bool, note: str = "") -> str:
-    step_rows = [r for r in run.rows if r.get("kind") != "eval"]   # eval rounds are rows, not steps
-    n = len(step_rows)
-    k = max(1, int(n * WINDOW_FRACTION))
-    steps = [float(r["step"]) for r in step_rows if isinstance(r.get("step"), (int, float))]
+    """``report.md`` of a :meth:`Run.split` run."""
+    n = len(run.rows)
+    k = window(n)
+    steps = [float(r["step"]) for r in run.rows if isinstance(r.get("step"), (int, float))]
     elapsed = [t for t in run.elapsed_s() if math.isfinite(t)]
     t0 = next((t for t in run.values("time") if math.isfinite(t)), None)
     lines = [f"# slipstream run `{run.run_id}`", ""]
-    head = f"{n} policy steps"
+    head = _plural(n, "policy step")
     if steps:
         head += f" (step {int(steps[0])} → {int(steps[-1])})"
     if elapsed:
@@ -521,11 +762,8 @@ def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_li
         facts.append(f"samples/s: {_fmt(_mean(sps))} mean")
     if any(math.isfinite(x) for x in tps):
         facts.append(f"completion tokens/s: {_fmt(_mean(tps))} mean")
-    servers = server_versions(run)
-    if servers:
-        final = {s: v[-1] for s, v in servers.items()}
-        facts.append("servers at the end: " + ", ".join(
-            f"{s} v{int(v)}" if math.isfinite(v) else f"{s} (gone)" for s, v in final.items()))
+    if server_versions(run):
+        facts.append(_servers_at_the_end(run))
     if run.has("corrected_samples"):
         facts.append(f"corrected (over-limit) samples: {int(sum(x for x in run.values('corrected_samples') if math.isfinite(x)))}")
     lines += [f"- {f}" for f in facts]
@@ -538,8 +776,19 @@ def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_li
     lines.append("")
     rows = summary_rows(run)
     if rows:
-        lines += [f"| statistic | first {k} steps | last {k} steps | min | max |", "|---|---:|---:|---:|---:|"]
-        lines += [f"| {label} | {_fmt(a)} | {_fmt(b)} | {_fmt(lo)} | {_fmt(hi)} |" for label, a, b, lo, hi in rows]
+        names = [str(int(s)) for s in steps]
+        lines += _table("statistic", _window_header("first", k, "step", names),
+                        _window_header("last", k, "step", names), rows)
+    evals = eval_rows(run)
+    if evals:
+        versions = [f"v{int(r['step'])}" for r in run.evals if isinstance(r.get("step"), (int, float))]
+        ke = window(len(run.evals))
+        lines += _table("held-out evaluation", _window_header("first", ke, "round", versions),
+                        _window_header("last", ke, "round", versions), evals)
+    if run.controls:
+        lines += ["## Control changes", ""]
+        lines += [f"- after step {int(c.step)}: `{c.key}` {_value(c.previous)} → {_value(c.value)}"
+                  for c in run.controls]
         lines.append("")
     if overview:
         lines += ["![overview](overview.png)", ""]
@@ -550,11 +799,15 @@ def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_li
     return "\n".join(lines)
 
 
+NO_PLOTS = "no plots: matplotlib is not installed (pip install 'matplotlib>=3.7')"
+
+
 def write_report(run_dir: Path | str, run_id: str | None = None, out: Path | str | None = None) -> Path:
     """Write the report of one run of ``run_dir/metrics.jsonl``; the path of its ``report.md``.
 
     Raises :class:`protocol.StartupError` (one line) for a missing file, an empty one or an
-    unknown run id. Without matplotlib the summary is still written, saying how to get the plots.
+    unknown run id. Without matplotlib the summary is still written, and it and one line on stderr
+    (the terminal of ``slipstream run``) say why there are no plots and how to get them.
     """
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
@@ -562,14 +815,15 @@ def write_report(run_dir: Path | str, run_id: str | None = None, out: Path | str
         raise StartupError(f"no metrics.jsonl in {run_dir}: give the run directory of a learner "
                            "(learner.run_dir)")
     runs, bad = read_runs(path)
-    run = select_run(runs, run_id)
+    run = select_run(runs, run_id).split()
     out = Path(out) if out is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
+    except ImportError:                  # a base dependency; missing after a --no-deps install
         plots, overview = [], False
-        note = "no plots: matplotlib is not installed (pip install 'slipstream[report]')"
+        note = NO_PLOTS
+        print(f"slipstream report: {NO_PLOTS}", file=sys.stderr, flush=True)
     else:
         plots = draw_plots(run, out)
         overview = _overview(run, out / "overview.png")

@@ -10,6 +10,7 @@ its metrics (``tests/test_metrics_home.py`` fails on a definition anywhere else 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -21,6 +22,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from protocol import ACK_STATUSES
+
+SOCKETS = ("rollout", "weights", "control")
+"""The learner's ZeroMQ sockets (the ``socket`` label)."""
+SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
+"""Errors a rollout server reports to the learner (``slipstream_server_errors_total{code}``)."""
 
 
 class LearnerMetrics:
@@ -54,6 +62,25 @@ class LearnerMetrics:
         self.servers_lost = Counter("slipstream_rollout_servers_lost",
                                     "Rollout servers dropped (timed out or unreachable)", ["reason"],
                                     registry=r)
+        # ---- fleets and failing rewards (learner.serve.admission, learner.serve.sample_watch) ----
+        self.servers_refused = Counter(
+            "slipstream_rollout_servers_refused", "Hellos refused (too_many_servers: "
+            "servers.max_servers reached; duplicate_server_id), by reason", ["reason"], registry=r)
+        self.leases_preempted = Counter(
+            "slipstream_leases_preempted", "Leases taken from a rollout server that returned nothing "
+            "for silent_factor x its expected completion time while others waited for work "
+            "(re-issued without using an attempt)", registry=r)
+        self.leases_released = Counter(
+            "slipstream_leases_released", "Leases released for re-issue at once (invalid: the "
+            "learner refused a sample of it; assignment_refused: the server refused it), by reason",
+            ["reason"], registry=r)
+        self.samples_failed = Counter(
+            "slipstream_samples_failed", "Samples the rollout servers reported failed (reward: the "
+            "reward raised or returned a non-finite value; reward_timeout; generate; other), by reason",
+            ["reason"], registry=r)
+        self.valid_sample_age = Gauge(
+            "slipstream_valid_sample_age_seconds", "Seconds since the last valid sample arrived "
+            "(accepted, not failed; NaN before the first)", registry=r)
         self.step_seconds = Histogram("slipstream_train_step_seconds", "Seconds per policy step",
                                       registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         self.publish_seconds = Histogram(
@@ -152,6 +179,15 @@ class LearnerMetrics:
         self.eval_reward_mean.set(float("nan"))
         self.eval_accuracy.set(float("nan"))
         self.eval_version.set(-1)
+        # The label sets known in advance are exposed at 0 from the start: a dashboard panel or
+        # an alert on a counter that has not fired yet shows 0 (and rate() works), not "No data".
+        for counter, labels in ((self.samples, {"status": ACK_STATUSES}),
+                                (self.protocol_errors, {"socket": SOCKETS + ("http",)}),
+                                (self.send_dropped, {"socket": SOCKETS, "reason": ("full", "unreachable")}),
+                                (self.server_errors, {"code": SERVER_ERROR_CODES}),
+                                (self.servers_lost, {"reason": ("timeout", "unreachable", "restarted")})):
+            for values in itertools.product(*labels.values()):
+                counter.labels(**dict(zip(labels, values, strict=True)))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus exposition of this registry (what ``/metrics`` answers)."""
@@ -163,14 +199,113 @@ class LearnerMetrics:
 
 
 class JsonlLog:
-    """Append one JSON object per line (flushed) to ``run_dir/metrics.jsonl``."""
+    """An append-only file of JSON objects, one a line (``metrics.jsonl``, ``trained_ids.jsonl``):
+    every record is on disk whole or not at all.
+
+    Why (issue 31): a buffered text write cut short by a full disk, a kill or a crash left a torn
+    line, and the next row was appended to it (one merged line, not JSON). So a record is built
+    as one line first and handed to the kernel in one ``write`` on an unbuffered ``O_APPEND``
+    file; a write that fails or stops short (``ENOSPC``) is cut back to the size before it and
+    raised, for the caller to decide (learner.serve.records: an event, then go on or stop). The
+    torn last line an earlier life left (not a JSON object: a crash mid-write, zeros after a power
+    loss) is cut off at open, so it never ends up in the middle: :attr:`torn` holds its bytes.
+    :meth:`read` skips a torn last line the same way and refuses a bad line anywhere else.
+    """
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", buffering=1)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "ab", buffering=0)   # O_APPEND, one write(2) per write()
+        self.size = self.file.seek(0, 2)
+        self._cut_failed = False
+        self.torn = self._repair_tail()
+        """The torn last line cut off at open (b"" when the file ended with a whole record)."""
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        """Append ``record`` whole; OSError (the file is as before) when it cannot be."""
+        line = (json.dumps(record) + "\n").encode()
+        if self._cut_failed:                  # a failed write's tail is still there: not after it
+            self._cut_back()
+        done = 0
+        try:
+            while done < len(line):           # a short write is continued once: it raises ENOSPC
+                n = self.file.write(memoryview(line)[done:])
+                if not n:
+                    raise OSError(f"{self.path}: the write took no bytes")
+                done += n
+        except OSError:
+            self._cut_failed = True
+            self._cut_back(quiet=True)
+            raise
+        self.size += done
 
     def close(self) -> None:
         self.file.close()
+
+    def _cut_back(self, quiet: bool = False) -> None:
+        """Truncate to the size after the last whole record (a full disk frees what it took)."""
+        try:
+            self.file.truncate(self.size)
+        except OSError:
+            if not quiet:
+                raise
+        else:
+            self._cut_failed = False
+
+    def _repair_tail(self) -> bytes:
+        start, last = self._last_line(self.path, self.size)
+        if not last or (self._parse(last) is not None and last.endswith(b"\n")):
+            return b""
+        if self._parse(last) is not None:     # a whole object short of its newline: end it
+            try:
+                self.file.write(b"\n")
+                self.size += 1
+                return b""
+            except OSError:
+                pass
+        self.size = start
+        self.file.truncate(start)
+        return last
+
+    @staticmethod
+    def _last_line(path: Path, size: int, chunk: int = 1 << 16) -> tuple[int, bytes]:
+        """(offset, bytes) of the last line of the first ``size`` bytes (its newline included)."""
+        with open(path, "rb") as f:
+            lo = size - 1                     # the last line's own newline is not its start
+            while lo > 0:
+                lo = max(0, lo - chunk)
+                f.seek(lo)
+                found = f.read(size - 1 - lo).rfind(b"\n")
+                if found >= 0:
+                    lo += found + 1
+                    break
+            lo = max(lo, 0)
+            f.seek(lo)
+            return lo, f.read(size - lo)
+
+    @staticmethod
+    def _parse(line: bytes) -> dict | None:
+        try:
+            record = json.loads(line)
+        except ValueError:                    # (UnicodeDecodeError too)
+            return None
+        return record if isinstance(record, dict) else None
+
+    @classmethod
+    def read(cls, path: Path) -> tuple[list[dict], bytes]:
+        """The records of ``path`` and its torn last line (b"" when none): a last line that is not
+        a JSON object is left out (a write that never finished); ValueError naming the line for
+        one anywhere else (the file was damaged, or merged by a writer before issue 31)."""
+        lines = Path(path).read_bytes().split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()                       # the newline that ends the last record
+        records = []
+        for n, line in enumerate(lines, 1):
+            record = cls._parse(line)
+            if record is None:
+                if n == len(lines):
+                    return records, line
+                raise ValueError(f"line {n} of {len(lines)} is not a JSON object "
+                                 f"({line[:60]!r}{'...' if len(line) > 60 else ''})")
+            records.append(record)
+        return records, b""

@@ -63,6 +63,7 @@ _WHERE = {
     "token_logprobs_from_hidden": "logprobs",
     "value_loss": "losses",
     "vtrace": "advantages",
+    "weights_finite": "health",
 }
 """Each public function or class -> the submodule that defines it."""
 
@@ -125,4 +126,5 @@ __all__ = [
     "token_logprobs_from_hidden",
     "value_loss",
     "vtrace",
+    "weights_finite",
 ]

@@ -12,7 +12,7 @@ from rollout_server.engine import INFLIGHT_POLICIES
 class VLLMOptions(BaseModel):
     """Options of the vLLM engine (``rollout.engine: vllm``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     enforce_eager: bool = True
     """Skip CUDA graphs / torch.compile (engine starts in ~25 s instead of minutes on CPU)."""
@@ -44,7 +44,7 @@ class VLLMOptions(BaseModel):
 class RewardOptions(BaseModel):
     """Options of the built-in rewards (see rollout_server/rewards.py)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     format_regex: str = r"####\s*-?[\d,]+(\.\d+)?|\\boxed\{[^}]*\}"
     """builtin:format: the pattern (re.search, DOTALL) a well-formatted completion contains."""
@@ -71,7 +71,7 @@ class RewardOptions(BaseModel):
 class RolloutSecurity(BaseModel):
     """CURVE to the learner (learner.security.curve on): this server's key pair, the learner's key."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     curve: bool = False
     """Connect to the learner's rollout and weights sockets with CURVE (encrypted, authenticated)."""
@@ -94,7 +94,7 @@ class RolloutSecurity(BaseModel):
 class RolloutConfig(BaseModel):
     """Everything a rollout server needs besides the model path."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     learner: str = "tcp://127.0.0.1:5555"
     """The learner's rollout endpoint (its ROUTER); the weights endpoint comes in Welcome."""

@@ -34,7 +34,8 @@ new_run                  a Welcome from another run (a learner restarted without
                          and unacknowledged results of the old run dropped, its weights fetched
 ======================== =========================================================================
 
-Messages that do not decode at all are ``slipstream_protocol_errors_total``.
+Messages that do not decode at all are ``slipstream_protocol_errors_total``, and so is a Welcome
+whose weights endpoint no socket could connect to (``welcome_refused``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,29 @@ from prometheus_client import (
 )
 
 import protocol
+
+ERROR_KINDS = (
+    "reward",
+    "reward_timeout",
+    "generate",
+    "assignment_group_size",
+    "assignment_over_credit",
+    "assignment_max_new_tokens",
+    "assignment_prompt",
+    "unknown_ack",
+    "unexpected_message",
+    "weights_manifest",
+    "weights_version",
+    "weights_chunk",
+    "weights_checksum",
+    "weights_timeout",
+    "weights",
+    "learner_handshake",
+    "http_request",
+    "weights_behind",
+    "new_run",
+)
+"""The ``kind`` label's values, the module docstring's table (tests/rollout_server/test_metrics_kinds.py)."""
 
 
 class _Forward:
@@ -86,6 +110,8 @@ class RolloutMetrics:
                                 buckets=(-1, -0.5, 0, 0.25, 0.5, 0.75, 1, 2, 5))
         self.errors = Counter("slipstream_rollout_errors", "Refusals and failures by kind", ["kind"],
                               registry=r)
+        for kind in ERROR_KINDS:              # at 0 from the start: panels show 0, not "No data"
+            self.errors.labels(kind=kind)
         self.protocol_errors = Counter("slipstream_protocol_errors",
                                        "Messages refused with ProtocolError", registry=r)
         self.send_retries = Counter("slipstream_rollout_send_retries",

@@ -26,10 +26,12 @@ version, undecodable) still uses up one answer, so once every request has been a
 already received answers nothing (counted, skipped); more than two replies per request fail the
 fetch, so a flood cannot keep it busy. No reply within
 ``chunk_timeout_s`` fails the fetch (``weights_timeout``: a dead or unreachable endpoint); an
-``Error`` reply (the version is gone) fails it at once. A failed fetch keeps the old weights and
-lets generation go on; the next announcement is fetched afresh. Every failure and refusal (not a
-repeat) is reported through ``on_failed(message)``, which the service sends to the learner as
-``Error(code="weights_failed")`` (the learner's circuit breaker counts them).
+``Error`` reply (the version is gone) fails it at once, and so does an endpoint libzmq refuses
+to connect to (the service checks a Welcome's endpoint first; this is the safety net). A failed
+fetch keeps the old weights and lets generation go on; the next announcement is fetched
+afresh. Every failure and refusal (not a repeat) is reported through ``on_failed(message)``,
+which the service sends to the learner as ``Error(code="weights_failed")`` (the learner's
+circuit breaker counts them).
 
 A new run (:meth:`WeightsReceiver.rebase`, when a Welcome names another run or a learner version
 below the one served): the weights served belong to another run, so the next manifest is
@@ -79,7 +81,11 @@ class ZmqChunkChannel:
     def __init__(self, ctx: zmq.Context, endpoint: str, max_frame_bytes: int,
                  curve: CurveClient | None = None):
         self.sock = make_socket(ctx, zmq.DEALER, max_message_bytes=max_frame_bytes, curve=curve)
-        self.sock.connect(endpoint)
+        try:
+            self.sock.connect(endpoint)
+        except BaseException:
+            self.sock.close(0)        # an open socket would hang the context's term() at exit
+            raise
 
     async def request(self, version: int, index: int) -> None:
         await self.sock.send_multipart(protocol.encode(
@@ -149,6 +155,11 @@ class WeightsReceiver:
         """A (new) learner session: its weights endpoint; versions are compared afresh."""
         self.endpoint = endpoint
         self.newest = self.announced.version if self.announced is not None else -1
+
+    def forget_endpoint(self) -> None:
+        """The learner's session named no usable weights endpoint (a refused Welcome): refuse
+        manifests until a Welcome names one, rather than fetch from the previous session's."""
+        self.endpoint = None
 
     def rebase(self) -> None:
         """A learner of another run welcomed us: fetch its next manifest whatever the version,
@@ -299,7 +310,10 @@ class WeightsReceiver:
             return []
         if self.endpoint is None:
             raise FetchError("weights_manifest", "no weights endpoint")
-        channel = self.connect(self.endpoint, min(m.chunk_bytes, m.total_bytes) + CHUNK_FRAME_SLACK_BYTES)
+        try:
+            channel = self.connect(self.endpoint, min(m.chunk_bytes, m.total_bytes) + CHUNK_FRAME_SLACK_BYTES)
+        except (zmq.ZMQError, ValueError) as e:   # the service checks the endpoint; this is the net
+            raise FetchError("weights", f"cannot connect to {self.endpoint!r}: {e}") from None
         try:
             got: list[str | None] = [None] * n
             chunks: list[memoryview | None] = [None] * n

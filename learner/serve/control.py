@@ -38,6 +38,7 @@ an integer >= 0"); the run is untouched.
 from __future__ import annotations
 
 import asyncio
+import difflib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -192,7 +193,14 @@ class Control:
             try:
                 key = resolve_key(key)
             except KeyError as e:
-                return self._error(e.args[0])
+                status = self.status()                # what status shows, get shows: version, ...
+                if key in status:
+                    return self._ok({key: status[key]})
+                msg = e.args[0]
+                if "did you mean" not in msg:          # a misspelt status key (verison)
+                    close = difflib.get_close_matches(key, list(status), n=3, cutoff=0.6)
+                    msg += f"; did you mean {' or '.join(close)}?" if close else ""
+                return self._error(msg)
         value = get_path(self.cfg, key)
         if isinstance(value, BaseModel):          # a config block (security, lora): its plain fields
             value = value.model_dump(mode="json")
@@ -237,7 +245,9 @@ class Control:
                  takes_effect="next step" if key in STEP_SETTINGS else "now")
         if self.after_set is not None:
             await self.after_set()
-        return self._ok(self.full_status())
+        changed = {"key": key, "value": new, "previous": old,
+                   "takes_effect": "next step" if key in STEP_SETTINGS else "now"}
+        return self._ok({**self.full_status(), "changed": changed})
 
     @staticmethod
     def _ok(result: dict) -> protocol.ControlReply:

@@ -20,8 +20,15 @@ A sample that passes is stamped with the sampling temperature of the assignment 
 (``Sample.sampling_temperature``, :meth:`Intake.stamp`), which the trainer's passes use.
 
 A sample failing one is acknowledged ``invalid`` (final: the server forgets it) and counted in
-``slipstream_samples_invalid_total{reason}``; its slot stays in flight, so the assignment is
-re-issued when its lease expires — the gate does not drift, and the prompt is not lost.
+``slipstream_samples_invalid_total{reason}``; its slot stays in flight and its lease is released
+at once (``release``: :meth:`learner.serve.admission.Admission.release_invalid`), so the
+assignment is re-issued now, not at its deadline — at most ``max_attempts`` times, then given up
+and counted failed. The gate does not drift, and the prompt is not lost to one bad answer. (The
+buffer's own refusals, acked ``invalid`` too, release their lease the same way.)
+
+Every result's outcome — valid samples, samples their server reported ``failed`` (a reward that
+raised), invalid ones — goes to the :class:`learner.serve.sample_watch.SampleWatch` (``watch``),
+which counts failures by reason, reports them, and stops a run that gets no valid sample.
 
 Only an open assignment (one with a lease) can put a sample into the buffer; for any other the
 buffer answers ``duplicate``, ``stale`` or ``invalid`` without keeping it, so the prompt check
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -50,12 +58,16 @@ class Intake:
         vocab_size: rows of the model's input embedding; every token id must be below it.
         max_new_tokens: the completion limit when the assignment is not known any more.
         version: the learner's policy version now.
+        release: ``release(server_id, assignment_id)`` gives the lease of a refused sample back
+            for re-issue (None: it waits for its deadline).
+        watch: gets every result's outcome (a :class:`learner.serve.sample_watch.SampleWatch`).
     """
 
     def __init__(self, buffer: RolloutBuffer, *, vocab_size: int, max_new_tokens: Callable[[], int],
                  version: Callable[[], int], metrics: LearnerMetrics,
                  max_abs_reward: Callable[[], float] = lambda: 1e6,
-                 log: Callable[..., None] = lambda event, **fields: None):
+                 log: Callable[..., None] = lambda event, **fields: None,
+                 release: Callable[[str, str], object] | None = None, watch: Any = None):
         self.buffer = buffer
         self.vocab_size = int(vocab_size)
         self.max_new_tokens = max_new_tokens
@@ -67,6 +79,9 @@ class Intake:
         self._children: dict[str, object] = {}
         self.group_size = buffer.group_size
         self._in_range_assignment: protocol.Assignment | None = None
+        self.release, self.watch = release, watch
+        self._failed: list[str] = []      # Sample.failed of the failed samples of this result
+        self._valid = 0                   # its samples accepted and not failed
 
     def check(self, s: protocol.Sample, version: int,
               assignment: protocol.Assignment | None | bool = False) -> tuple[str, str] | None:
@@ -151,6 +166,7 @@ class Intake:
         # ResultIngress.receive_held). One sample: check() as it is (the batch pass would only
         # add to it); a whole group goes in at once where it can.
         statuses, refused, completed = [], [], False
+        self._failed, self._valid = failed, _ = [], 0
         vocab, put_each = self.vocab_size, self._put_each
         for start, end in _runs(samples, self.group_size):
             run = samples[start:end]
@@ -173,6 +189,13 @@ class Intake:
             sid, reason, why = refused[0]
             self.log("samples_invalid", server=msg.server_id, count=len(refused), reason=reason,
                      first=sid[:200], error=why)
+        invalid = statuses.count(INVALID)
+        if invalid and self.release is not None:
+            for aid in {s.assignment_id for s, st in zip(samples, statuses) if st == INVALID}:
+                self.release(msg.server_id, aid)
+        if self.watch is not None:
+            error = refused[0][2] if refused else self.buffer.last_invalid_reason if invalid else ""
+            self.watch.observe(self._valid, failed, invalid, error)
         return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
 
     def _put_each(self, samples: list[protocol.Sample], version: int, mins: list[int] | None = None
@@ -218,6 +241,10 @@ class Intake:
                 self.stamp(sample, assignment)
                 status, done = put(sample, version, oldest)
                 completed |= done
+                if sample.failed is not None:         # reported failed (later members: duplicates)
+                    self._failed.append(sample.failed)
+                elif status is _ACCEPTED:
+                    self._valid += 1
                 # the member's str, without Enum's Python-level ``value`` property
                 statuses.append(ACCEPTED if status is _ACCEPTED else status.value)
             else:
@@ -256,6 +283,7 @@ class Intake:
             return None
         for s in samples:
             self.stamp(s, assignment)
+        self._valid += len(samples)
         return [ACCEPTED] * len(samples), [], True
 
     def _refuse(self, sample: protocol.Sample, problem: tuple[str, str],

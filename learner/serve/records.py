@@ -4,10 +4,17 @@ the seeds' sanity check and the adaptive staleness controller's decision.
 
 :class:`StepRecords` is handed the parts it reads (metrics, event log, run state, buffer,
 admission) and the live settings it needs as callables read at use time, never the config.
+
+Every row is written whole or not at all (:class:`learner.metrics.JsonlLog`). A row that cannot be
+written (a full run-directory disk, ``ENOSPC``) never ends the train loop: the first of a streak
+is a ``record_failed`` event, ``on_write_failure`` (when given) decides whether the run stops, and
+the first row written again is a ``record_recovered`` event saying how many were lost. A torn
+last line an earlier life left is cut off at open, with a ``record_torn`` warning.
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +30,8 @@ from learner.state.run_state import RunState
 class StepRecords:
     def __init__(self, *, run: RunState, metrics: LearnerMetrics, log, buffer: RolloutBuffer,
                  admission, staleness: StalenessController | None, max_staleness: Callable[[], int],
-                 sanity_tolerances: Callable[[], tuple[float, float]], clock: Callable[[], float]):
+                 sanity_tolerances: Callable[[], tuple[float, float]], clock: Callable[[], float],
+                 on_write_failure: Callable[[OSError], str] | None = None):
         self.run, self.metrics, self.log, self.buffer, self.admission = run, metrics, log, buffer, admission
         self.staleness = staleness
         """``staleness_controller: adaptive``: may move η after each step (None: fixed)."""
@@ -31,12 +39,45 @@ class StepRecords:
         self.jsonl: JsonlLog | None = None
         self.trained_ids: JsonlLog | None = None
         self.sinks: list = []
+        self.on_write_failure = on_write_failure
+        """Called at the first failed write of a streak; returns what happens now (the event's
+        ``action``), e.g. learner.state.learner_checkpoints.LearnerCheckpoints.write_failed,
+        which applies ``checkpoint_failure``. None: training goes on."""
+        self.lost: dict[str, int] = {}        # file name -> rows lost in its current failing streak
         self._stat_children: dict[str, object] = {}   # slipstream_train_stat{name} children
 
     def open(self, run_dir: Path, sinks: list[str]) -> None:
-        self.jsonl = JsonlLog(run_dir / "metrics.jsonl")
+        self.jsonl = self._open(run_dir / "metrics.jsonl")
         self.sinks = open_sinks(sinks, run_dir, self.run.run_id)
-        self.trained_ids = JsonlLog(run_dir / "trained_ids.jsonl")
+        self.trained_ids = self._open(run_dir / "trained_ids.jsonl")
+
+    def _open(self, path: Path) -> JsonlLog:
+        f = JsonlLog(path)
+        if f.torn:
+            self.log("record_torn", level="warning", file=str(path), bytes=len(f.torn),
+                     line=f.torn[:80].decode(errors="replace"),
+                     action="cut off: a write that never finished (a crash, a kill or a full disk)")
+        return f
+
+    def _append(self, f: JsonlLog, record: dict) -> None:
+        """One row into ``f``; a failure is an event (the first of a streak), never an error."""
+        name = f.path.name
+        try:
+            f.write(record)
+        except OSError as e:
+            lost = self.lost.get(name, 0)
+            self.lost[name] = lost + 1
+            if lost == 0:
+                action = (self.on_write_failure(e) if self.on_write_failure is not None
+                          else "training goes on without this file's rows until it can be written")
+                self.log("record_failed", level="error", file=str(f.path),
+                         error=f"{type(e).__name__}: {e}"[:300],
+                         errno=errno.errorcode.get(e.errno or -1), action=action,
+                         hint="free disk space in the run directory (learner.run_dir)")
+            return
+        lost = self.lost.pop(name, 0)
+        if lost:
+            self.log("record_recovered", file=str(f.path), lost=lost)
 
     def close(self) -> None:
         for f in (self.jsonl, *self.sinks, self.trained_ids):
@@ -47,14 +88,23 @@ class StepRecords:
     # ---- rows ----------------------------------------------------------------------------------
     def eval_round(self, row: dict) -> None:
         """One metrics.jsonl row per complete evaluation round (learner.data.evaluation)."""
-        self.jsonl.write({"run_id": self.run.run_id, "kind": "eval", "step": row["eval_version"],
-                          "version": row["eval_version"], "time": self.clock(), **row})
+        self._append(self.jsonl, {"run_id": self.run.run_id, "kind": "eval", "step": row["eval_version"],
+                                  "version": row["eval_version"], "time": self.clock(), **row})
+
+    def control(self, change: dict) -> None:
+        """A metrics.jsonl row per live setting changed with ``ctl set`` (the report marks it at
+        its step): ``kind: control``, the key, the new and the previous value."""
+        self._append(self.jsonl, {"run_id": self.run.run_id, "kind": "control", "step": self.run.version,
+                                  "version": self.run.version, "time": self.clock(),
+                                  **{k: change.get(k) for k in ("key", "value", "previous", "takes_effect")}})
 
     def trained(self, batch: Batch) -> None:
         """trained_ids.jsonl: the sample ids of every applied step, one line per step (an audit
-        that nothing was trained twice; a few KiB per step)."""
-        self.trained_ids.write({"run_id": self.run.run_id, "trained_on_version": self.run.version,
-                                "sample_ids": [s.sample_id for s in batch.samples]})
+        that nothing was trained twice; a few KiB per step). A line lost to a full disk costs the
+        audit only: a resume restores no sample its checkpoint had seen (learner.state.rollout_log),
+        and steps past the checkpoint are rolled back anyway."""
+        self._append(self.trained_ids, {"run_id": self.run.run_id, "trained_on_version": self.run.version,
+                                        "sample_ids": [s.sample_id for s in batch.samples]})
 
     def skipped(self, batch: Batch, reason: str) -> None:
         """A step that applied nothing (a non-finite loss or gradient): the version stays, nothing
@@ -105,7 +155,7 @@ class StepRecords:
         record = {"run_id": self.run.run_id, "step": version, "version": version,
                   "time": self.clock(), **stats,
                   "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
-        self.jsonl.write(record)
+        self._append(self.jsonl, record)
         for sink in self.sinks:
             sink.write(record)
         self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()

@@ -19,6 +19,8 @@ Components, each unit-tested without sockets or a model:
 
     Admission      servers, credits, dispatch, re-issue, expiry, the lag rule (learner.serve.admission)
     Intake         checks every sample against the run before the buffer sees it (learner.serve.intake)
+    SampleWatch    failed and refused samples counted, reported; no valid one stops the run
+                   (learner.serve.sample_watch)
     WeightsServer  versions published, chunks served (learner.serve.weights_server)
     Control        ctl commands and their validation (learner.serve.control)
     ResultIngress  results in bursts and their Acks (learner.serve.ingress)
@@ -42,6 +44,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -55,22 +58,24 @@ from buffer import Batch, RolloutBuffer
 from learner.config import LearnerConfig, TrainerConfig
 from learner.data.evaluation import Evaluation
 from learner.data.prompts import PromptSource
-from learner.metrics import LearnerMetrics
+from learner.metrics import SERVER_ERROR_CODES, LearnerMetrics
 from learner.serve.admission import Admission
 from learner.serve.control import Control, control_error_reply
 from learner.serve.ingress import ResultIngress
 from learner.serve.intake import Intake
 from learner.serve.records import StepRecords
 from learner.serve.router import RouterSocket
+from learner.serve.sample_watch import EXIT_NO_VALID_SAMPLES, SampleWatch
 from learner.serve.security import LearnerCurve
 from learner.serve.staleness import StalenessController
 from learner.serve.weights_server import Publisher, WeightsServer
 from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports
 from learner.state.learner_checkpoints import BufferState, LearnerCheckpoints
 from learner.state.rollout_log import LearnerRolloutLog, RolloutLogFailed
+from learner.state.run_dir import claim
 from learner.state.run_state import RunState
 from learner.train.distributed import make_trainer
-from learner.train.trainer import SkippedStep
+from learner.train.trainer import BrokenWeights, SkippedStep
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, trace
 from protocol.plumbing.sockets import advertised_host, bind, make_socket
@@ -85,8 +90,9 @@ def vocab_size(trainer) -> int:
 CLOSE_LINGER_MS = 1000
 """At exit, how long queued messages to rollout servers may still take to leave."""
 
-SERVER_ERROR_CODES = ("assignment_refused", "protocol_error", "weights_failed")
-"""Error codes a rollout server sends the learner (a metric label; any other counts as "other")."""
+EXIT_DIVERGED = 6
+"""Exit code of a learner whose model stopped training: ``algorithm.max_consecutive_skips`` steps
+skipped in a row, or an update that broke the weights with nothing to roll back to."""
 
 
 
@@ -170,7 +176,20 @@ class LearnerService:
             welcome=self._welcome, metrics=self.metrics, log=self.log,
             server_timeout_s=cfg.servers.server_timeout_s, reannounce_s=cfg.servers.reannounce_s,
             weights_failure_limit=cfg.servers.weights_failure_limit,
-            max_inflight=lambda: self.cfg.servers.max_inflight_per_server)
+            max_inflight=lambda: self.cfg.servers.max_inflight_per_server,
+            max_servers=cfg.servers.max_servers, initial_allowance=cfg.servers.initial_allowance,
+            silent_factor=cfg.servers.silent_factor, silent_min_s=cfg.servers.silent_min_s)
+        # Failed and refused samples: counted, reported, and the run stopped when none is valid.
+        self.no_valid_samples: str | None = None
+        self.diverged: str | None = None
+        """Why the model stopped training (max_consecutive_skips skips in a row, or an update that
+        broke the weights with no copy to roll back to): the run stops, exit EXIT_DIVERGED."""
+        self.skip_streak = 0                  # steps skipped in a row
+        self.sample_watch = SampleWatch(
+            metrics=self.metrics, log=self.log, on_stop=self._no_valid_samples,
+            timeout_s=lambda: self.cfg.servers.no_valid_sample_timeout_s,
+            max_share=lambda: self.cfg.servers.max_refused_share,
+            window=lambda: self.cfg.servers.refused_share_window)
         self.ingress = ResultIngress(    # results in bursts, their Acks when the loop stops reading
             # (looked up at each call: tests and benchmarks put spies on the service's methods)
             receive=lambda msg: self.receive_result(msg), evaluation=lambda: self.evaluation,
@@ -182,12 +201,12 @@ class LearnerService:
             run=self.state, metrics=self.metrics, log=self.log, buffer=self.buffer,
             admission=self.admission, staleness=staleness, max_staleness=lambda: self.cfg.staleness.max_staleness,
             sanity_tolerances=lambda: (self.cfg.algorithm.sanity_ratio_tolerance, self.cfg.algorithm.sanity_kl_tolerance),
-            clock=time.time)
+            clock=time.time, on_write_failure=lambda e: self.checkpoints.write_failed(e))
         self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
                                stop=self.stopping.set, after_set=self.admission.dispatch,
                                pause=lambda paused: setattr(self.admission, "paused", paused),
                                has_reference=lambda: getattr(self.trainer, "reference", None) is not None,
-                               checkpoint=self.checkpoints.request, log=self.log)
+                               checkpoint=self.checkpoints.request, log=self._control_log)
 
     # ---- main ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -221,7 +240,7 @@ class LearnerService:
             self.log("ready", **self.endpoint_file())
             done, error = await supervise(tasks, self.stopping, self.log)
             code = 1 if error is not None else 0
-            if train in done and error is None:
+            if train in done and error is None and self.diverged is None:
                 await self.finish()
                 code = EXIT_CHECKPOINT_FAILED if self.checkpoints.failed_stop else code
                 if not self.cfg.exit_on_finish:
@@ -229,6 +248,10 @@ class LearnerService:
                     await self.stopping.wait()
             elif error is None:               # stopped: the step in progress ends, then a checkpoint
                 code = await self.checkpoints.on_stop(train)
+                if self.no_valid_samples is not None and code == 0:
+                    code = EXIT_NO_VALID_SAMPLES
+                if self.diverged is not None and code == 0:
+                    code = EXIT_DIVERGED
                 # Servers stop generating for this run at once (nothing more will be trained);
                 # they stay up and re-join when the learner comes back with --resume.
                 await self.admission.broadcast(protocol.Error(
@@ -245,6 +268,28 @@ class LearnerService:
                 self.rollout_log.close()
         self.log("stopped", exit_code=code)
         return code
+
+    def _control_log(self, event: str, **fields) -> None:
+        """Control's events; a ``ctl set`` is also a metrics.jsonl row (the report's markers)."""
+        self.log(event, **fields)
+        if event == "control_set" and self.records.jsonl is not None:
+            self.records.control(fields)
+
+    def _diverge(self, reason: str) -> None:
+        """The model stopped training (:attr:`diverged`): stop as for ``ctl stop`` (a checkpoint,
+        unless the weights are broken), exit :data:`EXIT_DIVERGED`, and say why on one line."""
+        self.diverged = reason
+        self.log("diverged", level="error", reason=reason)
+        print(f"slipstream learner: stopping: {reason}", file=sys.stderr, flush=True)
+        self.stopping.set()
+
+    def _no_valid_samples(self, reason: str) -> None:
+        """The sample watch gave up on the servers' results: stop as for ``ctl stop`` (a
+        checkpoint), exit :data:`EXIT_NO_VALID_SAMPLES`, and say why on one line."""
+        self.no_valid_samples = reason
+        self.log("no_valid_samples", level="error", reason=reason)
+        print(f"slipstream learner: stopping: {reason}", file=sys.stderr, flush=True)
+        self.stopping.set()
 
     def _open(self) -> None:
         cfg = self.cfg
@@ -284,6 +329,7 @@ class LearnerService:
         resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
         if resumed is not None:            # before anything reads the run id (evaluation's ids)
             self.checkpoints.load_run_state(resumed, self.state)
+        claim(self.run_dir, self.run_id, resumed is not None, self.cfg.checkpoint.dir)  # one run a directory
         # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
         self.trainer = make_trainer(TrainerConfig.of(self.cfg), self.model_path)   # DeepSpeed or not
@@ -292,7 +338,8 @@ class LearnerService:
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
                              max_new_tokens=lambda: self.cfg.sampling.max_new_tokens,
                              max_abs_reward=lambda: self.cfg.servers.max_abs_reward,
-                             version=self.state.current_version, metrics=self.metrics, log=self.log)
+                             version=self.state.current_version, metrics=self.metrics, log=self.log,
+                             release=self.admission.release_invalid, watch=self.sample_watch)
         self._load_prompts()
         staleness = self.cfg.staleness
         self.checkpoints.attach(self.trainer, {          # state.json's parts besides the run state
@@ -395,8 +442,19 @@ class LearnerService:
                 stats = await self.on_train_thread(self.trainer.step, batch)
             except SkippedStep as skip:
                 self.records.skipped(batch, skip.reason)
+                self.skip_streak += 1
+                limit = self.cfg.algorithm.max_consecutive_skips
+                if limit and self.skip_streak >= limit:
+                    return self._diverge(f"{self.skip_streak} steps in a row skipped (the last: "
+                                         f"{skip.reason}); check the learning rate and the rewards, "
+                                         "then --resume from the last checkpoint")
                 await self.admission.dispatch()
                 continue
+            except BrokenWeights as broken:
+                self.records.skipped(batch, str(broken))
+                self.checkpoints.unsafe = str(broken)      # nothing of this model is saved
+                return self._diverge(f"{broken}; --resume goes on from the last checkpoint")
+            self.skip_streak = 0
             trace("learner.step_end")
             stats.update(self.records.batch_versions(batch))
             self.records.trained(batch)
@@ -559,6 +617,7 @@ class LearnerService:
                 "weights_versions": self.weights.versions,
                 "counters": dict(self.buffer.counters),
                 "invalid_samples": dict(self.intake.invalid) if self.intake else {},
+                "refused_samples": self.sample_watch.status(),
                 "prompts": self.prompts.status() if self.prompts else None,
                 "evaluation": self.evaluation.status() if self.evaluation else None}
 

@@ -28,6 +28,9 @@ marker, the format version, the manifest against the marker and every file again
 (size and XXH3-128 digest), and that the versions named by the marker, the manifest, the directory and
 state.json agree. Applying then checks every tensor's shape against the live model and optimizer.
 Any failure is one line (:class:`protocol.StartupError`) naming the checkpoint and what is wrong.
+``--resume`` (latest) holds every check to one rule: a checkpoint that fails any of them — its
+marker missing or garbage, a file damaged — is passed over for the next older one, with a warning
+each (:meth:`Checkpointer.read_latest`); one named with ``--resume PATH`` is refused.
 
 The reference policy is not saved: it is the initial policy, which a resumed run loads from the
 same ``model`` (learner.train.reference). Learning rates follow from the version (learner.train.schedules),
@@ -50,6 +53,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +77,7 @@ POLICY = "policy"
 DIR_RE = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-step-"
 OLD_PREFIX = ".old-step-"
+DAMAGED_PREFIX = ".damaged-step-"
 EXIT_CHECKPOINT_FAILED = 3
 """Exit code of a learner stopped by a failed checkpoint under ``checkpoint_failure: stop``."""
 
@@ -238,12 +243,24 @@ def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, state: dict) -
 
 # ---- trained ids across lives -------------------------------------------------------------------
 
-def effective_trained_ids(path: Path) -> list[str]:
+def effective_trained_ids(path: Path, log: Callable[..., None] | None = None) -> list[str]:
     """The sample ids of ``trained_ids.jsonl`` that the final weights were trained on, in order:
-    a ``resumed_at_version`` line rolls back the earlier lines trained at or past that version."""
+    a ``resumed_at_version`` line rolls back the earlier lines trained at or past that version.
+
+    A torn last line (a write that never finished) is left out, with a ``record_torn`` warning
+    through ``log`` when given (the learner cuts it off when it opens the file, before this
+    reads it); a bad line anywhere else is a :class:`StartupError` naming it (one line)."""
+    from learner.metrics import JsonlLog
+
+    try:
+        records, torn = JsonlLog.read(Path(path))
+    except ValueError as e:
+        raise StartupError(f"{path}: {e}; the file was damaged: remove that line") from None
+    if torn and log is not None:
+        log("record_torn", level="warning", file=str(path), bytes=len(torn),
+            action="skipped: a write that never finished (a crash, a kill or a full disk)")
     steps: list[tuple[int, list[str]]] = []
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line)
+    for rec in records:
         if "resumed_at_version" in rec:
             v = int(rec["resumed_at_version"])
             steps = [s for s in steps if s[0] < v]
@@ -275,9 +292,17 @@ class Pending:
     policy: str
 
 
+class CheckpointRefused(StartupError):
+    """A checkpoint that cannot be used: ``path`` and ``what`` is wrong (its one line says both)."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(f"checkpoint {path}: {what} (pass another one with --resume PATH, or start "
+                         "without --resume)")
+        self.path, self.what = Path(path), what
+
+
 def checkpoint_error(path: Path, what: str) -> StartupError:
-    return StartupError(f"checkpoint {path}: {what} (pass another one with --resume PATH, or start "
-                        "without --resume)")
+    return CheckpointRefused(path, what)
 
 
 class Checkpointer:
@@ -405,6 +430,43 @@ class Checkpointer:
                     shutil.rmtree(p, ignore_errors=True)
 
     # -- reading --
+    def read_latest(self) -> tuple[Checkpoint, list[tuple[Path, str]]]:
+        """``--resume`` / ``--resume latest``: the newest checkpoint that verifies (:meth:`read`),
+        and each newer ``step-<v>`` directory passed over with why, newest first.
+
+        One rule for everything that fails verification, a marker that is missing or garbage as
+        much as a damaged file: the resume falls back to the next older checkpoint and says so
+        (the caller warns; learner.state.learner_checkpoints). A checkpoint named with
+        ``--resume PATH`` is never replaced by another: it is refused. A passed-over directory
+        with a marker is moved aside as ``.damaged-step-<v>-<id>`` (kept for a look, never
+        listed nor pruned): left there, it would count among the ``keep_last`` newest and
+        prune the good checkpoints the resumed run writes below its version."""
+        dirs = sorted(((int(m.group(1)), p) for p in (self.root.iterdir() if self.root.is_dir() else ())
+                       if (m := DIR_RE.match(p.name)) and p.is_dir()), reverse=True)
+        skipped: list[tuple[Path, str]] = []
+        for _, path in dirs:
+            try:
+                return self.read(path), skipped
+            except CheckpointRefused as e:
+                skipped.append((self._set_aside(path), e.what))
+        if not skipped:
+            raise StartupError(f"--resume: no complete checkpoint in {self.root} (a directory "
+                               "without its COMPLETE marker is never used); start without --resume")
+        why = "; ".join(f"{p.name}: {what}" for p, what in skipped)[:600]
+        raise StartupError(f"--resume: no complete checkpoint in {self.root} verifies ({why}); "
+                           "start without --resume")
+
+    def _set_aside(self, path: Path) -> Path:
+        """A passed-over checkpoint out of the listing (:meth:`read_latest`); where it is now."""
+        if not (path / MARKER).exists():
+            return path                       # torn: never listed, pruned as before
+        aside = self.root / f"{DAMAGED_PREFIX}{path.name.removeprefix('step-')}-{uuid.uuid4().hex[:6]}"
+        try:
+            os.rename(path, aside)
+        except OSError:
+            return path
+        return aside
+
     def resolve(self, spec: str | Path | None) -> Path:
         """The checkpoint a ``--resume`` names: None or "latest" = the latest complete one here."""
         if spec is None or str(spec) == "latest":
@@ -524,6 +586,6 @@ class Checkpointer:
 # ---- the learner's side: when to save, and resuming --------------------------------------------
 
 
-__all__ = ["EXIT_CHECKPOINT_FAILED", "FORMAT", "FORMAT_VERSION", "Checkpoint", "Checkpointer",
-           "checkpoint_error", "effective_trained_ids"]
+__all__ = ["EXIT_CHECKPOINT_FAILED", "FORMAT", "FORMAT_VERSION", "Checkpoint", "CheckpointRefused",
+           "Checkpointer", "checkpoint_error", "effective_trained_ids"]
 

@@ -20,6 +20,7 @@ from learner.state.checkpoint import (
     Pending,
     checkpoint_error,
 )
+from protocol.errors import StartupError
 
 
 class Stateful(Protocol):
@@ -81,6 +82,8 @@ class LearnerCheckpoints:
         self.store = Checkpointer(settings.dir or Path(run_dir) / "checkpoints", settings.keep_last)
         self.saved_version = 0                # version 0 is the model as loaded: never saved
         self.failed_stop = False
+        self.unsafe: str | None = None
+        """Why the model in memory must not be saved (weights an update broke): no checkpoint then."""
         self.resumed_from: Path | None = None
         self.idle = asyncio.Event()           # the train loop waits for a batch, or is parked
         self.lock = asyncio.Lock()            # one checkpoint at a time (held until it is written)
@@ -100,9 +103,17 @@ class LearnerCheckpoints:
 
     # -- resume --
     def resume(self, spec: str | None) -> Checkpoint:
-        """Verify the checkpoint ``spec`` names (cheap checks before the model loads)."""
-        path = self.store.resolve(spec)
-        return self.store.read(path)
+        """Verify the checkpoint ``spec`` names (cheap checks before the model loads). The latest
+        (``spec`` None or "latest") is the newest that verifies: each newer one passed over is a
+        ``checkpoint_skipped`` warning saying why (:meth:`Checkpointer.read_latest`)."""
+        if spec is not None and str(spec) != "latest":
+            return self.store.read(self.store.resolve(spec))
+        ckpt, skipped = self.store.read_latest()
+        for path, what in skipped:
+            self.log("checkpoint_skipped", level="warning", checkpoint=str(path), reason=what,
+                     resuming_from=str(ckpt.path), hint="a checkpoint that does not verify is never "
+                     "used; --resume falls back to the newest one that does")
+        return ckpt
 
     def load_run_state(self, ckpt: Checkpoint, run: Any) -> None:
         """The checkpoint's run id, version and assignment counter into ``run`` (a
@@ -138,9 +149,14 @@ class LearnerCheckpoints:
     def mark_resumed(self, trained_ids: Any) -> None:
         """A ``resumed_at_version`` line in trained_ids.jsonl: steps of an earlier life at or past
         this version were rolled back (:func:`effective_trained_ids`)."""
-        if self.resumed_from is not None:
+        if self.resumed_from is None:
+            return
+        try:
             trained_ids.write({"run_id": self.run.run_id, "resumed_at_version": self.run.version,
                                "checkpoint": str(self.resumed_from)})
+        except OSError as e:                  # without it, rolled-back steps would count as trained
+            raise StartupError(f"cannot write {trained_ids.path} ({e.strerror or e}): free disk space "
+                               "in the run directory, then --resume again") from None
 
     # -- saving --
     def capture(self) -> dict:
@@ -216,6 +232,18 @@ class LearnerCheckpoints:
             self.failed_stop = True
             self.stopping.set()
 
+    def write_failed(self, e: OSError) -> str:
+        """A run-directory record could not be written (learner.serve.records: ``on_write_failure``):
+        the same rule as a failed checkpoint, ``checkpoint_failure`` (a full disk fails both).
+        ``stop``: the learner stops cleanly, exit :data:`EXIT_CHECKPOINT_FAILED`, without a final
+        checkpoint (the disk is full); ``continue``: training goes on. Returns what happens, for
+        the ``record_failed`` event."""
+        if self.settings.failure != "stop":
+            return "training goes on (checkpoint_failure: continue); the rows are lost until it can write"
+        self.failed_stop = True
+        self.stopping.set()
+        return "stopping (checkpoint_failure: stop)"
+
     async def request(self) -> dict:
         """``ctl checkpoint``: write one as soon as no step runs."""
         await self.settled()
@@ -280,6 +308,7 @@ class LearnerCheckpoints:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await train
         await self.settled()
-        if not self.failed_stop and self.run.version > self.saved_version and self.trainer is not None:
+        if (not self.failed_stop and self.unsafe is None and self.run.version > self.saved_version
+                and self.trainer is not None):
             await self.save("stop")
         return EXIT_CHECKPOINT_FAILED if self.failed_stop else 0

@@ -21,7 +21,9 @@ byte what the protocol would send — one record per result message, since one m
 and one write; ``meta`` has the life, the learner version at acceptance, the time. The reader
 (:class:`LogReader`) checks length and CRC: a record cut off at the end of a segment (a crash
 mid-write) is *torn*, one whose CRC does not match is *corrupt*; both are skipped and counted,
-and reading resynchronises at the next magic that starts a valid record.
+and reading resynchronises at the next magic that starts a valid record. A segment that cannot be
+read at all (permissions, a directory in its place, an I/O error) is a one-line start-up error
+(:func:`unreadable`), not a silent loss of its records.
 
 Durability (``fsync``). The record is written (``os.write``, no user-space buffer) before the Ack
 is sent, so an acknowledged result survives a crash of the learner process in every mode.
@@ -111,6 +113,16 @@ class LogRecord:
     offset: int
 
 
+def unreadable(path: Path, e: OSError) -> protocol.StartupError:
+    """A segment (or the log directory) that cannot be read, as the one line the user sees.
+    Refused rather than skipped: its records are acknowledged results nothing else holds, and
+    a permission or a mount is fixed in a minute; moving the file away is the user's choice."""
+    what = "rollout log directory" if path.is_dir() and not SEGMENT_RE.match(path.name) else "rollout log segment"
+    return protocol.StartupError(
+        f"{what} {path} cannot be read ({e.strerror or e}); make it readable, or move it out of "
+        "the log directory to go on without its records")
+
+
 @dataclass
 class LogReader:
     """Every valid record of a log directory, in order (segments sorted by life, then number).
@@ -136,7 +148,11 @@ class LogReader:
     def _found(self) -> list[tuple[int, int, Path]]:
         if not self.root.is_dir():
             return []
-        return sorted((int(m.group(1)), int(m.group(2)), p) for p in self.root.iterdir()
+        try:
+            names = [p for p in self.root.iterdir()]
+        except OSError as e:
+            raise unreadable(self.root, e) from None
+        return sorted((int(m.group(1)), int(m.group(2)), p) for p in names
                       if (m := SEGMENT_RE.match(p.name)))
 
     def segment_paths(self) -> list[Path]:
@@ -151,7 +167,10 @@ class LogReader:
         self.torn = self.corrupt = self.skipped_bytes = self.records = self.segments = self.bytes = 0
         for path in self.segment_paths():
             self.segments += 1
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise unreadable(path, e) from None
             self.bytes += len(data)
             yield from self._segment(path.name, data)
         self.counted = True

@@ -83,6 +83,7 @@ from pathlib import Path
 
 import torch
 
+import ops
 from buffer import Batch
 from learner.config import LearnerConfig, TrainerConfig, changed_paths, set_path
 from learner.train.ds_config import engine_config
@@ -357,6 +358,19 @@ class DeepSpeedStrategy:
                 raise skip(f"non-finite {which} gradient norm (DeepSpeed skipped the update)")
             norms[which] = norm
         return norms["policy"], norms["critic"]
+
+    def broken_weights(self, s: StepData) -> str | None:
+        """Each rank checks its own partitions (ZeRO-3) and the float32 masters; the answers are
+        gathered so that every rank rolls back (or stops) alike."""
+        mine = None
+        for name, engine, _ in self.engines():
+            if name == "policy" and not s.train_policy:
+                continue
+            local = [local_data(p) for p in engine.module.parameters() if p.requires_grad]
+            if not ops.weights_finite(local + master_weights(engine)):
+                mine = name
+                break
+        return next((b for b in self.group.gather(mine) if b is not None), None)
 
     def zero_grad(self) -> None:
         for which in sorted(self._dirty):

@@ -70,6 +70,9 @@ def publish_tensors(model, *, lora: bool) -> list[tuple[str, torch.Tensor]]:
 def save_pretrained(model, tokenizer, path: str | Path) -> Path:
     """``save_pretrained`` of the policy (the full model, or a PEFT model's adapter) and of the
     tokenizer into ``path`` (made if missing); returns it."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()     # a "Writing model shards" bar on stderr at every save
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

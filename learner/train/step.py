@@ -33,6 +33,12 @@ class SkippedStep(Exception):
         self.stats = stats
 
 
+class BrokenWeights(Exception):
+    """An optimizer update left a trained weight non-finite (or past float32's norm) and there is
+    no copy to roll back to (``algorithm.rollback_nonfinite: false``): the model in memory is
+    broken, must not be published nor checkpointed, and the run stops (the learner's exit 6)."""
+
+
 class Phases:
     """Wall-clock seconds per named phase of a step."""
 

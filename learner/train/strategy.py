@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+import ops
 from buffer import Batch
 from learner.config import TrainerConfig
 from learner.train.policy_io import load_policy_state, policy_state, publish_tensors, save_pretrained
@@ -95,6 +96,11 @@ class TrainStrategy(Protocol):
     def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
         """One optimizer step of the policy (when trained) and of the critic; the norms to report.
         Raises ``skip(reason)`` where an update could not be applied."""
+        ...
+
+    def broken_weights(self, s: StepData) -> str | None:
+        """After an update: ``"policy"`` or ``"critic"`` when that model's trained weights are not
+        finite (``ops.weights_finite``), else None. Under DeepSpeed every rank answers alike."""
         ...
 
     def zero_grad(self) -> None:
@@ -181,6 +187,14 @@ class PlainStrategy:
         if self.trainer.critic is not None:
             self.trainer.critic_optimizer.step()
         return gn, cn
+
+    def broken_weights(self, s: StepData) -> str | None:
+        tr = self.trainer
+        if s.train_policy and not ops.weights_finite(tr.trainable):
+            return "policy"
+        if tr.critic is not None and not ops.weights_finite(list(tr.critic.parameters())):
+            return "critic"
+        return None
 
     def zero_grad(self) -> None:
         self.trainer.optimizer.zero_grad(set_to_none=True)

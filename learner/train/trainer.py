@@ -42,11 +42,23 @@ from learner.train.policy_io import adamw, attn_kwargs, load_policy, lora_publis
 from learner.train.reference import ReferencePolicy
 from learner.train.returns import advantages_and_targets, sequence_scores, token_rewards
 from learner.train.schedules import lr_factor
-from learner.train.step import PHASES, MiniBatch, Phases, SkippedStep, StepData, UpdateLog, step_stats
+from learner.train.step import (
+    PHASES,
+    BrokenWeights,
+    MiniBatch,
+    Phases,
+    SkippedStep,
+    StepData,
+    UpdateLog,
+    step_stats,
+)
 from learner.train.strategy import PlainStrategy, TrainStrategy
 from protocol import LoraSpec
 
-__all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "SkippedStep", "Trainer", "collate"]
+ROLLBACK_AUTO_PARAMS = 300_000_000
+"""``algorithm.rollback_nonfinite: null`` keeps a pre-step copy up to this many trained parameters."""
+
+__all__ = ["FLAGGED_IS_MODE", "PHASES", "BatchTensors", "BrokenWeights", "SkippedStep", "Trainer", "collate"]
 
 FLAGGED_IS_MODE = "tis"
 """Importance-weight mode of samples flagged ``needs_correction`` when ``is_mode`` is ``none``."""
@@ -89,6 +101,10 @@ class Trainer:
         self.model = model
         self.model.train()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        rollback = cfg.algorithm.rollback_nonfinite
+        self.rollback_nonfinite = rollback if rollback is not None else (
+            self.lora_config is not None or sum(p.numel() for p in self.trainable) <= ROLLBACK_AUTO_PARAMS)
+        """A copy before each step to roll a broken update back to (algorithm.rollback_nonfinite)."""
         self.optimizer = adamw(self.trainable, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
         self.forward = LogprobForward(self.model, autocast=self.autocast)
         self.pad_id = self.tokenizer.pad_token_id
@@ -458,10 +474,17 @@ class Trainer:
                 for which, norm in (("policy", gn), ("critic", cn)):
                     if not math.isfinite(norm):
                         raise self._skip(s, snapshot, log, f"non-finite {which} gradient norm at {where}", start)
-                if s.n_updates > 1 and snapshot is None:
+                if snapshot is None and (s.n_updates > 1 or self.rollback_nonfinite):
                     snapshot = self.strategy.snapshot()     # before the first optimizer step
                 gn, cn = self.strategy.optimizer_steps(s, gn, cn, lambda reason, snap=snapshot, at=where: self._skip(
                     s, snap, log, f"{reason} at {at}", start))
+                broken = self.strategy.broken_weights(s)
+                if broken is not None:                     # never published nor checkpointed
+                    if snapshot is None:
+                        raise BrokenWeights(f"non-finite {broken} weights after {where} (no copy to roll "
+                                            "back to: algorithm.rollback_nonfinite is off)")
+                    raise self._skip(s, snapshot, log, f"non-finite {broken} weights after {where} "
+                                     "(rolled back)", start)
                 if s.train_policy:
                     log.grad_norms.append(gn)
                     log.pg_parts.extend(mb.pg_parts)

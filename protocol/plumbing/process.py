@@ -3,12 +3,17 @@
 Every process writes one JSON object per line on stdout for each event (the launcher and log
 collectors read these): ``{"proc", "event", "run_id", "version", ...fields}``. ``run_id`` and
 ``version`` come from callables, so a line always carries the values at the time of the event.
+A non-finite float (a NaN loss, an infinite ratio) is written as the string ``"nan"``, ``"inf"`` or
+``"-inf"`` (:func:`json_line`): ``NaN``/``Infinity`` are not JSON, and strict parsers (jq, most
+log collectors) reject the whole line; the string keeps which one it was, and ``float()`` reads
+it back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -47,6 +52,41 @@ def fsync_path(path) -> None:
         os.close(fd)
 
 
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (in dicts, lists and tuples too) replaced by its name:
+    ``"nan"``, ``"inf"``, ``"-inf"`` (what ``float()`` reads back; numpy's float64 too)."""
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def json_line(record: Any) -> str:
+    """``record`` as one line of strict JSON (no ``NaN``/``Infinity``; see :func:`finite`); other
+    values that JSON has no type for are written as ``str()``. Finite records, nearly all of them,
+    are encoded once; only one that holds a non-finite float is walked."""
+    try:
+        return json.dumps(record, default=str, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite(record), default=str, allow_nan=False)
+
+
+_render: Callable[[dict], str | None] | None = None
+
+
+def render_events(render: Callable[[dict], str | None] | None) -> None:
+    """Show this process's events on stdout through ``render`` (the record -> a line, or None to
+    leave it out) instead of as JSON lines: ``slipstream learner/rollout --log-format text``
+    (deploy.logfmt). None: JSON again. An EventLog with its own stream always writes JSON."""
+    global _render
+    _render = render
+
+
 class EventLog:
     """One-line JSON events: ``log("step", loss=0.1)``."""
 
@@ -65,8 +105,14 @@ class EventLog:
         if version is not None:
             record["version"] = version
         record.update(fields)
+        if self.stream is None and _render is not None:
+            text = _render(record)
+            if text is not None:
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
+            return
         out = self.stream or sys.stdout
-        out.write(json.dumps(record, default=str) + "\n")
+        out.write(json_line(record) + "\n")
         out.flush()
 
 

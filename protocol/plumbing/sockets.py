@@ -5,6 +5,8 @@ receive high-water marks (a slow peer queues at most ``hwm`` messages, then send
 ROUTER drops for that peer only; credits keep the rollout traffic far below it), and
 ``ZMQ_MAXMSGSIZE``: libzmq disconnects a peer whose *frame* is larger, before it is buffered, so
 a hostile 2 GiB frame costs nothing. Binding errors become a one-line :class:`StartupError`.
+Endpoints to connect to, the ones a user writes and the ones a peer sends, are checked by one
+function (:func:`endpoint_problem`) before any socket sees them.
 With ``curve`` (:mod:`protocol.plumbing.curve`) the socket encrypts, and a bound one authenticates its
 clients through the ZAP domain named there; the options are set before any bind or connect.
 """
@@ -12,10 +14,12 @@ clients through the ZAP domain named there; the options are set before any bind 
 from __future__ import annotations
 
 import errno
+import ipaddress
+import re
 
 import zmq
 
-from protocol.errors import StartupError
+from protocol.errors import ProtocolError, StartupError
 from protocol.messages import ENDPOINT_SCHEMES
 from protocol.plumbing.curve import CurveClient, CurveServer, apply_curve
 
@@ -60,16 +64,70 @@ def bind(sock: zmq.Socket, host: str, port: int, what: str) -> int:
         raise StartupError(f"{what}: cannot bind tcp://{host}:{port}: {e}") from None
 
 
-def check_endpoint(endpoint: str, what: str) -> str:
-    """``endpoint`` if it is a ZeroMQ address with a scheme; else a :class:`StartupError`."""
+MAX_ENDPOINT_CHARS = 1024
+MAX_IPC_PATH_BYTES = 107             # sun_path holds 108 bytes with its NUL (Linux)
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _tcp_problem(address: str) -> str | None:
+    """Why ``host:port`` (after ``tcp://``) cannot be connected to, or None."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return "needs a host and a port (1..65535), e.g. tcp://127.0.0.1:5555"
+    if ":" in host or host.startswith("["):       # IPv6, in brackets or not (libzmq takes both)
+        try:
+            ipaddress.IPv6Address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        except ValueError:
+            return f"has no valid IPv6 address in {host!r}"
+        return None
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in name.split(".")):
+        return f"has no valid host name or address in {host!r} (letters, digits, '-', '_', '.')"
+    return None
+
+
+def endpoint_problem(endpoint: object) -> str | None:
+    """Why ``endpoint`` is not a ZeroMQ address this process can connect to, or None.
+
+    One checker for the endpoints the user writes (``rollout.learner``, ``ctl --endpoint``) and
+    the ones a peer sends (a Welcome's ``weights_endpoint``): a scheme of
+    :data:`protocol.messages.ENDPOINT_SCHEMES`, no whitespace or control characters, and then
+    ``tcp://`` a host name, an IPv4 or IPv6 address and a port in 1..65535; ``ipc://`` a path
+    that fits a socket address; ``inproc://`` a name. libzmq refuses some of the rest only when
+    ``connect()`` is called (an exception in whatever task connects) and accepts others (port
+    99999, an empty host) to retry them forever, so both are refused here, before any socket.
+    """
     if not isinstance(endpoint, str) or not endpoint.startswith(ENDPOINT_SCHEMES):
-        raise StartupError(f"{what}: {endpoint!r} is not a ZeroMQ endpoint; write it with its "
-                           f"scheme, e.g. tcp://127.0.0.1:5555")
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise StartupError(f"{what}: {endpoint!r} needs a host and a port, "
-                               f"e.g. tcp://127.0.0.1:5555")
+        return "is not a ZeroMQ endpoint; write it with its scheme, e.g. tcp://127.0.0.1:5555"
+    if len(endpoint) > MAX_ENDPOINT_CHARS:
+        return f"is longer than {MAX_ENDPOINT_CHARS} characters"
+    if any(c.isspace() or not c.isprintable() for c in endpoint):
+        return "holds whitespace or control characters"
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "tcp":
+        return _tcp_problem(address)
+    if not address:
+        return f"names no {'path' if scheme == 'ipc' else 'socket'} after {scheme}://"
+    if scheme == "ipc" and len(address.encode()) > MAX_IPC_PATH_BYTES:
+        return f"has an ipc path longer than {MAX_IPC_PATH_BYTES} bytes"
+    return None
+
+
+def check_endpoint(endpoint: str, what: str) -> str:
+    """``endpoint`` if :func:`endpoint_problem` finds none; else a one-line :class:`StartupError`
+    naming ``what`` (the setting or option)."""
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise StartupError(f"{what}: {endpoint!r} {problem}")
+    return endpoint
+
+
+def check_peer_endpoint(endpoint: str, what: str) -> str:
+    """``endpoint`` if :func:`endpoint_problem` finds none; else a :class:`ProtocolError`
+    naming ``what`` (the message field): an endpoint a peer sent is bad input, not a bad start."""
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise ProtocolError(f"{what}: {str(endpoint)[:200]!r} {problem}")
     return endpoint
 
 

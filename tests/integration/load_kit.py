@@ -160,3 +160,16 @@ def check(f: dict) -> None:
     assert f["send_dropped_full"] == 0 and f["credits_refused"] == 0 and f["protocol_errors"] == 0, f
     assert f["steps"] > 0 and f["samples_trained"] == f["steps"] * 16
     assert f["rss_growth"] is not None and f["rss_growth"] < 0.10, f["rss_curve_mb"]
+
+
+def event_line(name: str, **want):
+    """A matcher for conftest's ``Watched.wait_for``: the event ``name`` (a JSON line) whose fields
+    include ``want``, parsed; None for any other line."""
+    def match(line: str):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            return None
+        ok = isinstance(ev, dict) and ev.get("event") == name
+        return ev if ok and all(ev.get(k) == v for k, v in want.items()) else None
+    return match

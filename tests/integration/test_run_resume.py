@@ -24,6 +24,15 @@ def test_run_resume_continues_the_run(tmp_path, subprocess_env, process_groups):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
     assert (run_dir / "checkpoints" / "step-3" / "COMPLETE").exists()
     assert "--resume" in first.stdout                       # the summary says how to go on
+    # a new run in the same directory is refused before anything starts (it would mix the runs)
+    final = sorted((p.name, p.stat().st_mtime_ns) for p in (run_dir / "final").iterdir())
+    again = process_groups.run([*cli, "--set", "learner.total_steps=3"], timeout=120,
+                               env=subprocess_env, cwd=tmp_path)
+    assert again.returncode == 2 and "pid" not in again.stdout, again.stdout[-2000:] + again.stderr
+    line, = again.stderr.strip().splitlines()
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    assert f"holds run {run_id}" in line and "--resume" in line, line
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (run_dir / "final").iterdir()) == final
     second = process_groups.run([*cli, "--set", "learner.total_steps=5", "--resume"], timeout=600,
                                 env=subprocess_env, cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]

@@ -198,7 +198,7 @@ async def running_learner(cfg: LearnerConfig, model_dir: str):
         assert not task.done(), f"learner exited early: {task.result() if not task.exception() else task.exception()!r}"
     finally:
         svc.stopping.set()
-        code = await asyncio.wait_for(task, 60)
+        code = await stopped(task, "the learner")
     assert code == 0
 
 
@@ -219,7 +219,26 @@ async def real_server(svc: LearnerService, model_dir: str, **overrides):
     finally:
         server.stopping.set()
         server.abort.set()
-        assert await asyncio.wait_for(task, 60) == 0
+        assert await stopped(task, "the rollout server") == 0
+
+
+async def stopped(task: asyncio.Task, what: str, timeout_s: float = 60.0):
+    """``task``'s result once it ends; if it does not within ``timeout_s``, an AssertionError that
+    says where it (and every other task of the loop) was waiting, so a hang can be read from CI."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+    except TimeoutError:
+        import io
+        out = io.StringIO()
+        for t in asyncio.all_tasks():
+            if t is not asyncio.current_task():
+                t.print_stack(limit=6, file=out)
+        import sys
+        import traceback
+        for ident, frame in sys._current_frames().items():     # the train and engine threads
+            out.write(f"thread {ident}:\n" + "".join(traceback.format_stack(frame, limit=6)))
+        task.cancel()
+        raise AssertionError(f"{what} did not stop within {timeout_s} s; tasks:\n{out.getvalue()}") from None
 
 
 async def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:

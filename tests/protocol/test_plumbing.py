@@ -34,6 +34,22 @@ def test_event_log_line_carries_run_and_version_at_event_time():
     assert second["version"] == 4 and second["path"] == "/x"
 
 
+def test_event_log_lines_are_strict_json_with_non_finite_floats_named():
+    """NaN/Infinity are not JSON (jq and most log collectors drop the line): they are written as
+    "nan"/"inf"/"-inf", nested too, and float() reads them back (issue 31.8)."""
+    import numpy as np
+
+    out = io.StringIO()
+    EventLog("learner", stream=out)("step", loss=float("nan"), ratio=np.float64("inf"),
+                                    nested={"kl": [1.0, float("-inf")]}, ok=0.25)
+
+    def refuse(name):
+        raise AssertionError(f"{name} in an event line")
+    ev = json.loads(out.getvalue(), parse_constant=refuse)
+    assert (ev["loss"], ev["ratio"], ev["nested"], ev["ok"]) == ("nan", "inf", {"kl": [1.0, "-inf"]}, 0.25)
+    assert float(ev["ratio"]) == float("inf")
+
+
 def test_sample_id_round_trip_and_refusals():
     sid = protocol.sample_id("run-a7/x", 3)
     assert sid == "run-a7/x/3" and protocol.parse_sample_id(sid) == ("run-a7/x", 3)

@@ -63,7 +63,14 @@ def plugin_module():
     def nan(prompt, completion, metadata):
         return float("nan") if "nan" in completion else 0.0
 
+    def leave(prompt, completion, metadata):
+        sys.exit(3)
+
+    async def async_leave(prompt, completion, metadata):
+        raise SystemExit("bye")
+
     mod.sync_parts, mod.async_one, mod.boom, mod.nan = sync_parts, async_one, boom, nan
+    mod.leave, mod.async_leave = leave, async_leave
     sys.modules[mod.__name__] = mod
     yield mod.__name__
     del sys.modules[mod.__name__]
@@ -85,6 +92,14 @@ async def test_sum_of_parts_weights_and_failures(plugin_module):
     assert "non-finite" in out[2].failed
     with pytest.raises(ValueError, match="cannot import"):
         Rewarder("no_such_module_xyz:f")
+
+
+async def test_a_plugin_that_calls_sys_exit_fails_its_samples_not_the_server(plugin_module):
+    for fn in ("leave", "async_leave"):
+        r = Rewarder(f"{plugin_module}:{fn}")
+        out = await r.score_many([("q", "a", {}), ("q", "b", {})])
+        assert all(s.failed and "SystemExit" in s.failed for s in out), out
+        r.close()
 
 
 def test_config_accepts_one_spec_or_a_list():

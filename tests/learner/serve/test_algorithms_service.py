@@ -206,7 +206,8 @@ async def _learn(tmp_path, demo_model, steps: int, **overrides) -> tuple[list[fl
     # once and are generated in one engine call, so with fixed seeds the run is the same every
     # time (measured: identical reward sequences); with max_staleness 1 the overlap of generation
     # and training depends on timing, and so does the trajectory (first -> last quarter rises of
-    # +0.02 to +0.12 were measured for GRPO).
+    # +0.02 to +0.12 were measured for GRPO). (A lone server is not held to an initial allowance
+    # for the same reason: learner.serve.admission.)
     cfg = learner_config(tmp_path, batch_prompts=8, group_size=8, lr=3e-4, total_steps=steps,
                          max_staleness=0, final_sync_s=5.0, **overrides)
     async with running_learner(cfg, demo_model) as svc:

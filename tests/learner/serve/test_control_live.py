@@ -79,7 +79,20 @@ async def test_the_ctl_command_line(tmp_path, tiny_model_dir, capsys):
         code, out, _ = await cli("--json", "set", "target_kl", "0.2")
         assert code == 0 and json.loads(out)["algorithm.target_kl"] == 0.2
         code, out, _ = await cli("set", "target_kl", "null")
-        assert code == 0 and svc.cfg.algorithm.target_kl is None and "target_kl" in out
+        # set prints what it changed, one line, not the whole status
+        assert code == 0 and svc.cfg.algorithm.target_kl is None
+        assert out == "algorithm.target_kl: 0.2 -> null (from the next step)\n", out
+        code, out, _ = await cli("set", "max_staleness", "2")
+        assert (code, out) == (0, "staleness.max_staleness: 1 -> 2 (now)\n")
+        # each change is a metrics.jsonl row too: the report draws a marker at its step
+        rows = [json.loads(x) for x in (svc.run_dir / "metrics.jsonl").read_text().splitlines()]
+        changes = [(r["key"], r["previous"], r["value"]) for r in rows if r.get("kind") == "control"]
+        assert changes[-2:] == [("algorithm.target_kl", 0.2, None), ("staleness.max_staleness", 1, 2)]
+        # what status shows, get shows too
+        code, out, _ = await cli("get", "version")
+        assert code == 0 and int(out) == svc.version
+        code, _, err = await cli("get", "verison")
+        assert code == 2 and "did you mean" in err
         code, out, err = await cli("set", "is_mode", "sometimes")
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "one of none, tis" in err
         code, out, _ = await cli("pause")
