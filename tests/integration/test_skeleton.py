@@ -78,9 +78,13 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert learner.wait_for_event("stopped", 60)["exit_code"] == 0
     assert learner.proc.wait(timeout=60) == 0
-    log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    log = [r for r in rows if "kind" not in r]                 # the step rows
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
     assert log[-1]["server_versions"]  # per-server versions are recorded
+    # The accepted ctl set is a row of its own (the report marks it at its step); the refused one is not.
+    assert [(r["key"], r["value"], r["step"]) for r in rows if r.get("kind") == "control"] == [
+        ("staleness.max_staleness", 0, 0)]
     assert (run_dir / "final" / "config.json").exists()
     # SIGTERM: the server drains (nothing queued) and exits cleanly.
     assert process_groups.stop(server.proc, grace_s=30) == 0, server.output(30)
