@@ -41,12 +41,23 @@ from deploy.config import SlipstreamConfig
 from deploy.cores import allowed_cpus, available_cores, pin, plan_affinity, share_cores
 from deploy.live import LiveView, cell
 
-SHOWN_EVENTS = ("ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
+SHOWN_EVENTS = ("runtime", "ready", "finished", "crashed", "server_joined", "server_lost", "stopped",
                 "control_set", "control_pause", "control_resume", "staleness_changed", "checkpoint", "resumed",
                 "checkpoint_failed", "data_exhausted", "protocol_error", "server_dropped", "server_readmitted",
                 "server_version_mismatch", "new_run", "step_skipped", "samples_refused",
                 "leases_preempted", "server_refused", "welcome_refused", "diverged", "record_failed",
                 "record_recovered", "record_torn", "checkpoint_skipped")
+
+
+def event_text(ev: dict) -> str:
+    """An event as one readable line: ``event: line`` for one that carries its own ``line`` (the
+    ``runtime`` decisions), else ``event {fields}``."""
+    if isinstance(ev.get("line"), str):
+        return f"{ev.get('event')}: {ev['line']}"
+    rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
+    return f"{ev.get('event')} {json.dumps(rest, default=str)}"
+
+
 STDERR_TAIL_LINES = 30
 """Lines of a crashed child's stderr shown (enough for a Python traceback)."""
 STDERR_DRAIN_S = 5.0
@@ -113,8 +124,7 @@ def _print_line(name: str, line: str, verbose: bool, view: LiveView) -> dict | N
         view.note(f"[{name}] eval accuracy {cell(ev, 'eval_accuracy', '{:.3f}')} reward "
                   f"{cell(ev, 'eval_reward_mean', '{:.3f}')} at version {ev.get('eval_version')}")
     elif ev.get("event") in SHOWN_EVENTS or verbose:
-        rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
-        view.note(f"[{name}] {ev.get('event')} {json.dumps(rest)}")
+        view.note(f"[{name}] {event_text(ev)}")
     return ev
 
 

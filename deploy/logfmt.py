@@ -11,7 +11,6 @@ shows (deploy/launcher.py ``SHOWN_EVENTS``) and every warning and error as one
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 
@@ -32,7 +31,7 @@ def chosen(fmt: str, stream=None) -> str:
 
 def text_renderer() -> Callable[[dict], str | None]:
     """A renderer for :func:`protocol.plumbing.process.render_events`."""
-    from deploy.launcher import SHOWN_EVENTS
+    from deploy.launcher import SHOWN_EVENTS, event_text
     from deploy.live import plain_header, plain_row
 
     rows = 0
@@ -47,8 +46,7 @@ def text_renderer() -> Callable[[dict], str | None]:
             rows += 1
             return line
         if name in SHOWN_EVENTS or ev.get("level") in ("warning", "error"):
-            rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
-            return f"[{proc}] {name} {json.dumps(rest, default=str)}"
+            return f"[{proc}] {event_text(ev)}"
         return None
 
     return render

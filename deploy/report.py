@@ -740,8 +740,8 @@ def _servers_at_the_end(run: Run) -> str:
 
 
 def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_lines: int,
-             overview: bool, note: str = "") -> str:
-    """``report.md`` of a :meth:`Run.split` run."""
+             overview: bool, note: str = "", runtime: str | None = None) -> str:
+    """``report.md`` of a :meth:`Run.split` run; ``runtime``: the learner's :func:`read_runtime` line."""
     n = len(run.rows)
     k = window(n)
     steps = [float(r["step"]) for r in run.rows if isinstance(r.get("step"), (int, float))]
@@ -766,6 +766,8 @@ def markdown(run: Run, others: list[str], plots: list[tuple[Plot, Path]], bad_li
         facts.append(_servers_at_the_end(run))
     if run.has("corrected_samples"):
         facts.append(f"corrected (over-limit) samples: {int(sum(x for x in run.values('corrected_samples') if math.isfinite(x)))}")
+    if runtime:
+        facts.append(f"learner runtime: {runtime}")
     lines += [f"- {f}" for f in facts]
     if others:
         lines.append(f"- other runs in this metrics.jsonl: {', '.join(others)} (`slipstream report --run-id ID`)")
@@ -830,5 +832,15 @@ def write_report(run_dir: Path | str, run_id: str | None = None, out: Path | str
         note = ""
     others = [r for r in runs if r != run.run_id]
     report = out / "report.md"
-    report.write_text(markdown(run, others, plots, bad, overview, note))
+    report.write_text(markdown(run, others, plots, bad, overview, note, runtime=read_runtime(run_dir)))
     return report
+
+
+def read_runtime(run_dir: Path) -> str | None:
+    """The learner's runtime line (device, dtype, autocast, attention, threads, and why each
+    ``auto`` chose that) from ``RUN_DIR/runtime.json``, written at its start; None without one."""
+    try:
+        line = json.loads((run_dir / "runtime.json").read_text()).get("line")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return line if isinstance(line, str) else None

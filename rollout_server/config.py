@@ -168,7 +168,9 @@ class RolloutConfig(BaseModel):
     """HF engine device: auto (cuda when there is one, else cpu), cpu, cuda, cuda:N (vLLM picks
     its own)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Engine dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16."""
+    """Engine dtype: auto (bfloat16 where the device computes it natively: a GPU since Ampere, a
+    CPU with AVX512-BF16 or AMX; else float32; vLLM on a GPU: the model's own), float32,
+    bfloat16, float16. The server's runtime event says what auto chose and why."""
     security: RolloutSecurity = Field(default_factory=RolloutSecurity)
     """CURVE keys for the link to the learner (off by default)."""
     exit_on_learner_finished: bool = True

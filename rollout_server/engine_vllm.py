@@ -59,8 +59,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ops.precision import native_bfloat16
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Completion, GenRequest, TokenizerEngine, WeightUpdate
+from rollout_server.engines import describe
 
 WORKER_EXTENSION = "rollout_server.vllm_worker.SlipstreamWorkerExtension"
 GiB = 1 << 30
@@ -124,9 +126,16 @@ class VLLMEngine(TokenizerEngine):
         if (model_max := _model_max_len(model_path)) is not None:
             max_len = min(max_len, int(model_max))
         self.max_model_len = max_len
-        # auto: float32 on the CPU build (as the HF engine and the learner there), the model's own
-        # dtype (vLLM's auto) on GPUs.
-        dtype = "float32" if cfg.dtype == "auto" and current_platform.is_cpu() else cfg.dtype
+        # auto: on the CPU build the HF engine's and the learner's rule (bfloat16 only where the
+        # CPU computes it natively, else float32); on GPUs the model's own dtype (vLLM's auto).
+        dtype, why = cfg.dtype, {}
+        if cfg.dtype == "auto" and current_platform.is_cpu():
+            native, reason = native_bfloat16("cpu")
+            dtype, why = ("bfloat16" if native else "float32"), {"dtype": f"auto: {reason}"}
+        elif cfg.dtype == "auto":
+            why = {"dtype": "auto: vLLM's (the model's own dtype)"}
+        self.runtime = describe("vllm", "cpu" if current_platform.is_cpu() else "cuda", dtype, why,
+                                cfg.threads)
         kwargs: dict[str, Any] = dict(
             model=model_path, tokenizer=model_path, dtype=dtype, seed=cfg.seed,
             enforce_eager=opts.enforce_eager, max_model_len=max_len,

@@ -7,27 +7,52 @@ from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 
 
-def resolve_device(device: str, dtype: str) -> tuple[str, str]:
-    """``auto`` made concrete: (cuda when torch sees one, else cpu; bfloat16 on cuda, else float32)."""
+def resolve_device(device: str, dtype: str) -> tuple[str, str, dict[str, str]]:
+    """``auto`` made concrete: (device: cuda when torch sees one, else cpu; dtype: bfloat16 where
+    the device computes it natively (ops.native_bfloat16: a GPU since Ampere, a CPU with
+    AVX512-BF16 or AMX), else float32 — the learner's rule; why each ``auto`` chose what it did)."""
     import torch
 
+    from ops.precision import native_bfloat16
+
+    why = {}
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        why["device"] = "auto: " + ("torch sees a CUDA device" if device == "cuda" else "no CUDA device")
     elif device.startswith("cuda") and not torch.cuda.is_available():
         raise protocol.StartupError(f"rollout.device={device}: torch sees no CUDA device here; "
                                     "set rollout.device: cpu (or auto)")
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return device, dtype
+        native, reason = native_bfloat16(device)
+        dtype = "bfloat16" if native else "float32"
+        why["dtype"] = f"auto: {reason}"
+    return device, dtype, why
+
+
+def describe(engine: str, device: str, dtype: str, why: dict[str, str], threads: int) -> dict[str, object]:
+    """The engine's decisions as one record (the server's ``runtime`` event), with a ``line``."""
+    info: dict[str, object] = {"engine": engine, "device": device, "dtype": dtype, "threads": threads,
+                               "why": dict(why)}
+    info["line"] = f"engine {engine}; " + "; ".join(
+        f"{k} {info[k]}" + (f" ({why[k]})" if k in why else "") for k in ("device", "dtype", "threads"))
+    return info
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def create_engine(cfg: RolloutConfig, model_path: str) -> Engine:
     if cfg.engine == "hf":
         from rollout_server.engine_hf import HFEngine
 
-        device, dtype = resolve_device(cfg.device, cfg.dtype)
-        return HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.inflight_update,
-                        device=device)
+        device, dtype, why = resolve_device(cfg.device, cfg.dtype)
+        engine = HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.inflight_update,
+                          device=device)
+        engine.runtime = describe("hf", device, dtype, why, _threads())
+        return engine
     if cfg.engine == "vllm":
         try:
             from rollout_server.engine_vllm import VLLMEngine

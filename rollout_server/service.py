@@ -239,6 +239,7 @@ class RolloutService:
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                                                | HANDSHAKE_FAILURES)
         self.sock.connect(self.cfg.learner)
+        self.log("runtime", **getattr(self.engine, "runtime", {}))   # device, dtype, and why
         self.log("ready", server_id=self.server_id, learner=self.cfg.learner,
                  metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
         tasks = []

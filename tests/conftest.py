@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The tests compare against float32 recomputes: whichever CPU runs them, precision `auto` resolves
+# as on a CPU without native bfloat16 (ops/precision.py), and every subprocess inherits that. A
+# test of the probe or of a capable machine's choices sets the variable itself.
+os.environ.setdefault("SLIPSTREAM_NATIVE_BF16", "0")
 GROUP_STOP_S = 10.0
 """Seconds a test's process group gets between SIGTERM and SIGKILL at teardown."""
 

@@ -182,13 +182,13 @@ class LearnerConfig(BaseModel):
         if kl.controller == "adaptive" and kl.coef == 0:
             raise ValueError("kl.controller=adaptive needs kl.coef > 0 (its start value; "
                              "the controller scales it)")
-        if rt.autocast != "none" and rt.dtype not in ("auto", "float32"):
+        if rt.autocast == "bfloat16" and rt.dtype not in ("auto", "float32"):
             raise ValueError(f"runtime.autocast={rt.autocast} computes in {rt.autocast} over float32 "
                              f"weights, but runtime.dtype={rt.dtype}: set dtype: float32 (or auto), "
                              "or autocast: none")
-        if rt.autocast != "none" and self.deepspeed is not None:
+        if rt.autocast == "bfloat16" and self.deepspeed is not None:
             raise ValueError(f"runtime.autocast={rt.autocast} with deepspeed: DeepSpeed owns the "
-                             "precision; set deepspeed.precision: bf16 and runtime.autocast: none")
+                             "precision; set deepspeed.precision: bf16 and runtime.autocast: auto or none")
         if alg.clip_anchor == "behavior" and alg.target_kl is not None:
             raise ValueError("algorithm.target_kl stops a step by its distance from pi_prox, but with "
                              "clip_anchor: behavior the ratio is taken against the behavior policy; "

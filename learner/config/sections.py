@@ -57,7 +57,7 @@ BATCH_FILTERS = ("none", "pf_ppo")
 KL_CONTROLLERS = ("fixed", "adaptive")
 CRITIC_TARGETS = ("gae", "vtrace")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-AUTOCAST_DTYPES = ("none", "bfloat16")
+AUTOCAST_DTYPES = ("auto", "none", "bfloat16")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
 CHECKPOINT_FAILURES = ("continue", "stop")
 STALENESS_CONTROLLERS = ("fixed", "adaptive")
@@ -578,13 +578,17 @@ class RuntimeSettings(BaseModel):
     """Where the policy (and critic, reference) train: auto (cuda when there is one, else cpu),
     cpu, cuda, cuda:N."""
     dtype: Literal[DTYPES] = "auto"
-    """Training dtype of the weights: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16,
-    float16. Full-weight publishes send tensors in this dtype."""
-    autocast: Literal[AUTOCAST_DTYPES] = "none"
+    """Training dtype of the weights: auto (float32 under autocast; else bfloat16 on a cuda device
+    with native bfloat16, float32 elsewhere), float32, bfloat16, float16. Full-weight publishes
+    send tensors in this dtype."""
+    autocast: Literal[AUTOCAST_DTYPES] = "auto"
     """Mixed precision: bfloat16 runs the policy's and the reference's forward (and so their
     backward) under torch.autocast, matrix multiplications in bfloat16, while the weights, the
-    optimizer and the log-probs stay float32 (dtype auto then means float32 on every device).
-    CPUs with AVX512-BF16/AMX and every recent GPU run it faster; none = plain float32."""
+    optimizer and the log-probs stay float32 (dtype auto then means float32). Only faster where
+    the device computes bfloat16 natively (a GPU since Ampere, a CPU with AVX512-BF16 or AMX;
+    elsewhere it is emulated, ~12x slower on the demo's step). auto: bfloat16 where native, else
+    none (and none when dtype is bfloat16/float16 or DeepSpeed owns the precision); none: plain
+    dtype. The learner's runtime event and ctl status say what auto chose and why."""
     attn_implementation: Literal[ATTN_IMPLEMENTATIONS] = "auto"
     """The attention of the policy, reference and critic (transformers' ``attn_implementation``):
     auto (the model's default, sdpa where it can), eager, sdpa, flash_attention_2. On CPU with

@@ -145,6 +145,8 @@ class LearnerService:
             observe_wait=self.metrics.publish_wait_seconds.observe,
             observe_latency=self.metrics.publish_seconds.observe, on_superseded=self._superseded)
         self.trainer = None
+        self.runtime: dict = {}
+        """Where and in what precision the trainer computes, and why (learner.train.devices.Runtime)."""
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
@@ -333,6 +335,11 @@ class LearnerService:
         # The trainer gets its own copy of the config: ctl set changes self.cfg at once, and the
         # trainer's copy between steps (Control.before_step), so a step never sees half a change.
         self.trainer = make_trainer(TrainerConfig.of(self.cfg), self.model_path)   # DeepSpeed or not
+        # Where and in what precision it trains, and why each `auto` chose that: said once here,
+        # kept for ctl status and the report (RUN_DIR/runtime.json).
+        self.runtime = self.trainer.runtime.describe(self.trainer.model, self.cfg.runtime.attn_implementation)
+        self.log("runtime", **self.runtime)
+        self._write_runtime()
         self.weights.kind = self.trainer.publish_kind            # full weights or a LoRA adapter
         self.weights.lora = self.trainer.publish_lora()
         self.intake = Intake(self.buffer, vocab_size=vocab_size(self.trainer),
@@ -608,9 +615,20 @@ class LearnerService:
         return ack
 
     # ---- control ---------------------------------------------------------------------------
+    def _write_runtime(self) -> None:
+        """RUN_DIR/runtime.json: this life's :attr:`runtime` (the report's Runtime line); a disk
+        that refuses it costs the report that line only."""
+        tmp = self.run_dir / ".runtime.json.tmp"
+        try:
+            tmp.write_text(json.dumps(self.runtime, indent=1) + "\n")
+            os.replace(tmp, self.run_dir / "runtime.json")
+        except OSError as e:
+            self.log("record_failed", level="warning", file=str(self.run_dir / "runtime.json"),
+                     error=f"{type(e).__name__}: {e}"[:300], action="the report has no Runtime line")
+
     def status(self) -> dict:
         return {"run_id": self.run_id, "version": self.version, "total_steps": self.cfg.total_steps,
-                "training": self.train_busy,
+                "training": self.train_busy, "runtime": self.runtime,
                 "buffered_samples": self.buffer.pending_samples,
                 "inflight_samples": self.buffer.inflight_samples,
                 "servers": self.admission.status(),

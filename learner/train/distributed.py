@@ -142,8 +142,10 @@ class DeepSpeedStrategy:
         return self.group.rank
 
     def configure(self, cfg: TrainerConfig) -> TrainerConfig:
-        """The engines decide the device (one per rank) and cast to their precision themselves."""
-        runtime = cfg.runtime.model_copy(update={"device": self.group.device, "dtype": "float32"})
+        """The engines decide the device (one per rank) and cast to their precision themselves
+        (``deepspeed.precision``: no autocast of ours)."""
+        runtime = cfg.runtime.model_copy(update={"device": self.group.device, "dtype": "float32",
+                                                 "autocast": "none"})
         return cfg.model_copy(update={"runtime": runtime})
 
     def wrap(self, trainer: Trainer) -> None:

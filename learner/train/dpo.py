@@ -40,7 +40,7 @@ import ops
 from learner.config import TrainerConfig
 from learner.models.logprobs import LogprobForward
 from learner.train.batching import BatchTensors, collate, plan_updates
-from learner.train.devices import resolve_device, resolve_dtype
+from learner.train.devices import resolve_runtime
 from learner.train.policy_io import adamw, load_policy
 from protocol import Sample
 
@@ -82,10 +82,8 @@ class DPOTrainer:
         if not pairs:
             raise ValueError("DPOTrainer: no preference pairs")
         self.cfg, self.beta, self.label_smoothing = cfg, beta, label_smoothing
-        self.device = resolve_device(cfg.runtime.device)
-        # As the Trainer: mixed precision keeps float32 weights and computes under autocast.
-        self.autocast = None if cfg.runtime.autocast == "none" else getattr(torch, cfg.runtime.autocast)
-        dtype = torch.float32 if self.autocast is not None else resolve_dtype(cfg.runtime.dtype, self.device)
+        runtime = resolve_runtime(cfg.runtime)           # as the Trainer's
+        self.device, dtype, self.autocast = runtime.device, runtime.dtype, runtime.autocast
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

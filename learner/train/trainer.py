@@ -36,7 +36,7 @@ from learner.config import TrainerConfig
 from learner.models.logprobs import LogprobForward
 from learner.train.batching import BatchTensors, collate, plan_updates, take
 from learner.train.critic import Critic
-from learner.train.devices import resolve_device, resolve_dtype
+from learner.train.devices import resolve_runtime
 from learner.train.dropout import disable_dropout
 from learner.train.policy_io import adamw, attn_kwargs, load_policy, lora_publish_fields
 from learner.train.reference import ReferencePolicy
@@ -90,10 +90,8 @@ class Trainer:
         self.strategy: TrainStrategy = strategy if strategy is not None else PlainStrategy()
         cfg = self.strategy.configure(cfg)
         self.cfg = cfg
-        self.device = resolve_device(cfg.runtime.device)
-        # Mixed precision keeps float32 weights (dtype auto included) and computes under autocast.
-        self.autocast = None if cfg.runtime.autocast == "none" else getattr(torch, cfg.runtime.autocast)
-        self.dtype = torch.float32 if self.autocast is not None else resolve_dtype(cfg.runtime.dtype, self.device)
+        self.runtime = resolve_runtime(cfg.runtime)    # device, weights' dtype, autocast, and why
+        self.device, self.dtype, self.autocast = self.runtime.device, self.runtime.dtype, self.runtime.autocast
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

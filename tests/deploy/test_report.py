@@ -308,3 +308,15 @@ def test_matplotlib_is_a_base_dependency():
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     assert "matplotlib>=3.7" in project["dependencies"]
     assert project["optional-dependencies"]["report"] == []
+
+
+def test_the_learner_runtime_line_is_in_the_report(tmp_path):
+    """RUN_DIR/runtime.json (the learner writes it at start: device, dtype, autocast, and why each
+    auto chose that, issue 40) is one line of the summary; a missing or damaged file is no line."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_row("r", 1)))
+    assert "runtime" not in report.write_report(tmp_path).read_text()
+    line = "device cpu; dtype float32; autocast none (auto: this CPU has no native bfloat16); threads 2"
+    (tmp_path / "runtime.json").write_text(json.dumps({"autocast": "none", "line": line}))
+    assert f"- learner runtime: {line}\n" in report.write_report(tmp_path).read_text()
+    (tmp_path / "runtime.json").write_text('{"line": "device cpu; dty')       # torn
+    assert "runtime" not in report.write_report(tmp_path).read_text()

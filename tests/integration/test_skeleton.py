@@ -13,13 +13,19 @@ import pytest
 import yaml
 from config_kit import nested
 
+from ops.precision import OVERRIDE_ENV, native_bfloat16
+
 pytestmark = pytest.mark.slow
 
 STEPS = 4
 
 
 def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_model_dir, subprocess_env,
-                                                              process_groups, scrape):
+                                                              process_groups, scrape, monkeypatch):
+    # Precision auto as on this machine: the CPU's own answer, not the suite's override.
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    subprocess_env = {k: v for k, v in subprocess_env.items() if k != OVERRIDE_ENV}
+    native, why = native_bfloat16("cpu")
     run_dir = tmp_path / "run"
     cfg = {
         "model": tiny_model_dir,
@@ -37,6 +43,12 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     cli = [sys.executable, "-m", "deploy.cli"]
     learner = process_groups.watch([*cli, "learner", "--config", str(cfg_file)],
                                    env=subprocess_env, cwd=tmp_path)
+    # Where and in what precision the learner computes, and why, said once at start (issue 40).
+    runtime = learner.wait_for_event("runtime", 120)
+    assert (runtime["device"], runtime["dtype"]) == ("cpu", "float32")
+    assert runtime["autocast"] == ("bfloat16" if native else "none")
+    assert f"autocast {runtime['autocast']} (auto: {why})" in runtime["line"]
+    assert runtime["threads"] == 1 and runtime["attention"] in ("sdpa", "eager")
     ready = learner.wait_for_event("ready", 120)
     # Change the staleness limit on the live learner (`slipstream ctl`) before any server joins:
     # from then on training must be strictly on-policy.
@@ -51,6 +63,10 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     assert "max_staleness" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     server = process_groups.watch([*cli, "rollout", "--config", str(cfg_file), "--learner", ready["rollout"]],
                                   env=subprocess_env, cwd=tmp_path)
+    server_runtime = server.wait_for_event("runtime", 120)
+    assert (server_runtime["engine"], server_runtime["device"]) == ("hf", "cpu")
+    assert server_runtime["dtype"] == ("bfloat16" if native else "float32")
+    assert f"(auto: {why})" in server_runtime["line"]
     server_ready = server.wait_for_event("ready", 120)
     steps = [learner.wait_for_event("step", 180) for _ in range(STEPS)]
     # Every trained token was produced by a version <= the learner's version at training time;
@@ -73,6 +89,11 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
     assert metrics[f'slipstream_server_policy_version{{server="{server_ready["server_id"]}"}}'] == STEPS
     assert smetrics["slipstream_rollout_generated_tokens_total"] > 0
     learner.wait_for_event("idle", 60)
+    status = process_groups.run([*cli, "ctl", "--json", "--endpoint", ready["control"], "status"],
+                                timeout=60, env=subprocess_env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)["runtime"]["line"] == runtime["line"]
+    assert json.loads((run_dir / "runtime.json").read_text())["line"] == runtime["line"]
     stop = process_groups.run([*cli, "ctl", "--endpoint", ready["control"], "stop"],
                               timeout=60, env=subprocess_env)
     assert stop.returncode == 0, stop.stdout + stop.stderr

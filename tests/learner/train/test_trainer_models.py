@@ -47,11 +47,17 @@ def batch_logprobs(model, batch, pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 
 # ---- devices and dtypes ----------------------------------------------------------------------
 
-def test_device_and_dtype_resolution():
+def test_device_and_dtype_resolution(monkeypatch):
     cpu = resolve_device("cpu")
     assert cpu.type == "cpu" and resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    # auto on CUDA: bfloat16 where the device computes it natively (ops.native_bfloat16), float32
+    # on one that only emulates it; on the CPU float32 either way.
+    monkeypatch.setenv("SLIPSTREAM_NATIVE_BF16", "1")
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setenv("SLIPSTREAM_NATIVE_BF16", "0")
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32
     if not torch.cuda.is_available():
         assert resolve_device("auto").type == "cpu"
         with pytest.raises(protocol.StartupError, match="no CUDA"):
