@@ -37,8 +37,8 @@ interpreter of a separate environment with ``trl==1.16.0``; never a slipstream d
 same model directory, prompts (same task, same seed), reward, batch, max_completion_length,
 temperature, learning rate, beta = 0, once per ``--trl-threads`` entry (default 1 and 2 torch
 threads) and once per ``--trl-bf16-threads`` entry with TRL's own mixed precision (``bf16=True``,
-default one run at 1 thread: the demo trains under ``learner.runtime.autocast: bfloat16``, so TRL gets its
-bf16 too); the fastest TRL row is the baseline of the ``x TRL`` column. Without that interpreter the TRL rows
+default one run at 1 thread: where the CPU computes bfloat16 natively the demo trains under
+bfloat16 autocast, ``learner.runtime.autocast: auto``, so TRL gets its bf16 too); the fastest TRL row is the baseline of the ``x TRL`` column. Without that interpreter the TRL rows
 are skipped with a note. ``--collect DIR`` re-reads the runs a killed invocation left in DIR.
 
 Workloads: ``demo`` (deploy/configs/default.yaml: builtin:tiny-arith on builtin:arith,
@@ -84,6 +84,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from bench_machine import machine, machine_line  # noqa: E402
 
 BATCH_PROMPTS, GROUP = 8, 8
 END = "@end"
@@ -374,6 +376,7 @@ def main() -> None:
     tmp = Path(args.collect) if args.collect else Path(tempfile.mkdtemp(prefix="bench_async-"))
     print(f"[bench] run directories and logs in {tmp}", flush=True)
     load0 = os.getloadavg()
+    m = machine()                          # this process's threads; the runs' own are in their rows
     results: list[dict] = []
     seed0 = args.seed
     for rnd in range(args.repeats):
@@ -411,8 +414,9 @@ def main() -> None:
             if drift is not None:
                 print(f"[bench] {work}: eta=0 at the end of the round / at its start: {drift:.2f} (the "
                       f"machine's drift over the round; x eta0 is over their mean)", flush=True)
-            write(results, args, load0, have_trl, seed0)
+            write(results, args, load0, have_trl, seed0, m)
     print()
+    print(machine_line(m))
     print(fmt_table(medians(results)))
     print()
     print(targets(results))
@@ -570,7 +574,7 @@ def core_bounds(results: list[dict], work: str) -> list[tuple[float, float, floa
     return out
 
 
-def write(results: list[dict], args, load0, have_trl: bool, seed0: int) -> None:
+def write(results: list[dict], args, load0, have_trl: bool, seed0: int, m: dict) -> None:
     """The JSON and the PNG so far (after every workload: a long run leaves its first half)."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -579,7 +583,7 @@ def write(results: list[dict], args, load0, have_trl: bool, seed0: int) -> None:
             "rollout_threads": args.rollout_threads, "trl_threads": args.trl_threads,
             "trl_attn": args.trl_attn,
             "trl": have_trl, "seed": seed0, "repeats": args.repeats, "skip": args.skip,
-            "time": time.time()}
+            "time": time.time(), "machine": m}
     out.write_text(json.dumps({"meta": meta, "table": fmt_table(medians(results)),
                                "targets": targets(results), "results": results}, indent=1))
     if not results:

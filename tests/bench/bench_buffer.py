@@ -21,15 +21,18 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
-from buffer import RolloutBuffer
-from protocol import Sample
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench_machine import machine, machine_line  # noqa: E402
+
+from buffer import RolloutBuffer  # noqa: E402
+from protocol import Sample  # noqa: E402
 
 GROUP = 8
 COMPLETION_TOKENS = 1024
@@ -166,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(best)
     mem = asyncio.run(memory(args.memory_samples))
 
+    m = machine()
+    print(machine_line(m))
     print(f"RolloutBuffer put + next_batch, {COMPLETION_TOKENS}-token completions "
           f"(+{PROMPT_TOKENS} prompt), groups of {GROUP}, one core")
     print(f"{'batch':>6} {'eta':>4} {'bucket':>6} {'samples/s':>11} {'median':>11} {'wall/s':>9} "
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"for de-duplication (bounded by dedupe_window)")
 
     result = {"benchmark": "bench_buffer", "python": sys.version.split()[0],
-              "machine": platform.machine(), "cpu_count": os.cpu_count(),
+              "machine": m, "cpu_count": os.cpu_count(),
               "target_samples_per_s": TARGET_SAMPLES_PER_S, "throughput": rows, "memory": mem}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

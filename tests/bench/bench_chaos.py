@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO))
 
+from bench_machine import machine, machine_line  # noqa: E402
 from chaos_kit import ChaosRun, chaos, chaos_env, check_run, config, nan_window  # noqa: E402
 
 
@@ -63,7 +64,8 @@ def main() -> int:
         run.stop()
     figures.update(exit_code=code, seconds=round(time.monotonic() - start, 1), seed=args.seed,
                    servers=args.servers, python=platform.python_version(), cpus=os.cpu_count(),
-                   run_dir=str(work / "run"))
+                   run_dir=str(work / "run"), machine=machine())
+    print(machine_line(figures["machine"]))
     print(json.dumps(figures, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")

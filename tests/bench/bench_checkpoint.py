@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench_machine import machine, machine_line  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
 from config_kit import nested  # noqa: E402
@@ -127,6 +127,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             rows.append(bench(name, args.repeat, Path(tmp)))
+    m = machine()
+    print(machine_line(m))
     print(f"{'model':24} {'params':>11} {'MiB':>8} {'save s':>8} {'pause s':>8} {'verify s':>9} {'restore s':>10} "
           f"{'raw save':>9} {'raw load':>9} {'save/raw':>9} {'load/raw':>9}")
     for r in rows:
@@ -135,7 +137,7 @@ def main() -> int:
               f"{r['save_vs_raw']:>9.2f} {r['load_vs_raw']:>9.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "machine": platform.platform(), "cpus": os.cpu_count(),
+    out.write_text(json.dumps({"rows": rows, "machine": m, "cpus": os.cpu_count(),
                                "torch": torch.__version__, "time": time.time()}, indent=2))
     print(f"wrote {out}")
     return 0

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async import REPO, WORKLOADS, slipstream_run  # noqa: E402
+from bench_machine import machine, machine_line  # noqa: E402
 
 from protocol.plumbing.process import TRACE_ENV  # noqa: E402
 
@@ -144,13 +145,15 @@ def main() -> None:
             runs.append({"seed": run_args.seed, **summarize(cycles(read_trace(trace), args.skip))})
             print(f"[bench] run {k + 1}/{args.repeats}: cycle {runs[-1]['cycle_ms']:.1f} ms "
                   f"({runs[-1]['cycles']} cycles)", flush=True)
+    m = machine()
     print()
+    print(machine_line(m))
     print(fmt(runs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {"command": " ".join(sys.argv), "cores": os.cpu_count(),
                                         "platform": platform.platform(), "workload": args.workload,
-                                        "points": [p for p, _ in POINTS]},
+                                        "points": [p for p, _ in POINTS], "machine": m},
                                "runs": runs}, indent=1))
     print(f"[bench] wrote {out}")
 

@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 RUNS = [("zero2", 1, 2), ("zero2", 2, 2), ("zero3", 2, 3)]
 """(name, ranks, ZeRO stage)."""
 FIELDS = dict(group_size=8, batch_prompts=8, micro_batch_samples=16, lr=1e-4, seed=0, threads=1)
@@ -124,6 +126,8 @@ def main() -> int:
             res = json.loads(out.read_text())
             rows.append({"config": f"{name} x{nproc}", "ranks": nproc, "stage": stage, **res,
                          "ratio": res["ds"] / res["plain"]})
+    m = machine(threads=FIELDS["threads"])          # per rank
+    print(machine_line(m))
     print(f"{'config':<10} {'plain ms':>9} {'deepspeed ms':>13} {'ratio':>6} {'gather MB':>10} {'gather ms':>10}")
     for row in rows:
         g = (f"{row['gather_bytes'] / 1e6:10.2f} {row['gather_s'] * 1e3:10.1f}" if "gather_s" in row else "")
@@ -131,7 +135,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"batch_samples": FIELDS["group_size"] * FIELDS["batch_prompts"],
                                           "micro_batch_samples": FIELDS["micro_batch_samples"],
-                                          "repeats": args.repeats, "rows": rows}, indent=2))
+                                          "repeats": args.repeats, "rows": rows, "machine": m}, indent=2))
     return 0
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "protocol"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import msgpack  # noqa: E402
+from bench_machine import machine, machine_line  # noqa: E402
 from fuzz_inputs import Fuzzer, run  # noqa: E402
 
 import protocol  # noqa: E402
@@ -95,8 +96,9 @@ def main() -> int:
         "huge_declared_length_peak_bytes": traced_peak([header, huge]),
         "nested_worst_case_bytes_per_input_byte": round(traced_peak([header, nested]) / len(nested), 1),
         "python": platform.python_version(), "msgpack": ".".join(map(str, msgpack.version)),
-        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "machine": machine(), "cpus": os.cpu_count(),    # after the memory figures: imports torch
     }
+    print(machine_line(result["machine"]))
     print(json.dumps({k: v for k, v in result.items() if k != "batches"}, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -87,6 +87,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from bench_machine import machine, machine_line  # noqa: E402
 from load_client import group  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
@@ -435,6 +436,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     summary = summarize(result["rows"])
+    m = machine()
+    print(machine_line(m))
     print(f"\n{'samples/msg':<12}{'bytes':>8}{'raw msg/s':>11}{'raw MB/s':>10}{'ingress msg/s':>15}"
           f"{'ingress MB/s':>14}{'ratio':>7}   {'ratio per rep':<30}{'raw+decode msg/s':>18}"
           f"{'ratio':>7}")
@@ -462,7 +465,7 @@ def main() -> None:
     met = all(s["ratio"] >= 0.6 for s in summary.values())
     ratios = ", ".join(f"{k}/msg: {s['ratio']:.3f}" for k, s in summary.items())
     print(f"target ingress >= 0.6x raw: {'met' if met else 'NOT met'} ({ratios})")
-    report = {"benchmark": "bench_ingress", "socket_pattern": "DEALER -> ROUTER",
+    report = {"benchmark": "bench_ingress", "machine": m, "socket_pattern": "DEALER -> ROUTER",
               "tokens": args.tokens, "prompt_tokens": PROMPT_TOKENS, "group_size": GROUP,
               "groups_per_phase": args.groups, "reps": args.reps, "target_ratio": 0.6,
               "target_met": met, "summary": summary, "rows": result["rows"],

@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from bench_machine import machine, machine_line  # noqa: E402
 from config_kit import nested  # noqa: E402
 
 import protocol  # noqa: E402
@@ -69,7 +70,7 @@ CONFIGS = {
                 mini_batch_samples=PROMPTS * GROUP // 2),
 }
 PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
-DEMO_SETTINGS = dict(micro_batch_samples=PROMPTS * GROUP, autocast="bfloat16", attn_implementation="eager")
+DEMO_SETTINGS = dict(micro_batch_samples=PROMPTS * GROUP, autocast="auto", attn_implementation="eager")
 LONGTAIL_CONFIGS = {"lt_one_pass": DEMO_SETTINGS,
                     **{f"lt_tokens_{n}": dict(DEMO_SETTINGS, micro_batch_tokens=n) for n in (512, 1024, 2048)}}
 """``--longtail``: the demo's learner settings on a long-tail batch, in one pass and by a token budget."""
@@ -212,8 +213,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="also show where grpo_1step's time goes")
     ap.add_argument("--attn", action="store_true",
-                    help="also the demo's learner settings (one micro-batch, autocast bfloat16) "
+                    help="also the demo's learner settings (one micro-batch, autocast auto) "
                          "with sdpa and with eager attention (learner.runtime.attn_implementation)")
+    ap.add_argument("--precision", action="store_true",
+                    help="also the demo's learner settings under autocast bfloat16, none and auto "
+                         "(learner.runtime.autocast; auto: bfloat16 only where the CPU computes it natively)")
     ap.add_argument("--longtail", action="store_true",
                     help="also a long-tail batch (completions of 2-65 tokens) in one pass against "
                          "learner.batch.micro_batch_tokens budgets")
@@ -230,6 +234,8 @@ def main() -> None:
     configs = dict(CONFIGS)
     if args.attn:
         configs.update({f"demo_{attn}": dict(DEMO_SETTINGS, attn_implementation=attn) for attn in ("sdpa", "eager")})
+    if args.precision:
+        configs.update({f"demo_ac_{ac}": dict(DEMO_SETTINGS, autocast=ac) for ac in ("bfloat16", "none", "auto")})
     trainers = {name: Trainer(TrainerConfig.of(LearnerConfig(**nested(threads=args.threads, **kw))), str(tmp)) for name, kw in configs.items()}
     servers = {name: WeightsServer(64 << 20) for name in configs}
     versions = dict.fromkeys(configs, 0)
@@ -246,19 +252,21 @@ def main() -> None:
             versions[name] += 1
             runs[name].append(learner_step(tr, servers[name], batch, versions[name]))
     bare_med = statistics.median(bare_s)
-    result = {"threads": args.threads, "repeats": repeats, "samples": PROMPTS * GROUP,
+    m = machine(threads=args.threads)
+    result = {"machine": m, "threads": args.threads, "repeats": repeats, "samples": PROMPTS * GROUP,
               "tokens": int(collate(batch.samples, tok.pad_token_id).attention_mask.sum()),
               "bare_s": bare_med, "configs": {}}
     cols = ("total", "step", *PHASES, "publish")
+    print(machine_line(m))
     print(f"batch {PROMPTS}x{GROUP} = {PROMPTS * GROUP} samples, {result['tokens']} tokens; "
           f"{args.threads} thread(s); median of {repeats}")
-    print(f"{'config':<12}{'x bare':>8}" + "".join(f"{c:>11}" for c in cols) + "   (ms)")
-    print(f"{'bare':<12}{1.0:>8.2f}{bare_med * 1e3:>11.2f}")
+    print(f"{'config':<18}{'x bare':>8}" + "".join(f"{c:>11}" for c in cols) + "   (ms)")
+    print(f"{'bare':<18}{1.0:>8.2f}{bare_med * 1e3:>11.2f}")
     for name, rs in runs.items():
         med = {c: statistics.median(r[c] for r in rs) for c in cols}
         result["configs"][name] = {"ratio_total": med["total"] / bare_med, "ratio_step": med["step"] / bare_med,
                                    **{f"{c}_s": v for c, v in med.items()}, "config": configs[name]}
-        print(f"{name:<12}{med['total'] / bare_med:>8.2f}" + "".join(f"{med[c] * 1e3:>11.2f}" for c in cols))
+        print(f"{name:<18}{med['total'] / bare_med:>8.2f}" + "".join(f"{med[c] * 1e3:>11.2f}" for c in cols))
     if args.profile:
         prof = profile(trainers["grpo_1step"], batch, max(5, repeats // 2))
         result["profile_grpo_1step_s"] = prof

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from bench_machine import machine, machine_line  # noqa: E402
 from load_client import group  # noqa: E402
 from load_kit import check, run_load  # noqa: E402
 
@@ -83,9 +84,11 @@ def main() -> None:
                 if proc.poll() is None:
                     proc.kill()
     f["raw_push_pull_msgs_per_s"] = round(raw_push_pull(), 1)
+    f["machine"] = machine()
+    print(machine_line(f["machine"]))
     width = max(len(k) for k in f)
     for k, v in f.items():
-        if k not in ("rss_curve_mb", "counters"):
+        if k not in ("rss_curve_mb", "counters", "machine"):
             print(f"{k:<{width}}  {v}")
     print("rss curve (s, MiB):", " ".join(f"{t:g}:{r}" for t, r in f["rss_curve_mb"][::4]))
     out = Path(args.out)

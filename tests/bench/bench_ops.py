@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 from ops import gae, token_logprobs, token_logprobs_from_hidden  # noqa: E402
 
 MiB = 1 << 20
@@ -461,7 +463,9 @@ def main() -> None:
         )
         results["from_hidden_backward"] = bench_hidden(*hid_size, repeats=1, backward=True, threads=args.threads)
     results["config"]["wall_s"] = time.perf_counter() - t0
+    results["machine"] = machine(threads=args.threads or None)
 
+    print(machine_line(results["machine"]))
     print_table(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 CASES = [{"B": 8, "T": 512}, {"B": 16, "T": 512}]
 VOCAB, HIDDEN = 49152, 64
 
@@ -79,6 +81,8 @@ def main() -> None:
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     results = []
+    m = machine(threads=1)                          # the children's (child sets 1)
+    print(machine_line(m))
     print(f"{'B x T':>9} {'logits GiB':>10} {'path':>7} {'peak MiB':>9} {'s':>6}")
     for case in CASES:
         row = {**case, "vocab": VOCAB, "logits_fp32_bytes": case["B"] * (case["T"] - 1) * VOCAB * 4}
@@ -94,7 +98,7 @@ def main() -> None:
         results.append(row)
     out = REPO / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    out.write_text(json.dumps({"machine": m, "rows": results}, indent=2))
 
 
 if __name__ == "__main__":

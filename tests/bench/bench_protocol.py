@@ -56,6 +56,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 import protocol  # noqa: E402
 from protocol import RolloutResult, Sample, WeightChunk, decode, encode  # noqa: E402
 from protocol.codec import _pack, _unpackb, decode_header  # noqa: E402
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results = bench_results(args.rounds, target_s)
     results.update(bench_chunks(args.rounds, target_s))
+    m = machine()
+    print(machine_line(m))
     print(f"{'case':<38}{'ours us':>10}{'bare us':>10}{'ours/s':>12}{'bare/s':>12}"
           f"{'ratio':>8}{'  (q1-q3)':>14}")
     for name, r in results.items():
@@ -276,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "benchmark": "bench_protocol",
+        "machine": m,
         "protocol_version": list(protocol.PROTOCOL_VERSION),
         "sample": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS},
         "target_ratio": 0.5, "target_met": target >= 0.5,

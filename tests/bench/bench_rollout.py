@@ -36,6 +36,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 from learner.serve.weights_server import WeightsServer  # noqa: E402
 from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
@@ -232,7 +234,7 @@ def main() -> int:
     from rollout_server.engine_hf import HFEngine
 
     results = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
-               "threads": torch.get_num_threads()}
+               "threads": torch.get_num_threads(), "machine": machine(threads=args.threads or None)}
     model_dir = resolve(args.model)
     engine = HFEngine(model_dir, seed=0)
     results["throughput"] = {"model": args.model, **bench_throughput(engine, args.rows, args.max_new_tokens,
@@ -243,6 +245,7 @@ def main() -> int:
                           **asyncio.run(bench_updates(update_dir, reps=3, full=not args.no_full))}
 
     t = results["throughput"]
+    print(machine_line(results["machine"]))
     print(f"{'measure':44s} {'value':>12s} {'target':>10s}")
     print(f"{'bare generate tokens/s (' + args.model + ', wall)':44s} {t['bare_tokens_per_s']:12.0f}")
     print(f"{'HF engine tokens/s (wall)':44s} {t['engine_tokens_per_s']:12.0f}")

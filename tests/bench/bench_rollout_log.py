@@ -33,6 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 import protocol  # noqa: E402
 from learner.state.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter  # noqa: E402
 
@@ -97,6 +99,8 @@ def main() -> None:
     base = rows["encode"]
     names = {"encode": "encode only (baseline)", "write": "write, no fsync", "step": f"fsync: step (1 per {a.steps_of} messages)",
              "record": "fsync: record", "read": "read back (CRC + decode)"}
+    m = machine()
+    print(machine_line(m))
     print(f"{a.messages} messages x {a.group} samples, {record_bytes} bytes a message "
           f"({a.prompt} + {a.completion} tokens a sample)")
     print(f"{'mode':<34} {'us/message':>11} {'us/sample':>10} {'us/step':>9} {'x baseline':>11}")
@@ -114,7 +118,7 @@ def main() -> None:
                                "prompt_tokens": a.prompt, "completion_tokens": a.completion,
                                "bytes_per_message": record_bytes, "messages_per_step": a.steps_of,
                                "block_size": fs.f_bsize, "platform": platform.platform(),
-                               "rows": table}, indent=2))
+                               "machine": m, "rows": table}, indent=2))
     print(f"wrote {out}")
 
 

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from bench_machine import machine, machine_line  # noqa: E402
 from config_kit import nested  # noqa: E402
 
 from learner.models.builtin import build_model, build_tokenizer  # noqa: E402
@@ -138,12 +139,14 @@ def main() -> None:
            "restored_samples": restored["samples"], "restore_outcome": restored["outcome"],
            "left_out": restored["left_out"], "log": restored["log"], "trained_ids": len(ids),
            "trained_ids_unique": len(set(ids)), "wall_s": round(time.monotonic() - t0, 1)}
+    m = machine(threads=1)                          # learner's and server's threads (cfg)
+    print(machine_line(m))
     for k, v in row.items():
         print(f"{k:<20} {v}")
     assert row["trained_ids"] == row["trained_ids_unique"], "a sample id trained twice"
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(row, indent=2))
+    out.write_text(json.dumps({**row, "machine": m}, indent=2))
     print(f"wrote {out}")
 
 

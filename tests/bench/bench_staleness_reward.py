@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_async  # noqa: E402  (the same run recipe: one definition of the demo's overrides)
+from bench_machine import machine, machine_line  # noqa: E402
 
 TARGET = 0.95
 
@@ -143,6 +144,7 @@ def main() -> None:
     print(f"[bench] {len(plan)} configurations x {args.seeds} seeds, {steps} steps each; runs in {tmp}",
           flush=True)
     load0 = os.getloadavg()
+    m = machine()                          # this process's threads; the runs' split is slipstream run's
     runs: list[dict] = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -155,11 +157,12 @@ def main() -> None:
                   f"(rounds {rounds}) "
                   f"({r['policy_gain']:+.3f}); trained samples {r['trained_gain']:+.3f}", flush=True)
             runs.append(r)
-            out.write_text(json.dumps({"command": " ".join(sys.argv), "cores": os.cpu_count(),
+            out.write_text(json.dumps({"command": " ".join(sys.argv), "cores": os.cpu_count(), "machine": m,
                                        "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                                        "steps": steps, "eval_prompts": args.eval_prompts,
                                        "runs": runs}, indent=1))
     print()
+    print(machine_line(m))
     print(table(runs))
     print(f"[bench] wrote {out}; load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,6 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench_machine import machine, machine_line  # noqa: E402
 
 
 def build_tiny(path: str) -> str:
@@ -152,8 +152,7 @@ async def run(args) -> dict:
     bare.llm_engine.engine_core.shutdown()
 
     return {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "vllm": __import__("vllm").__version__},
+        "machine": machine(), "vllm": __import__("vllm").__version__,
         "model": args.model or "tiny-llama (built in code)",
         "workload": {"prompts": args.prompts, "n": args.n, "max_new_tokens": max_new,
                      "rounds": args.rounds},
@@ -187,6 +186,7 @@ def main():
     args = ap.parse_args()
     report = asyncio.run(run(args))
     t, f, lo = report["throughput"], report["full_update"], report["lora_update"]
+    print(machine_line(report["machine"]))
     print(f"{'metric':<28}{'value':>14}")
     print(f"{'engine start ours (s)':<28}{report['engine_start_s']['ours']:>14}")
     print(f"{'engine start bare LLM (s)':<28}{report['engine_start_s']['bare_LLM']:>14}")

@@ -75,6 +75,8 @@ for p in (str(ROOT), str(ROOT / "tests" / "bench"), str(ROOT / "tests" / "learne
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from bench_machine import machine, machine_line  # noqa: E402
+
 TARGET_RATIO = 0.5
 TARGET_LORA_S = 0.2
 TARGET_WAIT_FRACTION = 0.05
@@ -369,7 +371,8 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     model_dir = resolve(args.model)
     res: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
-                 "cpus": os.cpu_count(), "model": args.model, "threads": torch.get_num_threads()}
+                 "cpus": os.cpu_count(), "model": args.model, "threads": torch.get_num_threads(),
+                 "machine": machine(threads=args.threads or None)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -395,6 +398,7 @@ def main() -> int:
         res["checkpoint"] = [checkpoint_times(model_dir, None, 8), checkpoint_times(model_dir, LORA, 8)]
         save()
 
+    print(machine_line(res["machine"]))
     print(f"{'measure':54s} {'value':>10s} {'target':>9s}")
     for f in res.get("full", []):
         name = f"full {f['dtype']} ({f['bytes'] / 1e6:.0f} MB)"

@@ -25,6 +25,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from bench_machine import machine, machine_line  # noqa: E402
+
 from learner.models.builtin import ensure_builtin_model  # noqa: E402
 from rollout_server.engine import GenRequest  # noqa: E402
 from rollout_server.engine_hf import HFEngine  # noqa: E402
@@ -72,7 +74,9 @@ def main() -> None:
             "p_top_first": float(probs[top]),
             "engine_top_first": float(np.mean([c.token_ids[0] == top for c in comps])),
             "generate_top_first": float((gen[:, 0] == top).float().mean())})
-    print(f"\n{args.model}: the HF engine's draws against model.generate's, temperature 1, {args.n} each")
+    m = machine(threads=args.threads)
+    print(f"\n{machine_line(m)}")
+    print(f"{args.model}: the HF engine's draws against model.generate's, temperature 1, {args.n} each")
     print(f"{'prompt':<10} {'len engine':>10} {'len generate':>12} {'diff / se':>9} {'P(top 1st)':>10} "
           f"{'engine':>7} {'generate':>8}")
     for r in results:
@@ -81,7 +85,7 @@ def main() -> None:
               f"{r['p_top_first']:>10.3f} {r['engine_top_first']:>7.3f} {r['generate_top_first']:>8.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_sampling.json").write_text(json.dumps(results, indent=1))
+    (out / "engine_sampling.json").write_text(json.dumps({"machine": m, "rows": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_async import BATCH_PROMPTS, GROUP, LR, REPO, TEMPERATURE, WORKLOADS  # noqa: E402
+from bench_machine import machine, machine_line  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 import ops  # noqa: E402
@@ -171,7 +172,9 @@ def main() -> None:
                 res.update(seed=seed, setting=name, adv_max_diff=adv_diff, reward_mean=float(rewards.mean()),
                            tokens_mean=sum(lengths) / len(lengths), trl_loss_type=data["loss_type"])
                 results.append(res)
-    print(f"\n{args.workload}: slipstream's gradient against TRL's (loss_type {results[0]['trl_loss_type']}) "
+    m = machine(threads=args.threads)
+    print(f"\n{machine_line(m)}")
+    print(f"{args.workload}: slipstream's gradient against TRL's (loss_type {results[0]['trl_loss_type']}) "
           "on TRL's first batch")
     print(f"{'seed':>4} {'setting':<22} {'reward':>6} {'tokens':>6} {'adv diff':>9} {'|g|':>9} {'|g| TRL':>9} "
           f"{'rel err':>9} {'cosine':>9}  worst parameter")
@@ -181,7 +184,8 @@ def main() -> None:
               f"{r['cosine']:>9.6f}  {r['worst_param']} ({r['worst_rel_err']:.2e})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"trl_gradient_{args.workload}.json").write_text(json.dumps(results, indent=1))
+    (out / f"trl_gradient_{args.workload}.json").write_text(json.dumps({"machine": m, "rows": results},
+                                                                       indent=1))
     bad = [r for r in results if not math.isfinite(r["rel_err"]) or r["rel_err"] > args.tolerance]
     if bad:
         print(f"\n{len(bad)} of {len(results)} above the tolerance {args.tolerance:g}")
