@@ -26,35 +26,75 @@ FREE_PORTS = ["--set", "learner.network.rollout_port=0", "--set", "learner.netwo
 RUN = [sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS]
 
 
-def readme_demo_figure() -> tuple[float, float]:
-    """The README's documented default-demo figure: mean reward of the first 20 steps → last 40."""
+FIGURE_TOLERANCE = 0.05
+"""How far the demo's figure may be from the README's on another kind of CPU: its float32 kernels
+differ by instruction set (AVX2, AVX512, ...), and a 200-step RL run carries the difference on
+(a bfloat16-native CPU against an emulating one gave 0.193 → 0.431 against 0.184 → 0.460)."""
+
+
+def readme_demo_figure() -> tuple[float, float, str]:
+    """The README's documented default-demo figure (mean reward of the first 20 steps → last 40)
+    and the kind of CPU it was measured on (torch's CPU capability and whether bfloat16 is native,
+    which decide the kernels and the precision ``auto`` picks)."""
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     m = re.search(r"^\| default \| ([0-9.]+) → ([0-9.]+) \|$", text, re.M)
     assert m, "the README's demo table has no 'default' row"
-    return float(m.group(1)), float(m.group(2))
+    kind = re.search(r"torch\s+CPU\s+capability\s+(\w+),\s+(no native|native)\s+bfloat16", text)
+    assert kind, "the README does not say on which kind of CPU its demo figures were measured"
+    return float(m.group(1)), float(m.group(2)), f"{kind.group(1)}, {kind.group(2)} bfloat16"
+
+
+def this_cpu_kind() -> str:
+    import torch
+
+    import ops
+
+    env = os.environ.pop("SLIPSTREAM_NATIVE_BF16", None)      # the machine's own answer
+    try:
+        native = ops.native_bfloat16("cpu")[0]
+    finally:
+        if env is not None:
+            os.environ["SLIPSTREAM_NATIVE_BF16"] = env
+    return f"{torch.backends.cpu.get_cpu_capability()}, {'native' if native else 'no native'} bfloat16"
 
 
 def test_default_demo_learns_and_prints_the_documented_figure(tmp_path, subprocess_env, process_groups):
-    """The default demo as the README runs it (200 steps, one server, fixed seeds): on this CPU
-    path a run repeats exactly, so the figure the README documents is what it gives (issue 30.3:
-    a figure that no longer reproduces fails here, and the README is rerun and updated)."""
+    """The default demo as the README runs it (200 steps, one server, fixed seeds, precision
+    auto as on this machine): on the kind of CPU the README names a run repeats exactly, so the
+    figure the README documents is what it gives (issue 30.3: a figure that no longer reproduces
+    fails here, and the README is rerun and updated); on another kind it is within
+    FIGURE_TOLERANCE of it."""
     run_dir = tmp_path / "run"
+    env = {k: v for k, v in subprocess_env.items() if k != "SLIPSTREAM_NATIVE_BF16"}   # as a user runs it
     r = process_groups.run([*RUN, "--set", f"learner.run_dir={run_dir}"],
-                           timeout=900, env=subprocess_env, cwd=tmp_path)
+                           timeout=900, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert plain_header() in r.stdout                      # the step table (stdout is no terminal)
     assert re.search(r"\[run\] summary\n  steps +1 → 200\n  reward", r.stdout)
     assert re.search(r"\[run\] threads: learner \d+, rollout-0 \d+ \(\d+ cores\)", r.stdout)
+    # Each process says once where and in what precision it computes, and why (issue 40).
+    assert re.search(r"\[learner\] runtime: device cpu \(auto: no CUDA device\); dtype float32 \(auto: "
+                     r".*\); autocast (none|bfloat16) \(auto: this CPU .*\); attention eager; threads \d+\n", r.stdout)
+    assert re.search(r"\[rollout-0\] runtime: engine hf; device cpu \(auto: no CUDA device\); "
+                     r"dtype (float32|bfloat16) \(auto: this CPU .*\); threads \d+\n", r.stdout)
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(log) == 200
     first = round(sum(x["reward_mean"] for x in log[:20]) / 20, 3)
     last = round(sum(x["reward_mean"] for x in log[-40:]) / 40, 3)
-    assert (first, last) == readme_demo_figure(), "rerun the demo and update the README's table"
+    readme_first, readme_last, kind = readme_demo_figure()
+    if kind == this_cpu_kind():
+        assert (first, last) == (readme_first, readme_last), "rerun the demo and update the README's table"
+    else:
+        assert abs(first - readme_first) <= FIGURE_TOLERANCE and abs(last - readme_last) <= FIGURE_TOLERANCE, (
+            f"on this CPU ({this_cpu_kind()}, the README's: {kind}) the demo gave {first} → {last}, "
+            f"the README {readme_first} → {readme_last}")
     assert last > first + 0.08, (first, last)               # and it learns
     assert (run_dir / "final" / "model.safetensors").exists()
     # slipstream run ends with the run's report (deploy/report.py).
     assert f"[run] report: {run_dir / 'report' / 'report.md'}" in r.stdout
     assert (run_dir / "report" / "reward.png").exists()
+    assert "- learner runtime: device cpu (auto: no CUDA device); dtype float32" in (
+        run_dir / "report" / "report.md").read_text()
 
 
 def test_ctrl_c_stops_all_processes(tmp_path, subprocess_env, process_groups):
