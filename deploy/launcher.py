@@ -117,6 +117,8 @@ def _print_line(name: str, line: str, verbose: bool, view: LiveView) -> dict | N
         if verbose or "Error" in line or "Traceback" in line:
             view.note(f"[{name}] {line}")
         return None
+    if name == "learner":
+        view.event(ev)
     if ev.get("event") == "step" and name == "learner":
         view.step(ev)
     elif ev.get("event") == "eval" and name == "learner":
@@ -288,7 +290,8 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
         print(f"[run] learner pid {learner.proc.pid}; run dir {run_dir}", flush=True)
         while True:
             if interrupted.is_set():
-                print("[run] interrupted: stopping all processes", flush=True)
+                view.status("stopping")
+                view.note("[run] interrupted: stopping all processes")
                 exit_code = 130
                 break
             restart_due()

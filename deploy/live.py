@@ -28,6 +28,15 @@ COLUMNS = (("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"),
            ("idle R", "rollout_idle_ratio", "{:.2f}"))
 ROWS = 12
 """Steps the live table keeps on screen."""
+PRIORITY = ("step", "reward", "samples/s", "eval acc", "KL ref", "entropy", "stale", "mismatch KL",
+            "ESS", "idle L", "idle R", "servers")
+"""The live table's columns in the order they are kept when the terminal is narrow: the
+lowest-priority ones go first, so at 80 columns every cell shows whole (issue 30.6)."""
+STATUS = {"ready": "waiting for the first batch", "server_joined": "waiting for the first batch",
+          "control_pause": "paused", "control_resume": "training", "finished": "finishing",
+          "control_stop": "stopping", "diverged": "stopping", "no_valid_samples": "stopping"}
+"""A learner event -> what the progress bar says from then on ("starting: loading the model"
+before the learner is ready; "training" from the first step on)."""
 
 
 def cell(ev: dict, key: str, fmt: str) -> str:
@@ -54,6 +63,27 @@ def plain_header() -> str:
 
 def plain_row(ev: dict) -> str:
     return " ".join(f"{cell(ev, key, fmt):>11}" for _, key, fmt in COLUMNS) + "  " + servers_cell(ev)
+
+
+def fitting_columns(rows: list[dict], width: int) -> list[str]:
+    """The titles of the columns the live table shows for ``rows`` in ``width`` characters.
+
+    A column none of whose cells holds a value (eval acc without evaluation, KL ref without a
+    reference) is left out; then columns are kept in :data:`PRIORITY` order while the table —
+    each column its widest cell or title plus 2 of padding and 1 of border, and 1 border more —
+    fits. Step and reward always stay."""
+    cells = {title: [cell(ev, key, fmt) for ev in rows] for title, key, fmt in COLUMNS}
+    cells["servers"] = [servers_cell(ev) for ev in rows]
+    used, total = [], 1
+    for title in PRIORITY:
+        values = cells[title]
+        if title not in ("step", "reward") and rows and all(v == "-" for v in values):
+            continue
+        need = max([len(title), *map(len, values)]) + 3
+        if title in ("step", "reward") or total + need <= width:
+            used.append(title)
+            total += need
+    return [title for title in (*(t for t, _, _ in COLUMNS), "servers") if title in used]
 
 
 class StepRate:
@@ -104,10 +134,10 @@ class LiveView:
             )
 
             self.console = Console(file=self.out, width=width)
-            self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                      console=self.console)
-            self.task = self.progress.add_task("steps", total=total_steps)
+            self.task = self.progress.add_task("starting: loading the model", total=total_steps)
             self._live = Live(self._render(), console=self.console, refresh_per_second=4,
                               transient=False)
             self._live.start()
@@ -117,12 +147,28 @@ class LiveView:
         from rich.table import Table
 
         table = Table(expand=False, header_style="bold")
-        for title, _, _ in COLUMNS:
-            table.add_column(title, justify="right")
-        table.add_column("servers")
+        shown = fitting_columns(list(self.rows), self.console.width)
+        columns = [(title, key, fmt) for title, key, fmt in COLUMNS if title in shown]
+        for title, _, _ in columns:
+            table.add_column(title, justify="right", no_wrap=True)
+        if "servers" in shown:
+            table.add_column("servers", no_wrap=True)
         for ev in self.rows:
-            table.add_row(*[cell(ev, key, fmt) for _, key, fmt in COLUMNS], servers_cell(ev))
+            row = [cell(ev, key, fmt) for _, key, fmt in columns]
+            table.add_row(*row, *([servers_cell(ev)] if "servers" in shown else []))
         return Group(self.progress, table)
+
+    def status(self, text: str) -> None:
+        """What the progress bar says it is doing (``starting: ...``, ``paused``, ...)."""
+        if self._live is not None:
+            self.progress.update(self.task, description=text)
+            self._live.update(self._render())
+
+    def event(self, ev: dict) -> None:
+        """A learner event: the progress bar's status follows it (:data:`STATUS`)."""
+        text = STATUS.get(ev.get("event"))
+        if text is not None and not (text.startswith("waiting") and self.first is not None):
+            self.status(text)
 
     def eval(self, ev: dict) -> None:
         """A finished held-out round: its accuracy shows in the steps from now on."""
@@ -133,6 +179,11 @@ class LiveView:
         ev["samples_per_s"] = self.rate.add(ev)
         if self.evals and "eval_accuracy" not in ev:
             ev["eval_accuracy"] = self.evals[-1].get("eval_accuracy")
+        if self.first is None and self._live is not None:
+            # The bar's rate starts at this step: after a resume at step N the steps before it
+            # are not counted as done in no time (its ETA would start low and jump).
+            self.progress.reset(self.task, completed=max(0, min(int(ev.get("step", 1)) - 1, self.total_steps)),
+                                description="training")
         self.first = self.first or ev
         self.last = ev
         if self._live is not None:

@@ -67,3 +67,66 @@ def test_eval_rounds_show_in_the_steps_after_them_and_in_the_summary():
     assert [r[2] for r in rows] == ["0.062", "0.062", "0.844"]        # the eval acc column
     text = view.summary()
     assert "eval accuracy  0.062 (v0) → 0.844 (v2)" in text
+
+
+def _live(total: int, width: int):
+    out = io.StringIO()
+    return LiveView(total_steps=total, out=out, live=True, width=width), out
+
+
+def test_at_80_columns_every_shown_cell_is_whole():
+    """A narrow terminal drops the lowest-priority columns (deploy.live.PRIORITY) instead of
+    cutting every cell ("0.6…", "ro…"); columns with no value (KL ref here) are left out."""
+    from deploy.live import fitting_columns
+
+    rows = steps(15)
+    for ev in rows:
+        ev.update(samples_per_s=1234.5, learner_idle_ratio=0.5, rollout_idle_ratio=0.25)
+    shown = fitting_columns(rows, 80)
+    assert shown == ["step", "reward", "entropy", "mismatch KL", "ESS", "stale", "samples/s", "idle L"]
+    assert fitting_columns(rows, 400) == ["step", "reward", "entropy", "mismatch KL", "ESS", "stale",
+                                          "samples/s", "idle L", "idle R", "servers"]   # no eval, no KL ref
+    assert fitting_columns(rows, 20) == ["step", "reward"]         # these two always
+    view, out = _live(20, 80)
+    for ev in steps(15):
+        view.step(ev)
+    view.close()
+    table = [line for line in out.getvalue().splitlines() if "│" in line or "┃" in line]
+    assert table and all(len(line) <= 80 for line in table)
+    assert "…" not in out.getvalue()
+    assert "0.700" in out.getvalue() and "2.000" in out.getvalue()   # whole cells (reward, entropy)
+
+
+def test_the_bar_says_what_the_run_is_doing():
+    """Before the first step it says it is loading, then waiting; "paused" while paused."""
+    view, out = _live(20, 120)
+    assert view.progress.tasks[0].description == "starting: loading the model"
+    view.event({"event": "ready"})
+    assert view.progress.tasks[0].description == "waiting for the first batch"
+    view.step(steps(1)[0])
+    assert view.progress.tasks[0].description == "training"
+    view.event({"event": "server_joined"})                       # a later join: still training
+    assert view.progress.tasks[0].description == "training"
+    view.event({"event": "control_pause"})
+    assert view.progress.tasks[0].description == "paused"
+    view.event({"event": "control_resume"})
+    assert view.progress.tasks[0].description == "training"
+    view.event({"event": "control_stop"})
+    view.close()
+    assert view.progress.tasks[0].description == "stopping" and "stopping" in out.getvalue()
+
+
+def test_after_a_resume_the_eta_counts_only_the_steps_trained_now():
+    """A run resumed at step 150 of 200 at one step per 10 s: its ETA is about 490 s, not the
+    seconds a rate of 150 steps in no time would give."""
+    view, _ = _live(200, 120)
+    now = [0.0]
+    view.progress.get_time = lambda: now[0]
+    evs = steps(152)
+    now[0] = 10.0
+    view.step(evs[149])                                           # step 150
+    now[0] = 20.0
+    view.step(evs[150])                                           # step 151
+    task = view.progress.tasks[0]
+    view.close()
+    assert task.completed == 151 and 400 < task.time_remaining < 600, task.time_remaining
