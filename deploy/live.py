@@ -4,7 +4,8 @@ On a terminal: a live view (rich) — a progress bar over ``total_steps`` with t
 an ETA, and a table of the latest steps that refreshes in place: step, version, reward (and eval
 accuracy when the run evaluates), KL to the reference, entropy, mismatch KL, ESS ratio, staleness,
 samples/s, learner and rollout idle ratios, and each server's version. Notable events (a server
-lost, a setting changed, ...) print above it. Not a terminal (a log file, CI, ``| tee``): one
+lost, a setting changed, ...) print above it. The bar says what the run is doing (:data:`STATUS`);
+the table keeps the columns that fit the terminal (:func:`fitting_columns`), never a cut cell. Not a terminal (a log file, CI, ``| tee``): one
 fixed-width table line per step, as plain text, and the events as ``[proc] event {json}`` lines.
 
 At the end, both print a short summary (:func:`summary`): reward first → last, trained samples/s,
