@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     _add_resume_arg(p)
     p = sub.add_parser("ctl", help="talk to a live learner: status, get KEY, set KEY VALUE, pause, "
-                                   "resume, checkpoint, stop")
+                                   "resume, checkpoint, stacks, stop")
     p.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="the learner's control endpoint (default: read RUN_DIR/learner.json)")
     p.add_argument("--run-dir", default="runs/default", help="run directory of the learner")
