@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     _add_resume_arg(p)
     p = sub.add_parser("ctl", help="talk to a live learner: status, get KEY, set KEY VALUE, pause, "
-                                   "resume, checkpoint, stop")
+                                   "resume, checkpoint, stacks, stop")
     p.add_argument("--endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="the learner's control endpoint (default: read RUN_DIR/learner.json)")
     p.add_argument("--run-dir", default="runs/default", help="run directory of the learner")
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the learner's CURVE public key file (default: $SLIPSTREAM_CTL_LEARNER_KEY, "
                         "else the key in RUN_DIR/learner.json)")
     p.add_argument("--json", action="store_true", help="print the reply as JSON (for scripts)")
-    p.add_argument("action", choices=["status", "get", "set", "pause", "resume", "checkpoint", "stop"])
+    p.add_argument("action", choices=["status", "get", "set", "pause", "resume", "checkpoint", "stacks", "stop"])
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?", help="a JSON value (1, 0.5, null, true) or a bare string")
     p = sub.add_parser("config", help="print the fully resolved config (every default, every "

@@ -46,7 +46,7 @@ SHOWN_EVENTS = ("runtime", "ready", "finished", "crashed", "server_joined", "ser
                 "checkpoint_failed", "data_exhausted", "protocol_error", "server_dropped", "server_readmitted",
                 "server_version_mismatch", "new_run", "step_skipped", "samples_refused",
                 "leases_preempted", "server_refused", "welcome_refused", "diverged", "record_failed",
-                "record_recovered", "record_torn", "checkpoint_skipped")
+                "record_recovered", "record_torn", "checkpoint_skipped", "stacks_written")
 
 
 def event_text(ev: dict) -> str:
@@ -240,6 +240,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
     (run_dir / "learner.json").unlink(missing_ok=True)      # a stale endpoint file misleads ctl
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("SLIPSTREAM_STACKS_DIR", str(run_dir / "stacks"))   # kill -USR1: every process's stacks
     base = [sys.executable, "-m", "deploy.cli"]
     events: queue.Queue = queue.Queue()
     children: dict[str, Child] = {}

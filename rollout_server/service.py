@@ -84,6 +84,7 @@ from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise
 from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket
+from protocol.plumbing.stacks import install_stack_dump, stacks_dir
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 from rollout_server.engines import create_engine
@@ -235,6 +236,7 @@ class RolloutService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_signal)
+        remove_stacks = install_stack_dump(self.server_id, stacks_dir(), self.log)   # kill -USR1
         self.sock = self._learner_socket()
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                                                | HANDSHAKE_FAILURES)
@@ -265,6 +267,7 @@ class RolloutService:
             await cancel_all(tasks)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            remove_stacks()
             self.sock.disable_monitor()
             monitor.close(0)
             self.sock.close(0)

@@ -58,7 +58,7 @@ from learner.config import (
 )
 from learner.metrics import LearnerMetrics
 
-COMMANDS = ("status", "get", "set", "pause", "resume", "checkpoint", "stop")
+COMMANDS = ("status", "get", "set", "pause", "resume", "checkpoint", "stacks", "stop")
 
 
 def describe(path: str) -> str:
@@ -87,9 +87,12 @@ class Control:
                  after_set: Callable[[], Awaitable[None]] | None = None,
                  pause: Callable[[bool], None] = lambda paused: None,
                  checkpoint: Callable[[], Awaitable[dict]] | None = None,
+                 stacks: Callable[[], dict] | None = None,
                  has_reference: Callable[[], bool] = lambda: True,
                  log: Callable[..., None] = lambda event, **fields: None):
         self.cfg, self.buffer, self.metrics, self.log = cfg, buffer, metrics, log
+        self.stacks = stacks
+        """``ctl stacks``: write the learner's thread and task stacks; where (protocol.plumbing.stacks)."""
         self.status, self.stop, self.after_set = status, stop, after_set
         self._pause, self.checkpoint, self.has_reference = pause, checkpoint, has_reference
         self.resumed = asyncio.Event()            # clear while paused: the train loop waits on it
@@ -158,6 +161,13 @@ class Control:
                 return self._ok(await self.checkpoint())
             except (OSError, ValueError, RuntimeError) as e:
                 return self._error(f"checkpoint failed: {e}")
+        if req.command == "stacks":
+            if self.stacks is None:
+                return self._error("stacks are not available in this learner")
+            try:
+                return self._ok(self.stacks())
+            except OSError as e:
+                return self._error(f"cannot write the stacks: {e}")
         if req.command == "stop":
             self.log("control_stop")
             self.stop()

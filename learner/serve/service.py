@@ -79,6 +79,7 @@ from learner.train.trainer import BrokenWeights, SkippedStep
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, trace
 from protocol.plumbing.sockets import advertised_host, bind, make_socket
+from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
 
 
 def vocab_size(trainer) -> int:
@@ -208,13 +209,15 @@ class LearnerService:
                                stop=self.stopping.set, after_set=self.admission.dispatch,
                                pause=lambda paused: setattr(self.admission, "paused", paused),
                                has_reference=lambda: getattr(self.trainer, "reference", None) is not None,
-                               checkpoint=self.checkpoints.request, log=self._control_log)
+                               checkpoint=self.checkpoints.request, stacks=self._dump_stacks,
+                               log=self._control_log)
 
     # ---- main ------------------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        remove_stacks = install_stack_dump("learner", stacks_dir(self.run_dir / "stacks"), self.log)
         tasks: list[asyncio.Task] = []
         try:
             self._open()                      # ports first: a taken port fails before the model loads
@@ -264,12 +267,19 @@ class LearnerService:
             await cancel_all(tasks)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            remove_stacks()
             self._close()
             self.records.close()
             if self.rollout_log is not None:
                 self.rollout_log.close()
         self.log("stopped", exit_code=code)
         return code
+
+    def _dump_stacks(self) -> dict:
+        """``ctl stacks``: this process's threads and tasks, written where SIGUSR1 writes them."""
+        path = dump_stacks(stacks_dir(self.run_dir / "stacks"), "learner", asyncio.get_running_loop())
+        self.log("stacks_written", path=str(path))
+        return {"path": str(path)}
 
     def _control_log(self, event: str, **fields) -> None:
         """Control's events; a ``ctl set`` is also a metrics.jsonl row (the report's markers)."""

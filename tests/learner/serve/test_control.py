@@ -101,7 +101,7 @@ async def test_get_one_key_and_unknown_key(ctl):
 async def test_stop_and_unknown_command(ctl):
     assert (await run(ctl, "stop")).result == {"stopping": True} and ctl.state["stopped"] == 1
     bad = await run(ctl, "reboot")
-    assert not bad.ok and bad.error.endswith("commands: status, get, set, pause, resume, checkpoint, stop")
+    assert not bad.ok and bad.error.endswith("commands: status, get, set, pause, resume, checkpoint, stacks, stop")
 
 
 async def test_wrong_message_type_is_a_protocol_error(ctl):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
 
 import pytest
 from learner_testkit import HonestServer, ctl, learner_config, metric, running_learner, wait_until
@@ -95,6 +96,12 @@ async def test_the_ctl_command_line(tmp_path, tiny_model_dir, capsys):
         assert code == 2 and "did you mean" in err
         code, out, err = await cli("set", "is_mode", "sometimes")
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "one of none, tis" in err
+        # ctl stacks: the learner's threads and asyncio tasks, written to RUN_DIR/stacks (issue 38.3)
+        code, out, _ = await cli("stacks")
+        path = Path(re.search(r"^path +(\S+)$", out, re.M).group(1))
+        assert code == 0 and path.parent == svc.run_dir / "stacks"
+        text = path.read_text()
+        assert "## task train" in text and "## thread MainThread" in text and "# learner pid" in text
         code, out, _ = await cli("pause")
         assert code == 0 and svc.control.paused and re.search(r"^paused +true$", out, re.M)
         assert (await cli("resume"))[0] == 0 and not svc.control.paused

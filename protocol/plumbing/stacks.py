@@ -1,0 +1,109 @@
+"""Stacks on demand (issue 38 item 3): ``kill -USR1 PID`` makes a learner or a rollout server
+write every thread's Python stack and every asyncio task's stack to a file, and say where.
+
+Two writers answer the one signal, so a stack comes out whatever the process is stuck on:
+
+- **faulthandler** (C level, registered with ``chain=True``) appends every thread's stack to
+  ``stacks-<proc>-<pid>.threads.txt`` at once, even while the event loop or the GIL is held by a
+  blocked call (an engine, a reward, a write to a full disk);
+- **the event loop's handler** then writes ``stacks-<proc>-<pid>-<n>.txt``: the threads by name
+  and every asyncio task with its coroutine stack, and logs ``stacks_written`` with the path —
+  when the loop is alive to run it.
+
+The directory: ``SLIPSTREAM_STACKS_DIR`` when set (``slipstream run`` sets it to
+``RUN_DIR/stacks`` for every process it starts), else ``RUN_DIR/stacks`` for a learner, else the
+working directory. An empty threads file is removed at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import io
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["STACKS_DIR_ENV", "dump_stacks", "install_stack_dump", "stacks_dir"]
+
+STACKS_DIR_ENV = "SLIPSTREAM_STACKS_DIR"
+
+
+def stacks_dir(default: str | os.PathLike | None = None) -> Path:
+    """Where stack files go: ``SLIPSTREAM_STACKS_DIR``, else ``default``, else the working directory."""
+    return Path(os.environ.get(STACKS_DIR_ENV) or default or os.getcwd())
+
+
+def format_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
+    """Every thread's stack (by name) and every task of ``loop`` with its coroutine stack."""
+    out = io.StringIO()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    out.write(f"# {len(frames)} threads\n")
+    for ident, frame in frames.items():
+        out.write(f"\n## thread {names.get(ident, '?')} ({ident})\n")
+        out.write("".join(traceback.format_stack(frame)))
+    if loop is not None:
+        tasks = sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name())
+        out.write(f"\n# {len(tasks)} asyncio tasks\n")
+        for task in tasks:
+            out.write(f"\n## task {task.get_name()}: {task.get_coro()!r}\n")
+            stack = task.get_stack()
+            if stack:
+                out.write("".join(traceback.format_stack(stack[-1])))
+            else:
+                out.write("  (not started or done)\n")
+    return out.getvalue()
+
+
+def dump_stacks(directory: Path, proc: str, loop: asyncio.AbstractEventLoop | None = None) -> Path:
+    """Write :func:`format_stacks` to a new file in ``directory``; its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    path = directory / f"stacks-{proc}-{os.getpid()}-{stamp}-{time.monotonic_ns() % 10**6:06d}.txt"
+    path.write_text(f"# {proc} pid {os.getpid()} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                    + format_stacks(loop))
+    return path
+
+
+def install_stack_dump(proc: str, directory: Path, log: Callable[..., None]) -> Callable[[], None]:
+    """SIGUSR1 -> stacks (module docstring). Call from inside the running loop; returns the
+    function that removes both handlers (and closes the threads file)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        try:
+            path = dump_stacks(directory, proc, loop)
+        except OSError as e:
+            log("stacks_failed", level="warning", error=f"{type(e).__name__}: {e}"[:300])
+            return
+        log("stacks_written", path=str(path), threads_file=str(threads_path))
+
+    threads_path = directory / f"stacks-{proc}-{os.getpid()}.threads.txt"
+    loop.add_signal_handler(signal.SIGUSR1, on_signal)
+    try:       # a directory that cannot be written: the loop's handler will say so when asked
+        directory.mkdir(parents=True, exist_ok=True)
+        threads_file = open(threads_path, "a")              # noqa: SIM115 - held for faulthandler
+    except OSError:
+        threads_file = None
+    else:
+        faulthandler.register(signal.SIGUSR1, file=threads_file, all_threads=True, chain=True)
+
+    def remove() -> None:
+        if threads_file is not None:               # faulthandler first: it restores the loop's
+            faulthandler.unregister(signal.SIGUSR1)
+        loop.remove_signal_handler(signal.SIGUSR1)
+        if threads_file is None:
+            return
+        threads_file.close()
+        try:
+            if threads_path.stat().st_size == 0:      # never asked: leave nothing behind
+                threads_path.unlink()
+        except OSError:
+            pass
+    return remove
