@@ -46,14 +46,17 @@ SHOWN_EVENTS = ("runtime", "ready", "finished", "crashed", "server_joined", "ser
                 "checkpoint_failed", "data_exhausted", "protocol_error", "server_dropped", "server_readmitted",
                 "server_version_mismatch", "new_run", "step_skipped", "samples_refused",
                 "leases_preempted", "server_refused", "welcome_refused", "diverged", "record_failed",
-                "record_recovered", "record_torn", "checkpoint_skipped", "stacks_written")
+                "record_recovered", "record_torn", "checkpoint_skipped", "stacks_written",
+                "stalled", "progress_resumed", "stalled_abort")
 
 
 def event_text(ev: dict) -> str:
     """An event as one readable line: ``event: line`` for one that carries its own ``line`` (the
-    ``runtime`` decisions), else ``event {fields}``."""
+    ``runtime`` decisions) or ``diagnosis`` (the watchdog's), else ``event {fields}``."""
     if isinstance(ev.get("line"), str):
         return f"{ev.get('event')}: {ev['line']}"
+    if isinstance(ev.get("diagnosis"), str):             # the watchdog's stalled lines
+        return f"{ev.get('event')}: {ev['diagnosis']}"
     rest = {k: v for k, v in ev.items() if k not in ("proc", "event", "run_id")}
     return f"{ev.get('event')} {json.dumps(rest, default=str)}"
 

@@ -121,6 +121,7 @@ class LiveView:
         self.last: dict | None = None
         self.evals: list[dict] = []          # the learner's "eval" events (held-out rounds)
         self._header_shown = False
+        self.waiting: str | None = None      # the learner's last stalled diagnosis, until progress
         self._live = None
         if self.live:
             from rich.console import Console
@@ -157,7 +158,14 @@ class LiveView:
         for ev in self.rows:
             row = [cell(ev, key, fmt) for _, key, fmt in columns]
             table.add_row(*row, *([servers_cell(ev)] if "servers" in shown else []))
-        return Group(self.progress, table)
+        if self.waiting is None:
+            return Group(self.progress, table)
+        from rich.text import Text
+
+        # A stall: its diagnosis in place of the empty table (below the steps so far), wrapped
+        # to the terminal's width, never cut.
+        waiting = Text(f"stalled: {self.waiting}", style="yellow")
+        return Group(self.progress, table, waiting) if self.rows else Group(self.progress, waiting)
 
     def status(self, text: str) -> None:
         """What the progress bar says it is doing (``starting: ...``, ``paused``, ...)."""
@@ -166,8 +174,16 @@ class LiveView:
             self._live.update(self._render())
 
     def event(self, ev: dict) -> None:
-        """A learner event: the progress bar's status follows it (:data:`STATUS`)."""
-        text = STATUS.get(ev.get("event"))
+        """A learner event: the progress bar's status follows it (:data:`STATUS`); a ``stalled``
+        event's diagnosis shows under the table until progress resumes."""
+        kind = ev.get("event")
+        if kind == "stalled" and isinstance(ev.get("diagnosis"), str):
+            self.waiting = ev["diagnosis"]
+            self.status("stalled")
+        elif kind in ("progress_resumed", "step") and self.waiting is not None:
+            self.waiting = None
+            self.status("training" if self.first is not None else STATUS["ready"])
+        text = STATUS.get(kind)
         if text is not None and not (text.startswith("waiting") and self.first is not None):
             self.status(text)
 

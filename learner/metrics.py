@@ -81,6 +81,13 @@ class LearnerMetrics:
         self.valid_sample_age = Gauge(
             "slipstream_valid_sample_age_seconds", "Seconds since the last valid sample arrived "
             "(accepted, not failed; NaN before the first)", registry=r)
+        # The watchdog's view (protocol.plumbing.watchdog): 0 unless stalled.
+        self.stalled_seconds = Gauge(
+            "slipstream_stalled_seconds", "Seconds without progress while the watchdog counts the "
+            "process stalled (0 otherwise)", ["process"], registry=r)
+        self.waiting_on = Gauge(
+            "slipstream_waiting_on", "1 for what a stalled process waits on (reason), 0 for the "
+            "rest", ["process", "reason"], registry=r)
         self.step_seconds = Histogram("slipstream_train_step_seconds", "Seconds per policy step",
                                       registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
         self.publish_seconds = Histogram(

@@ -9,6 +9,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_server.engine import INFLIGHT_POLICIES
 
 
+class WatchdogOptions(BaseModel):
+    """``rollout.watchdog``: when no assignment, ack or weights come, one line says what the
+    server waits on (protocol/plumbing/watchdog.py; docs/operations.md "When it hangs")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    stall_s: float = Field(0.0, ge=0)
+    """Seconds without progress (an assignment received, a result acknowledged, weights applied)
+    before a stalled line says what the server waits on: the learner, its engine, a reward, a
+    weights fetch (0 = the larger of 60 s and 10x the median time between them so far)."""
+    dump_after_s: float = Field(300.0, ge=0)
+    """Write every thread's and task's stack (as SIGUSR1 does) the first time a stall lasts this
+    long (0 = never)."""
+    abort_after_s: float = Field(0.0, ge=0)
+    """End a server stalled this long with exit code 7, its diagnosis as its last line (slipstream
+    run restarts it; 0 = never)."""
+
+
 class VLLMOptions(BaseModel):
     """Options of the vLLM engine (``rollout.engine: vllm``)."""
 
@@ -171,6 +189,9 @@ class RolloutConfig(BaseModel):
     """Engine dtype: auto (bfloat16 where the device computes it natively: a GPU since Ampere, a
     CPU with AVX512-BF16 or AMX; else float32; vLLM on a GPU: the model's own), float32,
     bfloat16, float16. The server's runtime event says what auto chose and why."""
+    watchdog: WatchdogOptions = Field(default_factory=WatchdogOptions)
+    """When no assignment, result or weights come, one line says what the server waits on (the
+    learner, the engine, a reward, a weights fetch); a stack dump, an optional hard stop."""
     security: RolloutSecurity = Field(default_factory=RolloutSecurity)
     """CURVE keys for the link to the learner (off by default)."""
     exit_on_learner_finished: bool = True

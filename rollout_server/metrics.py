@@ -129,6 +129,13 @@ class RolloutMetrics:
         self.learner_connected = Gauge("slipstream_rollout_learner_connected",
                                        "1 while the learner link is up and welcomed (as /healthz)",
                                        registry=r)
+        # The watchdog's view (protocol.plumbing.watchdog): 0 unless stalled.
+        self.stalled_seconds = Gauge(
+            "slipstream_stalled_seconds", "Seconds without progress while the watchdog counts the "
+            "process stalled (0 otherwise)", ["process"], registry=r)
+        self.waiting_on = Gauge(
+            "slipstream_waiting_on", "1 for what a stalled process waits on (reason), 0 for the "
+            "rest", ["process", "reason"], registry=r)
         r.register(_Forward(REGISTRY))
 
     def count(self, kind: str, n: int = 1) -> None:

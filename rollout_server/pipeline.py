@@ -85,6 +85,9 @@ class Pipeline:
         self.queue: list[protocol.Assignment] = []
         self.assigned = 0                 # samples queued or generating (credits in use)
         self.generating = False
+        self.stage: tuple[str, str, float] | None = None
+        """(stage, what, since) of the batch in progress: weights (waiting for them), generate,
+        reward (the watchdog's view)."""
         self.busy_s = 0.0                 # seconds spent in generate calls, in total
         self._gen_start = 0.0
         self._meter = (clock(), 0.0)      # (time, busy_s) at the last idle_ratio() call
@@ -184,7 +187,15 @@ class Pipeline:
                 return
 
     async def run_batch(self, batch: list[protocol.Assignment]) -> None:
+        try:
+            await self._run_batch(batch)
+        finally:
+            self.stage = None
+
+    async def _run_batch(self, batch: list[protocol.Assignment]) -> None:
         epoch = self._epoch
+        sequences = sum(a.group_size for a in batch)
+        self.stage = ("weights", f"{len(batch)} assignments", self.clock())
         if self.before_batch is not None:
             await self.before_batch(batch)
         if epoch != self._epoch:              # dropped while waiting for weights
@@ -195,6 +206,10 @@ class Pipeline:
         requests = [GenRequest.from_sampling(a.prompt_token_ids, a.group_size, a.sampling)
                     for a in batch]
         start = self._gen_start = self.clock()
+        tokens = sum(len(a.prompt_token_ids) * a.group_size for a in batch)
+        self.stage = ("generate", f"{sequences} sequences, {tokens:,} prompt tokens, up to "
+                                  f"{max(a.sampling.max_new_tokens for a in batch):,} new tokens each",
+                      start)
         self.generating = True
         error = None
         try:
@@ -211,6 +226,7 @@ class Pipeline:
         gen_s = self.clock() - start
         self.busy_s += gen_s
         self.metrics.generation_seconds.observe(gen_s)
+        self.stage = ("reward", f"{sequences} samples", self.clock())
         results = await asyncio.gather(*(
             self.samples(a, c, gen_s) if error is None else self.failed_samples(a, error)
             for a, c in zip(batch, groups)))

@@ -142,6 +142,7 @@ class WeightsReceiver:
         self.endpoint: str | None = None
         self.announced: protocol.WeightsAvailable | None = None   # newest manifest not yet settled
         self.newest = -1                  # newest version announced since the last Welcome
+        self.busy: tuple[int, float] | None = None   # (version, since) while fetching and applying
         self.rebasing = False             # the weights served are another run's (see rebase)
         self._wake = asyncio.Event()
         self._settled = asyncio.Event()   # set while no announced version waits to be applied
@@ -252,6 +253,7 @@ class WeightsReceiver:
     async def receive(self, m: protocol.WeightsAvailable) -> bool:
         """Fetch, apply and report ``m``; False (counted, logged) if any step fails."""
         start = self.clock()
+        self.busy = (m.version, start)
         try:
             try:
                 trace("rollout.fetch")
@@ -289,6 +291,7 @@ class WeightsReceiver:
             self.log("weights_applied", weights_version=m.version, seconds=round(seconds, 4))
             return True
         finally:
+            self.busy = None
             self._settle(m)
 
     # ---- fetch ------------------------------------------------------------------------------

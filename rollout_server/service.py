@@ -84,7 +84,8 @@ from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise
 from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket
-from protocol.plumbing.stacks import install_stack_dump, stacks_dir
+from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
+from protocol.plumbing.watchdog import Waiting, Watchdog
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 from rollout_server.engines import create_engine
@@ -185,6 +186,12 @@ class RolloutService:
             chunk_timeout_s=cfg.chunk_timeout_s, chunk_window=cfg.chunk_window,
             chunk_retries=cfg.chunk_retries, clock=self.clock,
             on_failed=lambda message: self.send(protocol.Error(code="weights_failed", message=message)))
+        w = cfg.watchdog
+        self.watchdog = Watchdog(
+            self.server_id, diagnose=self.waiting_on, log=self.log, stall_s=lambda: w.stall_s,
+            dump_after_s=lambda: w.dump_after_s, abort_after_s=lambda: w.abort_after_s,
+            dump=lambda: dump_stacks(stacks_dir(), self.server_id, self.watchdog.loop))
+        self.watchdog.export(self.metrics.stalled_seconds, self.metrics.waiting_on)
         self.metrics.learner_connected.set_function(lambda: float(self.connected()))
         self.metrics.requests_inflight.set_function(
             lambda: float(self.pipeline.assigned + self.outbox.samples))
@@ -252,6 +259,7 @@ class RolloutService:
                 ("recv", self.recv_loop()), ("pipeline", self.pipeline.run()),
                 ("heartbeat", self.heartbeat_loop()), ("weights", self.receiver.run()),
                 ("monitor", self.monitor_loop(monitor)))]
+            self.watchdog.start()
             await supervise(tasks, self.stopping, self.log)        # logs a task that crashed
             crash = first_crash(tasks)
             if crash is None:
@@ -264,6 +272,7 @@ class RolloutService:
                 if crash is not None:
                     self.log("crashed", task=crash.get_name(), error=repr(crash.exception()))
         finally:
+            self.watchdog.stop()
             await cancel_all(tasks)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -327,6 +336,53 @@ class RolloutService:
             for w in waiters:
                 w.cancel()
         return not self.busy()
+
+    # ---- the watchdog's view -----------------------------------------------------------------
+    def waiting_on(self, idle_s: float) -> Waiting:
+        """What this server waits on, in one line (protocol.plumbing.watchdog). Waiting for work
+        from a learner that is connected and answering is not a stall: the learner's own watchdog
+        says why it gives none."""
+        now, learner = self.clock(), self.cfg.learner
+        if self.stopping.is_set() or self.learner_finished:
+            return Waiting("other", "stopping", expected=True)
+        stage = self.pipeline.stage
+        if stage is not None and stage[0] != "weights":
+            kind, what, since = stage
+            doing = "engine generate" if kind == "generate" else "reward scoring"
+            return Waiting(kind, f"{doing} has run {now - since:.0f} s on one batch ({what})")
+        if self.receiver.busy is not None:
+            version, since = self.receiver.busy
+            return Waiting("weights", f"fetching and applying weights version {version} has run "
+                                      f"{now - since:.0f} s (from {self.receiver.endpoint})")
+        if not self.had_link:
+            failed = (" (its CURVE handshake was refused: check the keys)"
+                      if self.handshake_failures else "; is it running, and is rollout.learner right?")
+            return Waiting("learner", f"no connection to the learner at {learner}{failed}")
+        if not self.link_up:
+            down = now - self.link_down_since if self.link_down_since is not None else idle_s
+            return Waiting("learner", f"the link to the learner at {learner} has been down "
+                                      f"{down:.0f} s (reconnecting)")
+        if not self.welcomed.is_set():
+            asked = now - self.hello_sent_at if self.hello_sent_at is not None else idle_s
+            refused = (f"; its Welcome named a weights endpoint this server cannot reach "
+                       f"({sorted(self.refused_endpoints)[0]})" if self.refused_endpoints else "")
+            return Waiting("learner", f"the learner at {learner} has not answered Hello for "
+                                      f"{asked:.0f} s{refused}")
+        if self.learner_echoes and not self.connected():
+            last = self.last_learner_message
+            return Waiting("learner", f"the learner at {learner} has sent nothing for "
+                                      f"{now - last:.0f} s (its heartbeat echoes stopped)"
+                           if last is not None else f"the learner at {learner} has sent nothing")
+        if stage is not None:
+            return Waiting("weights", f"a batch ({stage[1]}) has waited {now - stage[2]:.0f} s "
+                                      f"for the announced weights")
+        if self.withheld and len(self.outbox):
+            return Waiting("learner", f"{len(self.outbox)} results ({self.outbox.samples} samples) "
+                                      f"wait for the learner's acks; {self.withheld} credits held "
+                                      "back until they come")
+        return Waiting("work", f"no assignment from the learner at {learner} in {idle_s:.0f} s "
+                               f"({self.cfg.max_concurrency - self.pipeline.assigned} slots free); "
+                               "the learner is connected and answering", expected=True)
 
     # ---- learner link ----------------------------------------------------------------------
     def connected(self) -> bool:
@@ -397,6 +453,7 @@ class RolloutService:
 
     async def _apply_weights(self, update):
         seconds = await self.engine.update_weights(update)
+        self.watchdog.progress("weights")
         self.version_changed.set()
         return seconds
 
@@ -468,6 +525,7 @@ class RolloutService:
         if isinstance(msg, protocol.Assignment):
             try:
                 self.pipeline.admit(msg)
+                self.watchdog.progress("assignment")
             except Refused as r:
                 self.metrics.count(r.kind)
                 self.log("assignment_refused", assignment_id=msg.assignment_id[:200], kind=r.kind,
@@ -476,6 +534,7 @@ class RolloutService:
                     code="assignment_refused", ref_id=protocol.message_id(frames),
                     message=f"assignment {msg.assignment_id[:200]!r} refused: {r}"))
         elif isinstance(msg, protocol.Ack):
+            self.watchdog.progress("ack")
             self.outbox.ack(msg)
             await self.grant()
         elif isinstance(msg, protocol.WeightsAvailable):

@@ -35,6 +35,9 @@ LIVE_KEYS: dict[str, LiveKey] = {k.path: k for k in (
     LiveKey("algorithm.target_kl", "next step", "the trainer"),
     LiveKey("kl.coef", "next step", "the trainer (and its KL controller's value)"),
     LiveKey("optimizer.lr", "next step", "the trainer's optimizer"),
+    LiveKey("watchdog.stall_s", "now", "the watchdog, at its next look (every second)"),
+    LiveKey("watchdog.dump_after_s", "now", "the watchdog, at its next look"),
+    LiveKey("watchdog.abort_after_s", "now", "the watchdog, at its next look"),
 )}
 
 

@@ -27,6 +27,7 @@ from learner.config.sections import (
     SamplingSettings,
     ServersSettings,
     StalenessSettings,
+    WatchdogSettings,
     WeightsSettings,
 )
 from ops import (
@@ -108,6 +109,9 @@ class LearnerConfig(BaseModel):
     """Durable log of every accepted result, written before its Ack; after a crash and --resume the
     accepted-but-untrained samples come back from it (null = off; see learner/state/rollout_log.py)."""
 
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings)
+    """When no step comes, one line says what the learner waits on; a stack dump, an optional
+    hard stop (protocol/plumbing/watchdog.py; docs/operations.md "When it hangs")."""
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     """Where the learner listens and how much a peer may send (its sockets and /metrics)."""
     servers: ServersSettings = Field(default_factory=ServersSettings)

@@ -48,6 +48,7 @@ __all__ = [
     "SamplingSettings",
     "ServersSettings",
     "StalenessSettings",
+    "WatchdogSettings",
     "WeightsSettings",
 ]
 
@@ -616,3 +617,18 @@ class CheckpointSettings(BaseModel):
     training (the previous checkpoint stays), or stop the run cleanly."""
 
 
+class WatchdogSettings(BaseModel):
+    """``learner.watchdog``: When no step comes, one line says what the learner waits on; a stack
+    dump, an optional hard stop (protocol/plumbing/watchdog.py; docs/operations.md "When it hangs")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
+
+    stall_s: float = Field(0.0, ge=0)
+    """Seconds without a policy step before a stalled line says what the learner waits on (0 = the
+    larger of 60 s and 10x the median step-to-step time so far)."""
+    dump_after_s: float = Field(300.0, ge=0)
+    """Write every thread's and task's stack to RUN_DIR/stacks (as ctl stacks does) the first time
+    a stall lasts this long (0 = never)."""
+    abort_after_s: float = Field(0.0, ge=0)
+    """End a learner stalled this long with exit code 7, its diagnosis as its last line, for a
+    supervisor to restart with --resume (0 = never)."""

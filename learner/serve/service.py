@@ -68,6 +68,7 @@ from learner.serve.router import RouterSocket
 from learner.serve.sample_watch import EXIT_NO_VALID_SAMPLES, SampleWatch
 from learner.serve.security import LearnerCurve
 from learner.serve.staleness import StalenessController
+from learner.serve.waiting import LearnerWaiting
 from learner.serve.weights_server import Publisher, WeightsServer
 from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports
 from learner.state.learner_checkpoints import BufferState, LearnerCheckpoints
@@ -80,6 +81,7 @@ from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, trace
 from protocol.plumbing.sockets import advertised_host, bind, make_socket
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
+from protocol.plumbing.watchdog import Watchdog
 
 
 def vocab_size(trainer) -> int:
@@ -212,6 +214,18 @@ class LearnerService:
                                checkpoint=self.checkpoints.request, stacks=self._dump_stacks,
                                log=self._control_log)
 
+        # No step for a while: one line saying what the learner waits on (learner.serve.waiting).
+        self.waiting = LearnerWaiting(
+            admission=self.admission, buffer=self.buffer, sample_watch=self.sample_watch,
+            checkpoints=self.checkpoints, batch_samples=lambda: self.cfg.batch.batch_samples,
+            endpoint=lambda: self.endpoints.get("rollout", "?"), expected=self._expected_wait)
+        self.watchdog = Watchdog(
+            "learner", noun="step", diagnose=self.waiting, log=self.log,
+            stall_s=lambda: self.cfg.watchdog.stall_s, dump_after_s=lambda: self.cfg.watchdog.dump_after_s,
+            abort_after_s=lambda: self.cfg.watchdog.abort_after_s,
+            dump=lambda: dump_stacks(stacks_dir(self.run_dir / "stacks"), "learner", self.watchdog.loop))
+        self.watchdog.export(self.metrics.stalled_seconds, self.metrics.waiting_on)
+
     # ---- main ------------------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -243,6 +257,7 @@ class LearnerService:
                      asyncio.create_task(self.expiry_loop(), name="expiry")]
             self.ready.set()
             self.log("ready", **self.endpoint_file())
+            self.watchdog.start()
             done, error = await supervise(tasks, self.stopping, self.log)
             code = 1 if error is not None else 0
             if train in done and error is None and self.diverged is None:
@@ -264,6 +279,7 @@ class LearnerService:
                     f"{self.version}; resumable from its latest checkpoint"))
         finally:
             self.stopping.set()
+            self.watchdog.stop()
             await cancel_all(tasks)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -274,6 +290,16 @@ class LearnerService:
                 self.rollout_log.close()
         self.log("stopped", exit_code=code)
         return code
+
+    def _expected_wait(self) -> str | None:
+        """Why no step is due now (not a stall), or None."""
+        if self.stopping.is_set():
+            return "stopping"
+        if self.finished or self.version >= self.cfg.total_steps:
+            return "finished"
+        if self.control.paused:
+            return "paused (slipstream ctl resume)"
+        return None
 
     def _dump_stacks(self) -> dict:
         """``ctl stacks``: this process's threads and tasks, written where SIGUSR1 writes them."""
@@ -444,6 +470,7 @@ class LearnerService:
         self.maybe_evaluate()
         while self.version < self.cfg.total_steps:
             self.train_busy = False                  # waiting for a batch (or paused), not stepping
+            self.waiting.enter("batch")
             cycle_start = time.monotonic()
             batch = await self.next_batch()
             if batch is None:
@@ -454,6 +481,7 @@ class LearnerService:
             await self.control.resumed.wait()        # ctl pause: no step until resume
             self.control.before_step(self.trainer)   # ctl set of step settings lands here
             self.train_busy = True
+            self.waiting.enter("step")
             idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
             try:
                 stats = await self.on_train_thread(self.trainer.step, batch)
@@ -465,6 +493,7 @@ class LearnerService:
                     return self._diverge(f"{self.skip_streak} steps in a row skipped (the last: "
                                          f"{skip.reason}); check the learning rate and the rewards, "
                                          "then --resume from the last checkpoint")
+                self.watchdog.progress("skipped step")
                 await self.admission.dispatch()
                 continue
             except BrokenWeights as broken:
@@ -476,9 +505,12 @@ class LearnerService:
             stats.update(self.records.batch_versions(batch))
             self.records.trained(batch)
             if self.rollout_log is not None:
+                self.waiting.enter("rollout_log")
                 await self.rollout_log.after_step()    # fsync: step
             self.version += 1                 # before the publish: tokens of v+1 must be acceptable
+            self.waiting.enter("publish")
             stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
+            self.watchdog.progress("step")
             trace("learner.published")
             stats.update(self.records.idle_stats(idle_s, time.monotonic() - cycle_start))
             self.records.step(stats)
@@ -637,6 +669,7 @@ class LearnerService:
                      error=f"{type(e).__name__}: {e}"[:300], action="the report has no Runtime line")
 
     def status(self) -> dict:
+        watchdog = self.watchdog.status()
         return {"run_id": self.run_id, "version": self.version, "total_steps": self.cfg.total_steps,
                 "training": self.train_busy, "runtime": self.runtime,
                 "buffered_samples": self.buffer.pending_samples,
@@ -646,6 +679,7 @@ class LearnerService:
                 "counters": dict(self.buffer.counters),
                 "invalid_samples": dict(self.intake.invalid) if self.intake else {},
                 "refused_samples": self.sample_watch.status(),
+                "waiting_on": watchdog["waiting_on"], "watchdog": watchdog,
                 "prompts": self.prompts.status() if self.prompts else None,
                 "evaluation": self.evaluation.status() if self.evaluation else None}
 

@@ -82,6 +82,8 @@ class LearnerCheckpoints:
         self.store = Checkpointer(settings.dir or Path(run_dir) / "checkpoints", settings.keep_last)
         self.saved_version = 0                # version 0 is the model as loaded: never saved
         self.failed_stop = False
+        self.writing: tuple[str, int, float] | None = None
+        """(what, version, since) while a checkpoint is copied or written (the watchdog's view)."""
         self.unsafe: str | None = None
         """Why the model in memory must not be saved (weights an update broke): no checkpoint then."""
         self.resumed_from: Path | None = None
@@ -176,20 +178,24 @@ class LearnerCheckpoints:
                 version = self.run.version
                 state = self.capture()
                 start = time.monotonic()
+                self.writing = ("copying the tensors", version, start)
                 try:
                     # (the tensor copies on the train thread, where the steps run: see
                     # LearnerService.train_thread; the writing beside the next step, _commit)
                     pending = await asyncio.get_running_loop().run_in_executor(
                         self.executor, self.store.prepare, version, state, self.trainer)
                 except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
+                    self.writing = None
                     self.failed(e, version, reason)
                     return None
+            self.writing = ("writing the files", version, start)
             paused = time.monotonic() - start
             self.pending = asyncio.create_task(self._commit(pending, reason, start, paused),
                                                name="checkpoint")
             handed = True                     # the commit releases the lock
         finally:
             if not handed:
+                self.writing = None
                 self.lock.release()
         if wait:
             return await self.pending
@@ -203,6 +209,7 @@ class LearnerCheckpoints:
                 self.failed(e, pending.version, reason)
                 return None
         finally:
+            self.writing = None
             self.lock.release()
         version, seconds = pending.version, time.monotonic() - start
         self.saved_version = max(self.saved_version, version)

@@ -39,6 +39,19 @@ def stacks_dir(default: str | os.PathLike | None = None) -> Path:
     return Path(os.environ.get(STACKS_DIR_ENV) or default or os.getcwd())
 
 
+def coroutine_chain(coro) -> list:
+    """The frames of a suspended coroutine and of every coroutine it awaits, outermost first
+    (``cr_await`` / ``gi_yieldfrom``): where a task waits, down to the innermost ``await``."""
+    frames = []
+    while coro is not None and len(frames) < 100:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
+
+
 def format_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
     """Every thread's stack (by name) and every task of ``loop`` with its coroutine stack."""
     out = io.StringIO()
@@ -53,9 +66,10 @@ def format_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
         out.write(f"\n# {len(tasks)} asyncio tasks\n")
         for task in tasks:
             out.write(f"\n## task {task.get_name()}: {task.get_coro()!r}\n")
-            stack = task.get_stack()
-            if stack:
-                out.write("".join(traceback.format_stack(stack[-1])))
+            frames = coroutine_chain(task.get_coro())
+            if frames:
+                out.write("".join(traceback.StackSummary.extract(
+                    (f, f.f_lineno) for f in frames).format()))
             else:
                 out.write("  (not started or done)\n")
     return out.getvalue()

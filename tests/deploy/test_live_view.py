@@ -130,3 +130,35 @@ def test_after_a_resume_the_eta_counts_only_the_steps_trained_now():
     task = view.progress.tasks[0]
     view.close()
     assert task.completed == 151 and 400 < task.time_remaining < 600, task.time_remaining
+
+
+def test_a_stall_shows_its_diagnosis_in_place_of_the_empty_table():
+    """The learner's stalled line replaces the empty table (wrapped at 80 columns, never cut);
+    after steps it shows under them; progress clears it."""
+    from rich.console import Console
+
+    view, _ = _live(20, 80)
+    view.event({"event": "ready"})
+    diagnosis = ("no step for 95 s: waiting for samples: 2 rollout servers connected, no valid sample yet; "
+                 "failed samples: 4812 reward (4812 since the last valid one); last error: reward grade: "
+                 "ValueError: no answer key")
+    view.event({"event": "stalled", "diagnosis": diagnosis})
+    assert view.progress.tasks[0].description == "stalled"
+
+    def screen() -> str:
+        console = Console(file=io.StringIO(), width=80)
+        console.print(view._render())
+        return console.file.getvalue()
+    shown = screen()
+    assert "step" not in shown.split("stalled:")[0].splitlines()[-1]         # no empty table header
+    assert " ".join(shown.split("stalled:", 1)[1].split()) == diagnosis      # whole, wrapped
+    assert all(len(line) <= 80 for line in shown.splitlines())
+    view.event({"event": "progress_resumed"})
+    assert view.waiting is None and view.progress.tasks[0].description == "waiting for the first batch"
+    view.step(steps(1)[0])
+    view.event({"event": "stalled", "diagnosis": "no step for 70 s: a policy step has run 70 s"})
+    shown = screen()
+    assert "reward" in shown and shown.rstrip().endswith("stalled: no step for 70 s: a policy step has run 70 s")
+    view.event({"event": "step"})
+    assert view.waiting is None and view.progress.tasks[0].description == "training"
+    view.close()

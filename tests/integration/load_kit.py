@@ -17,10 +17,12 @@ What is checked (:func:`run_load`), from the learner's metrics, control status a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -29,7 +31,12 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: protocol
+import zmq  # noqa: E402
+import zmq.asyncio  # noqa: E402
 from config_kit import nested  # noqa: E402
+
+import protocol  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -129,11 +136,6 @@ def run_load(workdir: Path, model_dir: str, env: dict, popen, *, clients: int = 
 
 
 def control_status(endpoint: str) -> dict:
-    import zmq
-
-    sys.path.insert(0, str(HERE.parents[1]))
-    import protocol
-
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -173,3 +175,56 @@ def event_line(name: str, **want):
         ok = isinstance(ev, dict) and ev.get("event") == name
         return ev if ok and all(ev.get(k) == v for k, v in want.items()) else None
     return match
+
+
+def start_learner(workdir: Path, model_dir: str, env: dict, popen, **learner) -> tuple:
+    cfg = {"model": model_dir, "learner": nested({
+        "rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+        "total_steps": 10_000, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4,
+        "max_staleness": 1, "run_dir": str(workdir / "run"), "save_every": 0, "threads": 1,
+        "lease_timeout_s": 600, "server_timeout_s": 600, "exit_on_finish": False, **learner})}
+    (workdir / "learner.yaml").write_text(yaml.safe_dump(cfg))
+    proc = popen([sys.executable, "-m", "deploy.cli", "learner", "--config", str(workdir / "learner.yaml")],
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir)
+    for line in proc.stdout:
+        if line.startswith("{") and '"event": "ready"' in line:
+            ready = json.loads(line)
+            break
+    else:
+        raise AssertionError("the learner did not get ready")
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, ready, lines
+
+
+async def hoarder(ctx: zmq.asyncio.Context, endpoint: str, name: str, stop: asyncio.Event,
+                  got: dict) -> None:
+    """Hello, ask for 64 samples, heartbeat, apply every version; never answer an assignment."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, name.encode())
+    sock.connect(endpoint)
+    version = 0
+    send = lambda msg: sock.send_multipart(protocol.encode(msg))   # noqa: E731
+    await send(protocol.Hello(server_id=name, engine="hoard", model="none", version=0, max_concurrency=64))
+    await send(protocol.WorkRequest(server_id=name, credits=64))
+    beat = time.monotonic()
+    try:
+        while not stop.is_set():
+            if time.monotonic() - beat > 0.5:
+                await send(protocol.Heartbeat(sender_id=name, version=version, inflight=64))
+                beat = time.monotonic()
+            if not await sock.poll(50):
+                continue
+            msg = protocol.decode(await sock.recv_multipart())
+            if isinstance(msg, protocol.Assignment):
+                got["assignments"] = got.get("assignments", 0) + 1
+                got["samples"] = got.get("samples", 0) + msg.group_size
+            elif isinstance(msg, protocol.WeightsAvailable) and msg.version > version:
+                version = msg.version
+                await send(protocol.WeightsApplied(server_id=name, version=version,
+                                                   checksum=msg.checksum, seconds=0.0))
+            elif isinstance(msg, protocol.Error):
+                got.setdefault("errors", []).append(msg.code)
+    finally:
+        sock.close(0)

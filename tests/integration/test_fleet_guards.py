@@ -17,12 +17,10 @@ return it does not starve the run, and a reward that always fails stops it with 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,66 +29,13 @@ import yaml
 import zmq
 import zmq.asyncio
 from config_kit import nested
-from load_kit import control_status, scrape, total
+from load_kit import control_status, hoarder, scrape, start_learner, total
 
 import protocol
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 FLEET, MAX_SERVERS = 20, 21
-
-
-def start_learner(workdir: Path, model_dir: str, env: dict, popen, **learner) -> tuple:
-    cfg = {"model": model_dir, "learner": nested({
-        "rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
-        "total_steps": 10_000, "batch_prompts": 2, "group_size": 4, "max_new_tokens": 4,
-        "max_staleness": 1, "run_dir": str(workdir / "run"), "save_every": 0, "threads": 1,
-        "lease_timeout_s": 600, "server_timeout_s": 600, "exit_on_finish": False, **learner})}
-    (workdir / "learner.yaml").write_text(yaml.safe_dump(cfg))
-    proc = popen([sys.executable, "-m", "deploy.cli", "learner", "--config", str(workdir / "learner.yaml")],
-                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=workdir)
-    for line in proc.stdout:
-        if line.startswith("{") and '"event": "ready"' in line:
-            ready = json.loads(line)
-            break
-    else:
-        raise AssertionError("the learner did not get ready")
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, ready, lines
-
-
-async def hoarder(ctx: zmq.asyncio.Context, endpoint: str, name: str, stop: asyncio.Event,
-                  got: dict) -> None:
-    """Hello, ask for 64 samples, heartbeat, apply every version; never answer an assignment."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, name.encode())
-    sock.connect(endpoint)
-    version = 0
-    send = lambda msg: sock.send_multipart(protocol.encode(msg))   # noqa: E731
-    await send(protocol.Hello(server_id=name, engine="hoard", model="none", version=0, max_concurrency=64))
-    await send(protocol.WorkRequest(server_id=name, credits=64))
-    beat = time.monotonic()
-    try:
-        while not stop.is_set():
-            if time.monotonic() - beat > 0.5:
-                await send(protocol.Heartbeat(sender_id=name, version=version, inflight=64))
-                beat = time.monotonic()
-            if not await sock.poll(50):
-                continue
-            msg = protocol.decode(await sock.recv_multipart())
-            if isinstance(msg, protocol.Assignment):
-                got["assignments"] = got.get("assignments", 0) + 1
-                got["samples"] = got.get("samples", 0) + msg.group_size
-            elif isinstance(msg, protocol.WeightsAvailable) and msg.version > version:
-                version = msg.version
-                await send(protocol.WeightsApplied(server_id=name, version=version,
-                                                   checksum=msg.checksum, seconds=0.0))
-            elif isinstance(msg, protocol.Error):
-                got.setdefault("errors", []).append(msg.code)
-    finally:
-        sock.close(0)
 
 
 def test_a_fleet_that_hoards_work_does_not_starve_the_run(tmp_path, tiny_model_dir, subprocess_env,

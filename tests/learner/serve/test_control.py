@@ -29,7 +29,8 @@ def ctl():
 
 SETTABLE = ["algorithm.clip_anchor", "algorithm.is_cap", "algorithm.is_mode", "algorithm.target_kl", "kl.coef",
             "optimizer.lr", "sampling.temperature", "servers.max_inflight_per_server",
-            "staleness.max_staleness", "staleness.stale_policy"]
+            "staleness.max_staleness", "staleness.stale_policy", "watchdog.abort_after_s",
+            "watchdog.dump_after_s", "watchdog.stall_s"]
 
 
 async def run(c: Control, command: str, **args) -> protocol.ControlReply:

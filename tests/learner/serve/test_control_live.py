@@ -185,6 +185,9 @@ OBSERVERS = {
     "algorithm.target_kl": (lambda svc: svc.trainer.cfg.algorithm.target_kl, 0.25),
     "kl.coef": (lambda svc: svc.trainer.kl_controller.value, 0.02),
     "optimizer.lr": (lambda svc: svc.trainer.optimizer.param_groups[0]["lr"], 0.002),
+    "watchdog.stall_s": (lambda svc: svc.watchdog.limit(), 42.0),
+    "watchdog.dump_after_s": (lambda svc: svc.watchdog.dump_after_s(), 17.0),
+    "watchdog.abort_after_s": (lambda svc: svc.watchdog.abort_after_s(), 900.0),
 }
 
 
