@@ -218,7 +218,8 @@ class LearnerService:
         self.waiting = LearnerWaiting(
             admission=self.admission, buffer=self.buffer, sample_watch=self.sample_watch,
             checkpoints=self.checkpoints, batch_samples=lambda: self.cfg.batch.batch_samples,
-            endpoint=lambda: self.endpoints.get("rollout", "?"), expected=self._expected_wait)
+            endpoint=lambda: self.endpoints.get("rollout", "?"), expected=self._expected_wait,
+            ranks=self._stale_ranks)
         self.watchdog = Watchdog(
             "learner", noun="step", diagnose=self.waiting, log=self.log,
             stall_s=lambda: self.cfg.watchdog.stall_s, dump_after_s=lambda: self.cfg.watchdog.dump_after_s,
@@ -300,6 +301,14 @@ class LearnerService:
         if self.control.paused:
             return "paused (slipstream ctl resume)"
         return None
+
+    def _stale_ranks(self) -> list[dict]:
+        """DeepSpeed worker ranks that stopped beating (learner.train.ds_group.RankBeat)."""
+        group = getattr(getattr(self.trainer, "strategy", None), "group", None)
+        if group is None or group.world < 2:
+            return []
+        from learner.train.ds_group import stale_ranks
+        return stale_ranks(self.run_dir / "ranks", group.world)
 
     def _dump_stacks(self) -> dict:
         """``ctl stacks``: this process's threads and tasks, written where SIGUSR1 writes them."""

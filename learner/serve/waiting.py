@@ -4,6 +4,9 @@
 Read from the learner's own state, in this order:
 
 - **expected** (not a stall): stopping, finished, or paused by ``ctl pause``;
+- **rank**: a DeepSpeed worker rank whose liveness file stopped (stopped, hung: its process
+  stands still; learner.train.ds_group ``stale_ranks``), before anything else: rank 0's step or
+  ping waits on it in a collective;
 - **step**: a step (or its publish, or the rollout log's fsync) has run this long;
 - **checkpoint**: a checkpoint is being copied or written (a blocked disk);
 - **no_servers**: waiting for samples and no rollout server is connected;
@@ -32,9 +35,11 @@ class LearnerWaiting:
 
     def __init__(self, *, admission: Any, buffer: Any, sample_watch: Any, checkpoints: Any,
                  batch_samples: Callable[[], int], endpoint: Callable[[], str],
-                 expected: Callable[[], str | None], clock: Callable[[], float] = time.monotonic):
+                 expected: Callable[[], str | None], ranks: Callable[[], list[dict]] = list,
+                 clock: Callable[[], float] = time.monotonic):
         self.admission, self.buffer, self.watch, self.checkpoints = admission, buffer, sample_watch, checkpoints
         self.batch_samples, self.endpoint, self.expected, self.clock = batch_samples, endpoint, expected, clock
+        self.ranks = ranks
         self.phase = "batch"                  # batch (waiting for samples), step, publish, rollout_log
         self.since = clock()
         self.ever_connected = False
@@ -47,6 +52,13 @@ class LearnerWaiting:
         if why:
             return Waiting("other", why, expected=True)
         now = self.clock()
+        stale = self.ranks()
+        if stale:
+            r = stale[0]
+            more = f"; and {len(stale) - 1} more ranks" if len(stale) > 1 else ""
+            return Waiting("rank", f"waiting on DeepSpeed rank {r['rank']} (pid {r['pid']} on "
+                                   f"{r['host']}): no heartbeat for {r['age_s']:.0f} s, its last "
+                                   f"command {r['command']}{more}")
         if self.phase != "batch":
             what = {"step": "a policy step", "publish": "publishing the new weights",
                     "rollout_log": "the rollout log's fsync after a step"}.get(self.phase, self.phase)

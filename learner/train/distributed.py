@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -90,6 +91,7 @@ from learner.train.ds_config import engine_config
 from learner.train.ds_group import (
     Group,
     Heartbeat,
+    RankBeat,
     batch_from_wire,
     batch_to_wire,
     check_precision,
@@ -467,25 +469,64 @@ def make_trainer(cfg: TrainerConfig, model_path: str, group: Group | None = None
 
 
 def worker_main(cfg: LearnerConfig, model_path: str, group: Group) -> int:
-    """A rank other than 0: build the same trainer, then run rank 0's commands until ``stop``."""
+    """A rank other than 0: build the same trainer, then run rank 0's commands until ``stop``,
+    beating its liveness file (:class:`RankBeat`) and watched by its own watchdog: no command from
+    rank 0 for ``watchdog.stall_s`` (rank 0 pings an idle group every ``heartbeat_s``), or one that
+    runs that long, is a ``stalled`` line naming the command and the frame this rank is in."""
+    import threading
+
     from protocol.plumbing.process import EventLog
+    from protocol.plumbing.stacks import dump_stacks, stacks_dir
+    from protocol.plumbing.watchdog import Waiting, Watchdog, frame_of
 
-    log = EventLog(f"learner-rank{group.rank}")
+    proc = f"learner-rank{group.rank}"
+    log = EventLog(proc)
     trainer = make_trainer(TrainerConfig.of(cfg), model_path, group)
+    beat = RankBeat(Path(cfg.run_dir) / "ranks", group.rank)
+    main = threading.get_ident()
+
+    def waiting_on(idle_s: float) -> Waiting:
+        name, since = beat.command
+        where = frame_of(main)
+        where = f"; it is in {where}" if where else ""
+        if name != "idle":
+            return Waiting("step", f"rank 0's command {name} has run {time.time() - since:.0f} s{where}")
+        return Waiting("rank", f"no command from rank 0 in {idle_s:.0f} s (it pings an idle group "
+                               f"every learner.deepspeed.heartbeat_s){where}")
+    watchdog = Watchdog(proc, noun="command", diagnose=waiting_on, log=log,
+                        # an idle worker hears rank 0's ping every heartbeat_s: never less than 3
+                        stall_s=lambda: cfg.watchdog.stall_s and max(cfg.watchdog.stall_s,
+                                                                     3 * cfg.deepspeed.heartbeat_s),
+                        dump_after_s=lambda: cfg.watchdog.dump_after_s,
+                        abort_after_s=lambda: cfg.watchdog.abort_after_s,
+                        dump=lambda: dump_stacks(stacks_dir(Path(cfg.run_dir) / "stacks"), proc))
     log("worker_ready", rank=group.rank, world=group.world, pid=os.getpid())
-    return serve(trainer, group)
+    beat.start()
+    watchdog.start(loop=None)
+    try:
+        return serve(trainer, group, beat, watchdog)
+    finally:
+        watchdog.stop()
+        beat.stop()
 
 
-def serve(trainer: Trainer, group: Group) -> int:
+def serve(trainer: Trainer, group: Group, beat: RankBeat | None = None, watchdog=None) -> int:
     """Run rank 0's commands on ``trainer`` (its :class:`DeepSpeedStrategy`'s handlers) until
-    ``stop`` (then 0)."""
+    ``stop`` (then 0); ``beat.command`` says which one runs, ``watchdog`` hears of each."""
     while True:
         name, args = group.receive()
+        if watchdog is not None:
+            watchdog.progress(name)
         if name == "stop":
             return 0
         if name == "ping":
             continue
+        if beat is not None:
+            beat.command = (name, time.time())
         try:
             getattr(trainer.strategy, f"_do_{name}")(*args)
         except SkippedStep:
             pass                              # rank 0 reports it; every rank skipped the same
+        finally:
+            if beat is not None:
+                beat.command = ("idle", time.time())

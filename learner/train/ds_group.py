@@ -1,13 +1,17 @@
 """The process group of the DeepSpeed learner's ranks: joining and leaving it, per-rank seeds, the
 messages rank 0 sends its workers (a batch, a command) and the heartbeat that keeps idle workers
-from timing out; helpers that read a ZeRO engine's local shards."""
+from timing out; each worker's liveness file (:class:`RankBeat`, read by rank 0's watchdog:
+:func:`stale_ranks`); helpers that read a ZeRO engine's local shards."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -186,6 +190,69 @@ class Heartbeat(threading.Thread):
                         self.group.send("ping")
                 finally:
                     self.group.lock.release()
+
+
+RANK_BEAT_S = 1.0
+"""How often a worker rank rewrites its liveness file."""
+RANK_STALE_S = 10.0
+"""A worker whose liveness file is older than this is named by rank 0's watchdog (a stopped or
+hung process: its beat thread stops with it; a worker busy in a collective still beats)."""
+
+
+class RankBeat(threading.Thread):
+    """A worker rank's liveness file, ``DIR/rank-<r>.json`` (``RUN_DIR/ranks``), rewritten every
+    :data:`RANK_BEAT_S`: pid, host, wall time and the command it runs (``command``, set by the
+    worker's loop). Removed at :meth:`stop`. Needs the run directory on a filesystem rank 0 reads
+    (one host, or a shared one); a rank without a file is not judged."""
+
+    def __init__(self, directory: Path, rank: int):
+        super().__init__(name="slipstream-rank-beat", daemon=True)
+        self.path = Path(directory) / f"rank-{rank}.json"
+        self.rank = rank
+        self.command = ("idle", time.time())
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.write()
+            except OSError:
+                pass                          # a disk that refuses it: rank 0 does not judge
+            if self.stopped.wait(RANK_BEAT_S):
+                return
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        name, since = self.command
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                                   "time": time.time(), "command": name, "since": since}))
+        os.replace(tmp, self.path)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
+def stale_ranks(directory: Path, world: int, now: float | None = None) -> list[dict]:
+    """The worker ranks (1 .. world-1) whose liveness file is older than :data:`RANK_STALE_S`:
+    their file's fields and ``age_s``."""
+    now = time.time() if now is None else now
+    out = []
+    for rank in range(1, world):
+        try:
+            info = json.loads((Path(directory) / f"rank-{rank}.json").read_text())
+            age = now - float(info["time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if age > RANK_STALE_S:
+            out.append({**info, "age_s": age})
+    return out
 
 
 def check_precision(ds: DeepSpeedSettings) -> None:

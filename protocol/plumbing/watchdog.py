@@ -55,10 +55,11 @@ __all__ = ["EXIT_STALLED", "REASONS", "Waiting", "Watchdog", "frame_of"]
 EXIT_STALLED = 7
 """Exit code of a process ended by ``watchdog.abort_after_s`` (its diagnosis is its last line)."""
 
-REASONS = ("no_servers", "samples", "step", "checkpoint", "publish", "learner", "generate",
+REASONS = ("no_servers", "samples", "step", "checkpoint", "publish", "rank", "learner", "generate",
            "reward", "weights", "work", "event_loop", "other")
 """What a process can be waiting on (the ``reason`` label of ``slipstream_waiting_on``):
-learner: no_servers, samples, step, checkpoint, publish; rollout server: learner (no Welcome, link
+learner: no_servers, samples, step, checkpoint, publish, rank (a DeepSpeed rank that stopped
+beating; on a worker rank: rank 0's next command); rollout server: learner (no Welcome, link
 down), generate, reward, weights, work (welcomed, no assignment); either: event_loop, other."""
 
 
@@ -201,10 +202,11 @@ class Watchdog:
         self.on_state = on_state
 
     # -- the thread ---------------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start watching (from inside the running loop, whose thread is the one named when the
-        loop blocks)."""
-        self.loop = loop or asyncio.get_running_loop()
+    def start(self, loop: asyncio.AbstractEventLoop | None | bool = True) -> None:
+        """Start watching from the thread to name when it blocks: inside the running loop
+        (``loop=True``, the default: the diagnosis runs there), or ``loop=None`` for a process
+        without one (the diagnosis runs on the watchdog's thread)."""
+        self.loop = asyncio.get_running_loop() if loop is True else (loop or None)
         self.loop_thread = threading.get_ident()
         self.restart_clock()
         self.loop_seen = self.clock()

@@ -98,6 +98,10 @@ def test_a_server_that_holds_its_work(tmp_path, tiny_model_dir, subprocess_env, 
 
     stalled = asyncio.run(scenario())
     assert stalled["reason"] == "samples", stalled
+    stacks = process_groups.run([*CLI, "ctl", "--run-dir", str(tmp_path / "run"), "stacks"], timeout=60,
+                                env=subprocess_env)
+    dump = Path(re.search(r"^path +(\S+)$", stacks.stdout, re.M).group(1)).read_text()
+    assert "## task train" in dump and "await self.buffer.next_batch" in dump, dump[-3000:]
     held = got["samples"]
     assert re.fullmatch(r"no step for \d+ s: waiting for samples: 1 rollout server connected, no valid "
                         r"sample yet; the buffer holds 0 of the 8 samples a step needs; holder-0: "
@@ -208,6 +212,11 @@ def test_a_learner_that_never_answers(tmp_path, tiny_model_dir, subprocess_env, 
         m = scrape(ready["metrics"])
         assert m['slipstream_waiting_on{process="lonely",reason="learner"}'] == 1, m
         assert m['slipstream_stalled_seconds{process="lonely"}'] >= 1, m
+        server.proc.send_signal(signal.SIGUSR1)     # its stacks: the receive loop waits on the learner
+        written = server.wait_for(event_line("stacks_written"), 30, "the stack dump")
+        dump = Path(written["path"]).read_text()
+        assert Path(written["path"]).parent == tmp_path, written
+        assert re.search(r"## task recv.*\n(.*\n)*.*recv_multipart", dump), dump[-3000:]
     finally:
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=60)

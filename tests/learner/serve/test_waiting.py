@@ -94,3 +94,29 @@ async def test_servers_their_leases_and_failed_samples():
     for name in list(admission.servers):
         admission.servers.pop(name)
     assert "(none has since the start)" not in waiting(12).line       # it had servers
+
+
+def test_a_deepspeed_rank_that_stopped_beating_comes_first(tmp_path):
+    """A worker's liveness file (learner.train.ds_group.RankBeat, a real thread and file) older
+    than RANK_STALE_S names that rank, whatever phase rank 0 is in."""
+    import time
+
+    from learner.train.ds_group import RANK_STALE_S, RankBeat, stale_ranks
+
+    beat = RankBeat(tmp_path / "ranks", 1)
+    beat.command = ("step", time.time())
+    beat.write()
+    assert stale_ranks(tmp_path / "ranks", world=2) == []
+    later = time.time() + RANK_STALE_S + 5
+    stale = stale_ranks(tmp_path / "ranks", world=2, now=later)
+    assert [(r["rank"], r["command"], round(r["age_s"])) for r in stale] == [(1, "step", RANK_STALE_S + 5)]
+    assert stale_ranks(tmp_path / "ranks", world=1, now=later) == []        # a rank past the world
+    clock, admission, watch, checkpoints, waiting = setup()
+    waiting.ranks = lambda: stale_ranks(tmp_path / "ranks", world=2, now=later)
+    waiting.enter("step")
+    w = waiting(20)
+    assert w.reason == "rank"
+    assert w.line == (f"waiting on DeepSpeed rank 1 (pid {stale[0]['pid']} on {stale[0]['host']}): no "
+                      f"heartbeat for {RANK_STALE_S + 5:.0f} s, its last command step")
+    beat.stop()                                  # a clean exit removes the file: nothing to judge
+    assert stale_ranks(tmp_path / "ranks", world=2, now=later) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -500,7 +501,8 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_
     group is most of the cost):
 
     - ``slipstream learner --nproc 2`` (torchrun), ZeRO-2, a checkpoint every step: the server
-      applies the published versions; SIGKILL of rank 1 after a checkpoint makes torchrun end
+      applies the published versions; rank 1 stopped with SIGSTOP is named by rank 0's watchdog
+      (issue 38) and training resumes after SIGCONT; SIGKILL of rank 1 after a checkpoint makes torchrun end
       rank 0 too and exit non-zero (no rank waits forever in a collective);
     - ``deepspeed --num_gpus 2 --no_local_rank --module deploy.cli learner ... --resume`` (the
       deepspeed launcher) under ZeRO-3 (the engine state is whole tensors: another stage or rank
@@ -510,7 +512,8 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_
     from learner.state.checkpoint import Checkpointer
 
     cfg, _ = _two_rank_config(tmp_path, tiny_model_dir, stage=2, total_steps=10_000, save_every=1)
-    learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2"], env=ds_env)
+    learner = process_groups.watch([*CLI, "learner", "--config", cfg, "--nproc", "2",
+                                    "--set", "learner.watchdog.stall_s=3"], env=ds_env)
     server = process_groups.watch([*CLI, "rollout", "--config", cfg, "--set", "rollout.server_id=r0"],
                                   env=ds_env)
     worker = learner.wait_for(_is("worker_ready"), 240, "rank 1 ready")
@@ -518,6 +521,22 @@ def test_two_ranks_train_end_to_end_die_together_and_resume_under_the_deepspeed_
     server.wait_for(_is("weights_applied", weights_version=lambda v: (v or 0) >= 1), 180,
                     "the server applying version 1")
     learner.wait_for(_is("checkpoint", version=lambda v: (v or 0) >= 1), 60, "a checkpoint")
+    # Rank 1 stopped (SIGSTOP): rank 0's watchdog names it (its liveness file stopped), within the
+    # group's timeout_s; continued, progress resumes.
+    os.kill(worker["pid"], signal.SIGSTOP)
+    try:
+        stalled = learner.wait_for(_is("stalled", reason="rank"), 45, "rank 0 naming the stopped rank")
+        # ctl stacks: rank 0 waits in a collective (its step, or the idle group's ping)
+        stacks = process_groups.run([*CLI, "ctl", "--run-dir", str(tmp_path / "run"), "stacks"],
+                                    timeout=60, env=ds_env)
+        assert stacks.returncode == 0, stacks.stderr
+        dump = Path(re.search(r"^path +(\S+)$", stacks.stdout, re.M).group(1)).read_text()
+        assert "distributed_c10d.py" in dump, dump[-3000:]
+    finally:
+        os.kill(worker["pid"], signal.SIGCONT)
+    assert re.fullmatch(rf"no step for \d+ s: waiting on DeepSpeed rank 1 \(pid {worker['pid']} on "
+                        r"[^)]+\): no heartbeat for \d+ s, its last command \w+", stalled["diagnosis"]), stalled
+    learner.wait_for(_is("progress_resumed", process="learner"), 60, "the step after rank 1 continued")
     os.kill(worker["pid"], signal.SIGKILL)
     code = learner.proc.wait(timeout=120)
     assert code != 0, learner.output()
