@@ -2,6 +2,8 @@
 
 Imports the stdlib, numpy and ``protocol`` only — never torch (docs/design.md §2). One concept per module:
 
+    staleness.py       StalenessLimit: η's one owner (ctl, the adaptive controller and a resume
+                       set it there; the gate and the buffer read it); StalenessController
     gate.py            StalenessGate: the capacity rule (AReaL's), counted in samples
     leases.py          LeaseTable, Lease: holder, deadline and attempt of every assignment
     dedupe.py          RecentKeys: bounded memory of ids already seen
@@ -19,8 +21,10 @@ from buffer.gate import StalenessGate
 from buffer.leases import Lease, LeaseState, LeaseTable
 from buffer.records import COUNTER_NAMES, AckStatus, Batch
 from buffer.rollout_buffer import STALE_POLICIES, RolloutBuffer
+from buffer.staleness import StalenessController, StalenessDecision, StalenessLimit
 
 __all__ = [
     "COUNTER_NAMES", "STALE_POLICIES", "AckStatus", "Batch", "Lease", "LeaseState", "LeaseTable",
-    "RecentKeys", "RolloutBuffer", "StalenessGate",
+    "RecentKeys", "RolloutBuffer", "StalenessController", "StalenessDecision", "StalenessGate",
+    "StalenessLimit",
 ]

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from buffer.staleness import StalenessLimit
+
 
 def _check_count(n: int, what: str) -> int:
     if type(n) is not int or n < 0:
@@ -62,19 +64,27 @@ class StalenessGate:
     caller, and a silent clamp would hide a gate that drifts.
     """
 
-    def __init__(self, batch_samples: int, max_staleness: int, max_inflight: int | None = None):
+    def __init__(self, batch_samples: int, max_staleness: int | StalenessLimit,
+                 max_inflight: int | None = None):
         if type(batch_samples) is not int or batch_samples < 1:
             raise ValueError(f"batch_samples must be an integer >= 1, got {batch_samples!r}")
         if max_inflight is not None and (type(max_inflight) is not int or max_inflight < 1):
             raise ValueError(f"max_inflight must be None or an integer >= 1, got {max_inflight!r}")
         self.batch_samples = batch_samples
-        self.max_staleness = _check_count(max_staleness, "max_staleness")
+        self.staleness = (max_staleness if isinstance(max_staleness, StalenessLimit)
+                          else StalenessLimit(max_staleness))
+        """η's owner (buffer.staleness): the gate reads it, never sets it."""
         self.max_inflight = max_inflight
         self.accepted_total = 0      # accepted and not dropped: trained or buffered
         self.in_flight = 0           # issued, not resolved
         self.consumed_total = 0      # trained (included in accepted_total)
 
     # -- the rule ---------------------------------------------------------------------------------
+
+    @property
+    def max_staleness(self) -> int:
+        """η now (read from its owner, :attr:`staleness`)."""
+        return self.staleness.eta
 
     def capacity(self, version: int) -> int:
         """Samples that may be issued now, at learner version ``version`` (never negative)."""
@@ -122,10 +132,6 @@ class StalenessGate:
         self.consumed_total -= n
         self.accepted_total -= n
 
-    def set_max_staleness(self, eta: int) -> None:
-        """Change η; the next :meth:`capacity` uses it (growing η lets more be issued at once)."""
-        self.max_staleness = _check_count(eta, "max_staleness")
-
     def start_at(self, version: int) -> None:
         """Give a gate without history the history of ``version`` trained batches.
 
@@ -153,7 +159,7 @@ class StalenessGate:
         consumed = _check_count(state["consumed_total"], "consumed_total")
         if consumed > accepted:
             raise ValueError(f"gate state: consumed_total {consumed} > accepted_total {accepted}")
-        self.max_staleness = _check_count(state["max_staleness"], "max_staleness")
+        self.staleness.restore(_check_count(state["max_staleness"], "max_staleness"))
         self.accepted_total, self.consumed_total = accepted, consumed
         self.in_flight = _check_count(state["in_flight"], "in_flight")
 

@@ -55,6 +55,7 @@ from buffer.gate import StalenessGate
 from buffer.groups import NO_TOKENS, Group, assemble_batch, select_groups
 from buffer.leases import Lease, LeaseTable
 from buffer.records import COUNTER_NAMES, AckStatus, Batch
+from buffer.staleness import StalenessLimit
 from protocol import Sample
 
 STALE_POLICIES = ("drop", "correct")
@@ -71,7 +72,9 @@ class RolloutBuffer:
     Args:
         batch_samples: samples per training batch (B of the gate rule); a multiple of group_size.
         group_size: completions per prompt; every assignment asks for exactly this many.
-        max_staleness: η, in policy steps (0 = strict on-policy).
+        max_staleness: η, in policy steps (0 = strict on-policy), or its owner
+            (:class:`buffer.staleness.StalenessLimit`, which the learner shares with ctl and
+            the adaptive controller); set it there.
         stale_policy: "drop" (default) or "correct".
         max_inflight: optional cap on samples in flight at once (any number of servers).
         lease_timeout_s: seconds without a result before a lease is lost and re-issued.
@@ -83,7 +86,7 @@ class RolloutBuffer:
         clock: monotonic seconds, for lease deadlines.
     """
 
-    def __init__(self, batch_samples: int, group_size: int, max_staleness: int = 1,
+    def __init__(self, batch_samples: int, group_size: int, max_staleness: int | StalenessLimit = 1,
                  stale_policy: str = "drop", max_inflight: int | None = None,
                  lease_timeout_s: float = 600.0, max_attempts: int = 3, dedupe_window: int = 100_000,
                  length_bucketing: bool = False,
@@ -97,6 +100,7 @@ class RolloutBuffer:
         self.group_size = group_size
         self.length_bucketing = bool(length_bucketing)
         self.gate = StalenessGate(batch_samples, max_staleness, max_inflight)
+        self.gate.staleness.subscribe(self._eta_changed)
         self.leases = LeaseTable(lease_timeout_s, max_attempts, clock)
         self._policy = self._check_policy(stale_policy)
         self._seen = RecentKeys(dedupe_window)       # sample ids accepted
@@ -130,10 +134,15 @@ class RolloutBuffer:
     def stale_policy(self) -> str:
         return self._policy
 
-    def set_max_staleness(self, eta: int) -> None:
-        """Change η now: the gate uses it at once; under ``drop`` buffered groups now over the
-        limit are dropped at once (at the last version seen), under ``correct`` they get flagged."""
-        self.gate.set_max_staleness(eta)
+    @property
+    def staleness(self) -> StalenessLimit:
+        """η's owner (buffer.staleness), shared with the gate: set η there."""
+        return self.gate.staleness
+
+    def _eta_changed(self, previous: int, eta: int, reason: str) -> None:
+        """η changed (its owner says so): the gate uses it at once; under ``drop`` buffered groups
+        now over the limit are dropped at once (at the last version seen), under ``correct`` they
+        get flagged."""
         self._sweep(self._version)
 
     def set_stale_policy(self, policy: str) -> None:

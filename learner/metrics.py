@@ -104,7 +104,7 @@ class LearnerMetrics:
         self.reward_mean = Gauge("slipstream_reward_mean", "Mean reward of the last batch", registry=r)
         self.staleness_mean = Gauge("slipstream_staleness_mean",
                                     "Mean staleness (policy steps) of the last batch", registry=r)
-        self.max_staleness = Gauge("slipstream_max_staleness", "Current staleness limit eta", registry=r)
+        self.staleness_limit = Gauge("slipstream_max_staleness", "Current staleness limit eta", registry=r)
         self.setting = Gauge("slipstream_setting", "Current value of each runtime setting (ctl set)",
                              ["key"], registry=r)
         self.control_changes = Counter("slipstream_control_changes",

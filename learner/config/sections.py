@@ -479,7 +479,7 @@ class StalenessSettings(BaseModel):
     """What happens to buffered samples that exceed max_staleness after it shrinks."""
     controller: Literal[STALENESS_CONTROLLERS] = "fixed"
     """fixed: eta is max_staleness. adaptive: eta moves within [min_staleness, max_staleness],
-    down when the importance weights degrade, back up when they recover (learner/serve/staleness.py)."""
+    down when the importance weights degrade, back up when they recover (buffer/staleness.py)."""
     min_staleness: int = Field(0, ge=0)
     """Adaptive controller: the lowest eta it goes to."""
     ess_min: float = Field(0.5, gt=0, le=1)

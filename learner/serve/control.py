@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 import protocol
-from buffer import RolloutBuffer
+from buffer import RolloutBuffer, StalenessLimit
 from learner.config import (
     LIVE_KEYS,
     STEP_SETTINGS,
@@ -83,6 +83,7 @@ class Control:
     """
 
     def __init__(self, cfg: LearnerConfig, buffer: RolloutBuffer, *, metrics: LearnerMetrics,
+                 staleness: StalenessLimit | None = None,
                  status: Callable[[], dict], stop: Callable[[], None],
                  after_set: Callable[[], Awaitable[None]] | None = None,
                  pause: Callable[[bool], None] = lambda paused: None,
@@ -91,6 +92,8 @@ class Control:
                  has_reference: Callable[[], bool] = lambda: True,
                  log: Callable[..., None] = lambda event, **fields: None):
         self.cfg, self.buffer, self.metrics, self.log = cfg, buffer, metrics, log
+        self.staleness = staleness or buffer.staleness
+        """η's owner (buffer.staleness): ``set staleness.max_staleness`` goes there."""
         self.stacks = stacks
         """``ctl stacks``: write the learner's thread and task stacks; where (protocol.plumbing.stacks)."""
         self.status, self.stop, self.after_set = status, stop, after_set
@@ -100,7 +103,7 @@ class Control:
         self._pending: dict[str, Any] = {}        # step settings not yet applied to the trainer
         # What applies each live key (LIVE_KEYS) to the run; those read at use time need nothing.
         self.appliers: dict[str, Callable[[Any], None]] = {
-            "staleness.max_staleness": buffer.set_max_staleness,
+            "staleness.max_staleness": self._set_eta,
             "staleness.stale_policy": buffer.set_stale_policy,
             "kl.coef": self._check_kl_coef,
         }
@@ -115,6 +118,9 @@ class Control:
     def paused(self) -> bool:
         return not self.resumed.is_set()
 
+    def _set_eta(self, value: int) -> None:
+        self.staleness.set(value, "ctl")
+
     def _check_kl_coef(self, value: float) -> None:
         if value > 0 and not self.has_reference():
             raise ValueError("this run has no reference policy (it started with kl_coef 0); "
@@ -122,7 +128,7 @@ class Control:
 
     def _export(self, key: str, value: Any) -> None:
         if key == "staleness.max_staleness":
-            self.metrics.max_staleness.set(value)
+            self.metrics.staleness_limit.set(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             self.metrics.setting.labels(key=key).set(value)
         elif value is None:

@@ -20,22 +20,22 @@ from pathlib import Path
 
 import numpy as np
 
-from buffer import Batch, RolloutBuffer
+from buffer import Batch, RolloutBuffer, StalenessLimit
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.serve.sinks import open_sinks
-from learner.serve.staleness import StalenessController
 from learner.state.run_state import RunState
 
 
 class StepRecords:
     def __init__(self, *, run: RunState, metrics: LearnerMetrics, log, buffer: RolloutBuffer,
-                 admission, staleness: StalenessController | None, max_staleness: Callable[[], int],
+                 admission, staleness: StalenessLimit, max_staleness: Callable[[], int],
                  sanity_tolerances: Callable[[], tuple[float, float]], clock: Callable[[], float],
                  on_write_failure: Callable[[OSError], str] | None = None):
         self.run, self.metrics, self.log, self.buffer, self.admission = run, metrics, log, buffer, admission
         self.staleness = staleness
-        """``staleness_controller: adaptive``: may move η after each step (None: fixed)."""
-        self.max_staleness, self.sanity_tolerances, self.clock = max_staleness, sanity_tolerances, clock
+        """η's owner (buffer.staleness): its adaptive controller, if any, may move η after each step."""
+        self.bound, self.sanity_tolerances, self.clock = max_staleness, sanity_tolerances, clock
+        """The operator's bound on η (``staleness.max_staleness``; the adaptive controller stays under it)."""
         self.jsonl: JsonlLog | None = None
         self.trained_ids: JsonlLog | None = None
         self.sinks: list = []
@@ -162,16 +162,14 @@ class StepRecords:
                             if k not in ("version", "time")})
 
     def adapt_staleness(self, stats: dict[str, float]) -> None:
-        """``staleness_controller: adaptive`` (learner.serve.staleness): the step's importance
-        statistics may move η; the buffer's gate takes it at once, with an event and a metric."""
-        if self.staleness is None:
+        """``staleness.controller: adaptive`` (buffer.staleness): the step's importance statistics
+        may move η (its owner applies it: the gate and the buffer at once), with an event and a
+        metric."""
+        eta, bound = self.staleness.eta, self.bound()
+        decision = self.staleness.after_step(bound, stats)
+        if decision is None:
             return
-        eta, bound = self.buffer.max_staleness, self.max_staleness()
-        decision = self.staleness.update(eta, bound, stats)
-        if decision is None or decision.eta == eta:
-            return
-        self.buffer.set_max_staleness(decision.eta)
-        self.metrics.max_staleness.set(decision.eta)
+        self.metrics.staleness_limit.set(decision.eta)
         self.metrics.staleness_changes.labels(reason=decision.reason).inc()
         self.log("staleness_changed", previous=eta, value=decision.eta, reason=decision.reason,
                  is_ess_ratio=stats.get("is_ess_ratio"), mismatch_kl=stats.get("mismatch_kl"),

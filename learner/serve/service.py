@@ -54,7 +54,7 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from buffer import Batch, RolloutBuffer
+from buffer import Batch, RolloutBuffer, StalenessController, StalenessLimit
 from learner.config import LearnerConfig, TrainerConfig
 from learner.data.evaluation import Evaluation
 from learner.data.prompts import PromptSource
@@ -67,7 +67,6 @@ from learner.serve.records import StepRecords
 from learner.serve.router import RouterSocket
 from learner.serve.sample_watch import EXIT_NO_VALID_SAMPLES, SampleWatch
 from learner.serve.security import LearnerCurve
-from learner.serve.staleness import StalenessController
 from learner.serve.waiting import LearnerWaiting
 from learner.serve.weights_server import Publisher, WeightsServer
 from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports
@@ -130,8 +129,15 @@ class LearnerService:
         # event loop's thread) slowed every step at learner.threads 2 to 2.2x (0.181 against
         # 0.083 s at eta 0 on 2 cores). At one thread there is no pool and no difference.
         self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-train")
+        # η's one owner (buffer.staleness): ctl, the adaptive controller and a resume set it there.
+        self.staleness = StalenessLimit(cfg.staleness.max_staleness, controller=None if (
+            cfg.staleness.controller == "fixed") else StalenessController(
+            min_staleness=cfg.staleness.min_staleness, ess_min=cfg.staleness.ess_min,
+            mismatch_kl_max=cfg.staleness.mismatch_kl_max, ess_recover=cfg.staleness.ess_recover,
+            mismatch_kl_recover=cfg.staleness.mismatch_kl_recover,
+            recover_steps=cfg.staleness.recover_steps))
         self.buffer = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=cfg.batch.group_size,
-                                    max_staleness=cfg.staleness.max_staleness, stale_policy=cfg.staleness.stale_policy,
+                                    max_staleness=self.staleness, stale_policy=cfg.staleness.stale_policy,
                                     lease_timeout_s=cfg.servers.lease_timeout_s,
                                     max_attempts=cfg.servers.max_attempts,
                                     dedupe_window=cfg.servers.dedupe_window,
@@ -153,11 +159,6 @@ class LearnerService:
         self.intake: Intake | None = None
         self.assignment_counter = 0
         self.train_busy = False               # a step (and its publish) is running
-        staleness = None if cfg.staleness.controller == "fixed" else StalenessController(
-            min_staleness=cfg.staleness.min_staleness, ess_min=cfg.staleness.ess_min,
-            mismatch_kl_max=cfg.staleness.mismatch_kl_max, ess_recover=cfg.staleness.ess_recover,
-            mismatch_kl_recover=cfg.staleness.mismatch_kl_recover,
-            recover_steps=cfg.staleness.recover_steps)
         self.stopping = asyncio.Event()
         self.checkpoints = LearnerCheckpoints(
             cfg.checkpoint, cfg.run_dir, run=self.state, buffer=self.buffer, metrics=self.metrics,
@@ -204,10 +205,10 @@ class LearnerService:
             after=lambda: self.update_gauges(), dispatch=lambda: self.admission.dispatch())
         self.records = StepRecords(
             run=self.state, metrics=self.metrics, log=self.log, buffer=self.buffer,
-            admission=self.admission, staleness=staleness, max_staleness=lambda: self.cfg.staleness.max_staleness,
+            admission=self.admission, staleness=self.staleness, max_staleness=lambda: self.cfg.staleness.max_staleness,
             sanity_tolerances=lambda: (self.cfg.algorithm.sanity_ratio_tolerance, self.cfg.algorithm.sanity_kl_tolerance),
             clock=time.time, on_write_failure=lambda e: self.checkpoints.write_failed(e))
-        self.control = Control(cfg, self.buffer, metrics=self.metrics, status=self.status,
+        self.control = Control(cfg, self.buffer, staleness=self.staleness, metrics=self.metrics, status=self.status,
                                stop=self.stopping.set, after_set=self.admission.dispatch,
                                pause=lambda paused: setattr(self.admission, "paused", paused),
                                has_reference=lambda: getattr(self.trainer, "reference", None) is not None,

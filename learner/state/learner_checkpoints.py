@@ -45,7 +45,7 @@ class BufferState:
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state)
         eta, policy = self.runtime()
-        self.buffer.set_max_staleness(eta)
+        self.buffer.staleness.set(eta, "resume")        # η's owner (buffer.staleness)
         self.buffer.set_stale_policy(policy)
 
 

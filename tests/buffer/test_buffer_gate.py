@@ -32,7 +32,7 @@ def test_worked_example_of_the_module_docstring():
     gate.on_failed(8)
     # 8 in flight came back stale: (1 + 1 + 1) * 32 - (32 + 24) = 40
     assert gate.capacity(1) == 40
-    gate.set_max_staleness(0)
+    gate.staleness.set(0, "test")
     # eta = 0: (1 + 0 + 1) * 32 - (32 + 24) = 8
     assert gate.capacity(1) == 8
 
@@ -61,13 +61,13 @@ def test_max_inflight_bounds_capacity():
 def test_capacity_never_negative_when_eta_shrinks():
     gate = StalenessGate(batch_samples=8, max_staleness=3)
     gate.on_issued(32)                       # (0 + 3 + 1) * 8 = 32: all of it
-    gate.set_max_staleness(0)
+    gate.staleness.set(0, "test")
     # (0 + 0 + 1) * 8 - 32 = -24 -> 0
     assert gate.capacity(0) == 0
     gate.on_failed(24)
     # (0 + 0 + 1) * 8 - 8 = 0
     assert gate.capacity(0) == 0
-    gate.set_max_staleness(2)
+    gate.staleness.set(2, "test")
     # growing eta lets it issue more at once: (0 + 2 + 1) * 8 - 8 = 16
     assert gate.capacity(0) == 16
 
@@ -97,7 +97,7 @@ def test_accounting_errors_raise():
     with pytest.raises(ValueError):
         gate.on_issued(-1)
     with pytest.raises(ValueError):
-        gate.set_max_staleness(-1)
+        gate.staleness.set(-1, "test")
     with pytest.raises(ValueError):
         StalenessGate(batch_samples=0, max_staleness=0)
     with pytest.raises(ValueError):

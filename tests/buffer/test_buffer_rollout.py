@@ -175,7 +175,7 @@ async def test_shrinking_eta_drops_or_flags_buffered_samples():
         buf.capacity(1)                        # learner at v = 1: staleness 1 <= 2
         # (1 + 2 + 1) * 8 - (8 + 0) = 24
         assert buf.capacity(1) == 24
-        buf.set_max_staleness(0)               # now 1 > 0
+        buf.staleness.set(0, "test")               # now 1 > 0
         if policy == "drop":
             # dropped at once, capacity back: (1 + 0 + 1) * 8 - (0 + 0) = 16
             assert buf.pending_samples == 0 and buf.capacity(1) == 16
@@ -205,7 +205,7 @@ async def test_growing_eta_lets_the_gate_issue_more():
     buf.issue("a", "s0", 4)
     buf.issue("b", "s0", 4)
     assert buf.capacity(0) == 0
-    buf.set_max_staleness(2)
+    buf.staleness.set(2, "test")
     # (0 + 2 + 1) * 8 - (0 + 8) = 16
     assert buf.max_staleness == 2 and buf.capacity(0) == 16
 
@@ -362,7 +362,7 @@ async def test_state_dict_round_trip_resumes_exactly(binary):
     await fill(buf, "trained", 0)
     await fill(buf, "trained2", 0)
     assert len(buf.poll_batch(0)) == 8                         # "ready" + "trained"
-    buf.set_max_staleness(1)
+    buf.staleness.set(1, "test")
     before = (buf.capacity(0), buf.pending_samples, buf.inflight_samples, buf.counters,
               buf.staleness_histogram)
     # accepted 13 (8 trained + 5 buffered), in flight 3 + 4 = 7:

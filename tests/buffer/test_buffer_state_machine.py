@@ -62,7 +62,7 @@ class BufferMachine(RuleBasedStateMachine):
     def setup(self, gs, groups_per_batch, eta, policy, start):
         self.gs, self.batch_samples = gs, gs * groups_per_batch
         self.buf = self.new_buffer()
-        self.buf.set_max_staleness(eta)
+        self.buf.staleness.set(eta, "test")
         self.buf.set_stale_policy(policy)
         self.version = start               # a learner resumed without buffer state, if > 0
         self.issue("s0", all_of_it=True)   # a learner starts by filling the gate
@@ -193,7 +193,7 @@ class BufferMachine(RuleBasedStateMachine):
 
     @rule(eta=st.integers(0, 3))
     def set_max_staleness(self, eta):
-        self.buf.set_max_staleness(eta)
+        self.buf.staleness.set(eta, "test")
 
     @rule(policy=st.sampled_from(["drop", "correct"]))
     def set_stale_policy(self, policy):

@@ -211,7 +211,7 @@ async def test_whole_group_results_get_the_reference_outcome(case, monkeypatch):
 
     def stale_setup():
         buf, a, intake = setup()
-        buf.set_max_staleness(1)                # version 2 - 0 > 1: stale
+        buf.staleness.set(1, "test")                # version 2 - 0 > 1: stale
         return buf, a, intake
 
     batch, reference = await receive_both(make, monkeypatch,

@@ -10,7 +10,7 @@ import math
 import pytest
 from learner_testkit import ctl, learner_config, metric, real_server, running_learner, wait_until
 
-from learner.serve.staleness import StalenessController
+from buffer.staleness import StalenessController
 
 
 def controller(**kw) -> StalenessController:

@@ -372,7 +372,7 @@ async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path
             # (a restored lease already over the staleness limit may be dropped at once: appended)
             assert after[key][:len(before[key])] == before[key], key
         # (a restored group already over the staleness limit at the resumed version is dropped at
-        # once, in the resume's set_max_staleness, as a continuing run would have dropped it: its
+        # once, in the resume's staleness.set, as a continuing run would have dropped it: its
         # samples leave accepted_total)
         delta = {k: after["counters"][k] - before["counters"][k] for k in before["counters"]}
         dropped = delta["dropped_stale"] + delta["dropped_incomplete"]

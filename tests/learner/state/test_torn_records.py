@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from disk_kit import fill, small_disk
 
-from buffer import Batch
+from buffer import Batch, StalenessLimit
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.serve.records import StepRecords
 from learner.state.checkpoint import Checkpointer, effective_trained_ids
@@ -108,7 +108,7 @@ def test_a_full_disk_leaves_no_torn_line_and_writing_resumes_when_freed():
 def _records(events: list, on_write_failure=None) -> StepRecords:
     return StepRecords(run=SimpleNamespace(run_id="r", version=3), metrics=LearnerMetrics(),
                        log=lambda e, **f: events.append((e, f)), buffer=None, admission=None,
-                       staleness=None, max_staleness=lambda: 1, sanity_tolerances=lambda: (1.0, 1.0),
+                       staleness=StalenessLimit(1), max_staleness=lambda: 1, sanity_tolerances=lambda: (1.0, 1.0),
                        clock=lambda: 0.0, on_write_failure=on_write_failure)
 
 
