@@ -23,6 +23,7 @@ from learner_testkit import (
     samples_for,
     wait_until,
 )
+from zmtp_kit import zmtp_dealer
 
 import protocol
 from learner.serve.records import StepRecords
@@ -187,36 +188,12 @@ async def test_repeated_hello_adds_no_credits(tmp_path, tiny_model_dir):
             s.close()
 
 
-ZMTP_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
-
-
-def zmtp_ready(socket_type: bytes) -> bytes:
-    """A ZMTP 3.0 READY command (NULL mechanism) declaring ``socket_type``."""
-    name = b"Socket-Type"
-    body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(socket_type)) + socket_type
-    return b"\x04" + bytes([len(body)]) + body
-
-
 def rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-async def zmtp_dealer(endpoint: str):
-    """A raw TCP connection through the ZMTP 3.0 handshake as a DEALER, in lock step as libzmq
-    expects: greeting, the peer's greeting, READY, the peer's READY."""
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(ZMTP_GREETING)
-    greeting = await asyncio.wait_for(reader.readexactly(64), 10)
-    assert greeting[0] == 0xFF and greeting[10] == 3, greeting
-    writer.write(zmtp_ready(b"DEALER"))
-    flags, size = await asyncio.wait_for(reader.readexactly(2), 10)
-    assert flags == 0x04 and (await reader.readexactly(size)).startswith(b"\x05READY")
-    return reader, writer
 
 
 async def send_huge_frame(endpoint: str, claimed: int = 2 << 30, limit: int = 64 << 20) -> int:
