@@ -10,8 +10,9 @@ file descriptor) with the bytes of the complete messages the application receive
 message's ``ZMQ_SRCFD`` names its connection; its size on the wire is exact, :func:`wire_bytes`).
 What is left over is the unfinished message (plus the handshake and heartbeats, see ``floor``).
 
-A connection is cut (``shutdown`` of its socket: libzmq drops the connection and frees the
-unfinished frames; a DEALER reconnects, a ROUTER forgets the peer) when
+A connection is cut (``shutdown`` of its socket with ``SO_LINGER`` 0: libzmq drops the
+connection and frees the unfinished frames, the kernel resets it; a DEALER reconnects, a ROUTER
+forgets the peer) when
 
 - its unfinished message is over ``max_bytes`` on two checks in a row (the socket's
   ``max_message_bytes``: a message's frames together may be no larger than one frame may be;
@@ -22,10 +23,11 @@ unfinished frames; a DEALER reconnects, a ROUTER forgets the peer) when
   message can be delivered, so a peer that sends and waits is seen; a connection that delivers
   is never cut by this rule).
 
-Checks run every ``interval_s`` (:meth:`UnfinishedGuard.run`, on the socket's own event loop);
-the byte rule only while the socket has no complete message waiting (queued messages would count
-as unfinished). What it does not bound: what a fast peer sends within one interval (0.2 s: at
-loopback speed some hundred MB), and memory per byte: libzmq keeps 64 bytes per frame, so a
+Checks run every ``interval_s`` (50 ms; :meth:`UnfinishedGuard.run`, on the socket's own event
+loop), every :data:`FOLLOW_UP_S` while a connection has an unfinished message over
+:data:`SMALL_BYTES`; the byte rule only while the socket has no complete message waiting (queued
+messages would count as unfinished). What it does not bound: what a fast peer sends before the
+check that sees it (at loopback speed, tens of MB in 50 ms), and memory per byte: libzmq keeps 64 bytes per frame, so a
 message of empty frames (2 bytes each on plain TCP, 35 under CURVE) costs up to 32x its wire size
 without CURVE, 2x with it. CURVE, on by default, keeps unauthenticated peers out altogether.
 
@@ -134,6 +136,10 @@ def cut_connection(fd: int, peer: str | None) -> bool:
         host, port = dup.getpeername()[:2]
         if peer is not None and f"{host}:{port}" != peer:
             return False
+        # Linger 0: when libzmq closes its descriptor the kernel resets the connection at once.
+        # A plain close would leave the peer writing into a zero window until FIN_WAIT2 times
+        # out (60 s), its sends blocked, none of it ever read.
+        dup.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         dup.shutdown(socket.SHUT_RDWR)
         return True
     except (OSError, ValueError, TypeError):
@@ -163,7 +169,7 @@ class Cut:
 
 
 class _Link:
-    __slots__ = ("delivered", "delivered_at_check", "floor", "peer", "over", "open_since", "checked_at")
+    __slots__ = ("delivered", "delivered_at_check", "floor", "peer", "over", "hot", "open_since", "checked_at")
 
     def __init__(self, now: float):
         self.delivered = 0
@@ -171,6 +177,7 @@ class _Link:
         self.floor = 0
         self.peer: str | None = None
         self.over = False
+        self.hot = False
         self.open_since: float | None = None
         self.checked_at = now
 
@@ -188,7 +195,7 @@ class UnfinishedGuard:
 
     def __init__(self, sock: zmq.Socket, name: str, *, max_bytes: int, open_s: float,
                  curve: bool, router: bool, on_cut: Callable[[Cut], None] = lambda cut: None,
-                 interval_s: float = 0.2, clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = 0.05, clock: Callable[[], float] = time.monotonic,
                  own_monitor: bool = True):
         self.name = name
         self.max_bytes = int(max_bytes)
@@ -202,6 +209,7 @@ class UnfinishedGuard:
         self._carry: dict[int, int] = {}
         self._trim = 0
         self.enabled = _LINUX
+        self._owner = sock            # asked for EVENTS: zmq.asyncio re-arms its reader when asked
         self._sock = zmq.Socket.shadow(sock.underlying)
         self._monitor: zmq.Socket | None = None
         if self.enabled and own_monitor:
@@ -265,7 +273,7 @@ class UnfinishedGuard:
     def drained(self) -> bool:
         """True when the socket holds no complete message the application has not received."""
         try:
-            return not (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            return not (self._owner.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         except zmq.ZMQError:
             return False
 
@@ -292,10 +300,11 @@ class UnfinishedGuard:
         return cuts
 
     def urgent(self) -> bool:
-        """True when the next check should come at once (:data:`FOLLOW_UP_S`): a connection was
-        over ``max_bytes`` once (a second look confirms it before more arrives), or one was cut
-        (its memory is given back over the next :data:`TRIM_CHECKS` checks)."""
-        return bool(self._trim) or any(link.over for link in self.links.values())
+        """True when the next check should come soon (:data:`FOLLOW_UP_S`): a connection has an
+        unfinished message over :data:`SMALL_BYTES` (one over ``max_bytes`` is cut on the next
+        look, before much more arrives), or one was cut (its memory is given back over the next
+        :data:`TRIM_CHECKS` checks)."""
+        return bool(self._trim) or any(link.hot for link in self.links.values())
 
     def _check_link(self, fd: int, link: _Link, now: float, drained: bool) -> Cut | None:
         rx = tcp_bytes_received(fd)
@@ -311,6 +320,7 @@ class UnfinishedGuard:
             link.delivered, gap = rx, 0
         link.floor = min(gap, link.floor + int(DRIFT_BYTES_PER_S * dt))
         unfinished = gap - link.floor
+        link.hot = unfinished > SMALL_BYTES
         cut = None
         if drained:
             was_over, link.over = link.over, unfinished > self.max_bytes

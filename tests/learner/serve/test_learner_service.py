@@ -23,7 +23,7 @@ from learner_testkit import (
     samples_for,
     wait_until,
 )
-from zmtp_kit import zmtp_dealer
+from zmtp_kit import frame, zmtp_dealer
 
 import protocol
 from learner.serve.records import StepRecords
@@ -233,6 +233,53 @@ async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, ti
         assert rss_bytes() - before < 32 << 20
         assert [metric(svc, "slipstream_protocol_errors_total", socket=n)
                 for n in ("rollout", "weights", "control")] == [1, 0, 0]      # never decoded
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(1)
+        assert (await ctl(svc.endpoints["control"], "status")).ok
+
+
+async def send_unfinished(endpoint: str, size: int, limit: int) -> int:
+    """Frames of ``size`` bytes, each with MORE set, until the peer hangs up or ``limit`` bytes
+    are written; returns the bytes written."""
+    _, writer = await zmtp_dealer(endpoint)
+    piece = frame(bytes(size), more=True)
+    written = 0
+    try:
+        while written < limit:
+            writer.write(piece)
+            await asyncio.wait_for(writer.drain(), 30)
+            written += len(piece)
+    except ConnectionError:
+        return written
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return written
+
+
+async def test_unfinished_messages_are_cut_on_every_socket(tmp_path, tiny_model_dir):
+    """Issue 31 item 2: frames within ZMQ_MAXMSGSIZE, each with MORE set and the message never
+    finished, piled up in libzmq (25 x 60 MiB: +1.5 GB; 10,000 x 60 KiB on the control socket:
+    +587 MB). Each socket now cuts the connection once the message passes the socket's
+    max_message_bytes (rollout 1 MiB here, weights and control 64 KiB), and one held open past
+    network.unfinished_timeout_s; the learner's memory stays put and an honest server trains."""
+    cfg = learner_config(tmp_path, network={"unfinished_timeout_s": 1.0})
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        before = rss_bytes()
+        for name, size in (("rollout", 256 << 10), ("weights", 16 << 10), ("control", 60 << 10)):
+            written = await send_unfinished(svc.endpoints[name], size, limit=256 << 20)
+            assert written < 256 << 20, f"{name}: an unfinished message was never cut"
+            await wait_until(lambda n=name: metric(svc, "slipstream_connections_cut_total",
+                                                   socket=n, reason="too_large") == 1,
+                             what=f"the {name} cut counted")
+        await wait_until(lambda: rss_bytes() - before < 64 << 20, what="the cut messages' memory freed")
+        # Held open: 200 KiB of a message (under the rollout socket's 1 MiB), then nothing.
+        reader, writer = await zmtp_dealer(svc.endpoints["rollout"])
+        writer.write(frame(bytes(200 << 10), more=True))
+        assert await asyncio.wait_for(reader.read(), 20) == b""        # the learner hung up
+        writer.close()
+        assert metric(svc, "slipstream_connections_cut_total", socket="rollout", reason="open_too_long") == 1
         async with HonestServer(svc.endpoints["rollout"]) as good:
             await good.wait_version(1)
         assert (await ctl(svc.endpoints["control"], "status")).ok
