@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import itertools
-import os
 import socket
 import struct
 import sys
@@ -73,7 +71,6 @@ _BYTES_RECEIVED_AT = 128      # struct tcp_info: tcpi_bytes_received, a __u64, L
 _INFO_SIZE = _BYTES_RECEIVED_AT + 8
 _SRCFD = int(zmq.SRCFD)
 _LINUX = sys.platform.startswith("linux")
-_MONITORS = itertools.count()
 _CONNECTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 _ENDS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 MONITOR_EVENTS = _CONNECTS | _ENDS
@@ -216,7 +213,7 @@ class UnfinishedGuard:
         self._sock = zmq.Socket.shadow(sock.underlying)
         self._monitor: zmq.Socket | None = None
         if self.enabled and own_monitor:
-            address = f"inproc://slipstream-unfinished-{os.getpid()}-{next(_MONITORS)}"
+            address = f"inproc://slipstream-unfinished-{id(self):x}"
             self._sock.monitor(address, MONITOR_EVENTS)
             self._monitor = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
             self._monitor.setsockopt(zmq.LINGER, 0)
@@ -349,7 +346,7 @@ class UnfinishedGuard:
     async def run(self) -> None:
         """Check every ``interval_s`` until cancelled."""
         if not self.enabled:
-            await asyncio.Future()          # nothing to check here; a task that ends is a crash
+            return
         while True:
             await asyncio.sleep(FOLLOW_UP_S if self.urgent() else self.interval_s)
             self.check()
