@@ -47,6 +47,10 @@ class LearnerMetrics:
         self.send_dropped = Counter(
             "slipstream_send_dropped", "Messages not sent because the peer's queue was full or the "
             "peer was gone (the learner never waits on a peer)", ["socket", "reason"], registry=r)
+        self.connections_cut = Counter(
+            "slipstream_connections_cut", "Connections the learner ended because a peer's "
+            "unfinished message was over the socket's max message bytes (too_large) or open too "
+            "long (open_too_long), protocol.plumbing.unfinished", ["socket", "reason"], registry=r)
         self.credits_refused = Counter(
             "slipstream_credits_refused", "Credits asked for beyond a server's declared "
             "max_concurrency (ignored), in samples", registry=r)
@@ -191,6 +195,7 @@ class LearnerMetrics:
         for counter, labels in ((self.samples, {"status": ACK_STATUSES}),
                                 (self.protocol_errors, {"socket": SOCKETS + ("http",)}),
                                 (self.send_dropped, {"socket": SOCKETS, "reason": ("full", "unreachable")}),
+                                (self.connections_cut, {"socket": SOCKETS, "reason": ("too_large", "open_too_long")}),
                                 (self.server_errors, {"code": SERVER_ERROR_CODES}),
                                 (self.servers_lost, {"reason": ("timeout", "unreachable", "restarted")})):
             for values in itertools.product(*labels.values()):

@@ -204,12 +204,16 @@ class NetworkSettings(BaseModel):
     metrics_port: int = Field(9400, ge=0, le=65535)
     """Port of the HTTP endpoint serving Prometheus /metrics and /healthz (0 = any free port)."""
     max_message_bytes: int = Field(64 << 20, ge=1024)
-    """Largest frame the rollout socket accepts (ZMQ_MAXMSGSIZE); a peer sending a larger one is
-    disconnected before the frame is buffered. Keep it above the largest RolloutResult body."""
+    """Largest message the rollout socket accepts: a larger frame (ZMQ_MAXMSGSIZE) disconnects
+    its peer before it is buffered, an unfinished message whose frames together pass it is cut
+    within a check (protocol.plumbing.unfinished). Keep it above the largest RolloutResult."""
     control_max_message_bytes: int = Field(64 << 10, ge=1024)
-    """Largest frame the control socket accepts (a ControlRequest is a few hundred bytes)."""
+    """Largest message the control socket accepts (a ControlRequest is a few hundred bytes)."""
     weights_max_message_bytes: int = Field(64 << 10, ge=1024)
-    """Largest frame the weights socket accepts (a WeightChunkRequest is under 100 bytes)."""
+    """Largest message the weights socket accepts (a WeightChunkRequest is under 100 bytes)."""
+    unfinished_timeout_s: float = Field(30.0, gt=0)
+    """How long a peer's message may stay unfinished (frames sent, the last one not) before its
+    connection is cut, on every socket; a connection that delivers messages is never cut by it."""
     send_hwm: int = Field(1000, ge=1)
     """Messages queued per peer of the rollout and control sockets (ZMQ_SNDHWM and RCVHWM); a
     rollout server with this many unread is too slow and is dropped (credits keep an honest one

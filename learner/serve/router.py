@@ -30,6 +30,7 @@ import zmq.asyncio
 
 import protocol
 from learner.metrics import LearnerMetrics
+from protocol.plumbing.unfinished import UnfinishedGuard
 from protocol.schema import MAX_LIST_ITEMS
 
 Handler = Callable[[bytes, protocol.Message], Awaitable[protocol.Message | None]]
@@ -59,9 +60,14 @@ class RouterSocket:
     """A bound ROUTER socket named ``name`` ("rollout", "weights", "control")."""
 
     def __init__(self, sock: zmq.asyncio.Socket, name: str, metrics: LearnerMetrics,
-                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic):
+                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic,
+                 guard: UnfinishedGuard | None = None):
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock = sock
+        # Counts every message received, per connection; serve() runs its checks (a peer's
+        # unfinished message over the socket's max message bytes, or open too long, is cut).
+        self.guard = guard
+        self._guard_at = float("-inf")
         # The same libzmq socket without the asyncio wrapper, for the non-blocking calls of the
         # hot path: a NOBLOCK recv or send through zmq.asyncio builds a Future and flag enums per
         # call (about half the learner's cost per result, bench_ingress.py's profile).
@@ -116,6 +122,20 @@ class RouterSocket:
         ``idle``, when given, is awaited whenever the loop stops reading: the queue is empty,
         or BURST messages were handled back to back (the learner sends the Acks it held for the
         burst there, :class:`PendingAcks`)."""
+        if self.guard is not None:
+            # Never EVENTS on the asyncio socket from the timer task (that lost serve()'s wake-up):
+            # the queue is empty while serve() waits in its asyncio recv.
+            self.guard.drained_by_owner = lambda: self._receiving
+        guard = asyncio.create_task(self.guard.run(), name=f"{self.name}-unfinished") \
+            if self.guard is not None else None
+        try:
+            await self._serve(handler, error_reply, idle)
+        finally:
+            if guard is not None:
+                guard.cancel()
+
+    async def _serve(self, handler: Handler, error_reply: ErrorReply,
+                     idle: Callable[[], Awaitable[None]] | None) -> None:
         recv = self._recv_nowait
         burst = 0
         while True:
@@ -132,13 +152,19 @@ class RouterSocket:
                 burst += 1
             except zmq.Again:
                 burst = 0
+                if self.guard is not None and self.clock() - self._guard_at >= self.guard.interval_s:
+                    self._guard_at = self.clock()
+                    self.guard.check(drained=True)       # the queue is empty: the byte rule applies
                 if idle is not None:
                     await idle()
                 self._receiving = True
                 try:
-                    identity, *frames = await self.sock.recv_multipart(copy=True)
+                    received = await self.sock.recv_multipart(copy=False)
                 finally:
                     self._receiving = False
+                if self.guard is not None:
+                    self.guard.received(received)
+                identity, *frames = [f.bytes for f in received]
             try:
                 reply = await handler(identity, protocol.decode(frames))
             except protocol.ProtocolError as e:
@@ -164,9 +190,13 @@ class RouterSocket:
         f = recv(_NOBLOCK, False)
         identity = f.bytes
         frames = []
+        received = [f]
         while f.more:       # the rest of a multipart message is there: it arrives as a whole
             f = recv(_NOBLOCK, False)
+            received.append(f)
             frames.append(f.bytes if len(f) < _VIEW_BYTES else f.buffer)
+        if self.guard is not None:
+            self.guard.received(received)
         return identity, frames
 
     def refused(self, error: protocol.ProtocolError, **fields: Any) -> None:
@@ -180,7 +210,15 @@ class RouterSocket:
                  suppressed=self._suppressed, **fields)
         self._last_log, self._suppressed = now, 0
 
+    def cut(self, cut) -> None:
+        """A connection the guard ended (:class:`protocol.plumbing.unfinished.Cut`): counted and logged."""
+        self.metrics.connections_cut.labels(socket=self.name, reason=cut.reason).inc()
+        self.log("connection_cut", level="warning", socket=self.name, peer=cut.peer,
+                 reason=cut.reason, unfinished_bytes=cut.unfinished_bytes, detail=cut.detail)
+
     def close(self, linger_ms: int = 0) -> None:
+        if self.guard is not None:
+            self.guard.close()
         self.sock.close(linger_ms)
 
 

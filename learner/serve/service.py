@@ -80,6 +80,7 @@ from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, trace
 from protocol.plumbing.sockets import advertised_host, bind, make_socket
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
+from protocol.plumbing.unfinished import UnfinishedGuard
 from protocol.plumbing.watchdog import Watchdog
 
 
@@ -356,7 +357,9 @@ class LearnerService:
                 # A restarted server (same server_id, so the same identity) takes over at once,
                 # even while the dead process's connection has not timed out yet.
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self.sockets[name] = RouterSocket(sock, name, self.metrics, self.log)
+            router = self.sockets[name] = RouterSocket(sock, name, self.metrics, self.log)
+            router.guard = UnfinishedGuard(sock, name, max_bytes=max_bytes, open_s=cfg.network.unfinished_timeout_s,
+                                           curve=self.curve is not None, router=True, on_cut=router.cut)
             port = bind(sock, cfg.network.bind_host, port, f"learner.network.{name}_port")
             self.endpoints[name] = f"tcp://{host}:{port}"
         http_port = self.http.serve(cfg.network.metrics_host, cfg.network.metrics_port, "learner.network.metrics_port")

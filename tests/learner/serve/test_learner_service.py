@@ -23,6 +23,7 @@ from learner_testkit import (
     samples_for,
     wait_until,
 )
+from zmtp_kit import frame, zmtp_dealer
 
 import protocol
 from learner.serve.records import StepRecords
@@ -187,36 +188,12 @@ async def test_repeated_hello_adds_no_credits(tmp_path, tiny_model_dir):
             s.close()
 
 
-ZMTP_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
-
-
-def zmtp_ready(socket_type: bytes) -> bytes:
-    """A ZMTP 3.0 READY command (NULL mechanism) declaring ``socket_type``."""
-    name = b"Socket-Type"
-    body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(socket_type)) + socket_type
-    return b"\x04" + bytes([len(body)]) + body
-
-
 def rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
-
-
-async def zmtp_dealer(endpoint: str):
-    """A raw TCP connection through the ZMTP 3.0 handshake as a DEALER, in lock step as libzmq
-    expects: greeting, the peer's greeting, READY, the peer's READY."""
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(ZMTP_GREETING)
-    greeting = await asyncio.wait_for(reader.readexactly(64), 10)
-    assert greeting[0] == 0xFF and greeting[10] == 3, greeting
-    writer.write(zmtp_ready(b"DEALER"))
-    flags, size = await asyncio.wait_for(reader.readexactly(2), 10)
-    assert flags == 0x04 and (await reader.readexactly(size)).startswith(b"\x05READY")
-    return reader, writer
 
 
 async def send_huge_frame(endpoint: str, claimed: int = 2 << 30, limit: int = 64 << 20) -> int:
@@ -256,6 +233,53 @@ async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, ti
         assert rss_bytes() - before < 32 << 20
         assert [metric(svc, "slipstream_protocol_errors_total", socket=n)
                 for n in ("rollout", "weights", "control")] == [1, 0, 0]      # never decoded
+        async with HonestServer(svc.endpoints["rollout"]) as good:
+            await good.wait_version(1)
+        assert (await ctl(svc.endpoints["control"], "status")).ok
+
+
+async def send_unfinished(endpoint: str, size: int, limit: int) -> int:
+    """Frames of ``size`` bytes, each with MORE set, until the peer hangs up or ``limit`` bytes
+    are written; returns the bytes written."""
+    _, writer = await zmtp_dealer(endpoint)
+    piece = frame(bytes(size), more=True)
+    written = 0
+    try:
+        while written < limit:
+            writer.write(piece)
+            await asyncio.wait_for(writer.drain(), 30)
+            written += len(piece)
+    except ConnectionError:
+        return written
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return written
+
+
+async def test_unfinished_messages_are_cut_on_every_socket(tmp_path, tiny_model_dir):
+    """Issue 31 item 2: frames within ZMQ_MAXMSGSIZE, each with MORE set and the message never
+    finished, piled up in libzmq (25 x 60 MiB: +1.5 GB; 10,000 x 60 KiB on the control socket:
+    +587 MB). Each socket now cuts the connection once the message passes the socket's
+    max_message_bytes (rollout 1 MiB here, weights and control 64 KiB), and one held open past
+    network.unfinished_timeout_s; the learner's memory stays put and an honest server trains."""
+    cfg = learner_config(tmp_path, network={"unfinished_timeout_s": 1.0})
+    async with running_learner(cfg, tiny_model_dir) as svc:
+        before = rss_bytes()
+        for name, size in (("rollout", 256 << 10), ("weights", 16 << 10), ("control", 60 << 10)):
+            written = await send_unfinished(svc.endpoints[name], size, limit=256 << 20)
+            assert written < 256 << 20, f"{name}: an unfinished message was never cut"
+            await wait_until(lambda n=name: metric(svc, "slipstream_connections_cut_total",
+                                                   socket=n, reason="too_large") == 1,
+                             what=f"the {name} cut counted")
+        await wait_until(lambda: rss_bytes() - before < 64 << 20, what="the cut messages' memory freed")
+        # Held open: 200 KiB of a message (under the rollout socket's 1 MiB), then nothing.
+        reader, writer = await zmtp_dealer(svc.endpoints["rollout"])
+        writer.write(frame(bytes(200 << 10), more=True))
+        assert await asyncio.wait_for(reader.read(), 20) == b""        # the learner hung up
+        writer.close()
+        assert metric(svc, "slipstream_connections_cut_total", socket="rollout", reason="open_too_long") == 1
         async with HonestServer(svc.endpoints["rollout"]) as good:
             await good.wait_version(1)
         assert (await ctl(svc.endpoints["control"], "status")).ok
