@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol.codec import MAX_BODY_BYTES, MAX_HEADER_BYTES
 from rollout_server.engine import INFLIGHT_POLICIES
 
 
@@ -155,6 +156,12 @@ class RolloutConfig(BaseModel):
     learner_timeout_s: float = Field(10.0, gt=0)
     """The learner counts as lost (/healthz 503, connected: false) when its link is down, or when
     it has sent nothing for this long once it is known to answer heartbeats."""
+    learner_max_message_bytes: int = Field(MAX_BODY_BYTES + MAX_HEADER_BYTES, ge=1 << 16)
+    """Largest message accepted from the learner (its frames together; a larger frame is refused
+    by libzmq before it is buffered). The default is the largest frame the codec takes."""
+    unfinished_timeout_s: float = Field(30.0, gt=0)
+    """How long a message from the learner may stay unfinished (frames sent, the last one not)
+    before the connection is cut (protocol.plumbing.unfinished; its size is bounded too)."""
     drain_disconnected_s: float = Field(2.0, ge=0)
     """On SIGTERM: stop waiting for acks once the learner link has been down this long."""
     weights_wait_s: float = Field(10.0, ge=0)

@@ -114,6 +114,13 @@ class RolloutMetrics:
             self.errors.labels(kind=kind)
         self.protocol_errors = Counter("slipstream_protocol_errors",
                                        "Messages refused with ProtocolError", registry=r)
+        self.connections_cut = Counter(
+            "slipstream_connections_cut", "Connections to the learner this server ended because "
+            "a message from it stayed unfinished too large (too_large) or too long (open_too_long), "
+            "protocol.plumbing.unfinished", ["socket", "reason"], registry=r)
+        for socket in ("learner", "weights"):
+            for reason in ("too_large", "open_too_long"):
+                self.connections_cut.labels(socket=socket, reason=reason)
         self.send_retries = Counter("slipstream_rollout_send_retries",
                                     "Results re-sent because no ack arrived", registry=r)
         self.reconnects = Counter("slipstream_rollout_reconnects",

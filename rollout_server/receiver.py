@@ -54,6 +54,7 @@ from protocol.codec import MAX_FRAME_BYTES
 from protocol.plumbing.curve import CurveClient
 from protocol.plumbing.process import trace
 from protocol.plumbing.sockets import make_socket
+from protocol.plumbing.unfinished import FOLLOW_UP_S, Cut, UnfinishedGuard
 from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.engine import WeightUpdate
 from rollout_server.metrics import RolloutMetrics
@@ -79,12 +80,18 @@ class ZmqChunkChannel:
     """A DEALER connected to the learner's weights ROUTER (with CURVE keys when ``curve``)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, max_frame_bytes: int,
-                 curve: CurveClient | None = None):
+                 curve: CurveClient | None = None, unfinished_timeout_s: float = 30.0,
+                 on_cut: Callable[[Cut], None] = lambda cut: None):
         self.sock = make_socket(ctx, zmq.DEALER, max_message_bytes=max_frame_bytes, curve=curve)
+        self.guard = None
         try:
+            # A chunk is its header, body and data frames: bounded together like one frame.
+            self.guard = UnfinishedGuard(self.sock, "weights", max_bytes=max_frame_bytes + (1 << 20),
+                                         open_s=unfinished_timeout_s, curve=curve is not None,
+                                         router=False, on_cut=on_cut)
             self.sock.connect(endpoint)
         except BaseException:
-            self.sock.close(0)        # an open socket would hang the context's term() at exit
+            self.close()              # an open socket would hang the context's term() at exit
             raise
 
     async def request(self, version: int, index: int) -> None:
@@ -92,15 +99,28 @@ class ZmqChunkChannel:
             protocol.WeightChunkRequest(version=version, index=index)))
 
     async def receive(self, timeout_s: float) -> protocol.Message | None:
-        if not await self.sock.poll(timeout_s * 1000):
-            return None
+        # Waits in slices with the guard's checks between them: a reply that never finishes
+        # is cut by size or time (protocol.plumbing.unfinished), not held for the whole timeout.
+        deadline = time.monotonic() + timeout_s
+        guard = self.guard
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            step = min(left, FOLLOW_UP_S if guard.urgent() else guard.interval_s)
+            if await self.sock.poll(step * 1000):
+                break
+            guard.check(drained=True)
         # copy=False: a chunk's data stays in the buffer libzmq received it into (the decoded
         # WeightChunk.data is a memoryview of that zmq.Frame); the small header and body frames
         # become bytes, for the codec's checks.
         frames = await self.sock.recv_multipart(copy=False)
+        guard.received(frames)
         return protocol.decode([f.bytes if i < 2 else f for i, f in enumerate(frames)])
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
         self.sock.close(0)
 
 

@@ -79,12 +79,12 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from protocol.codec import MAX_BODY_BYTES, MAX_HEADER_BYTES
 from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise
 from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
+from protocol.plumbing.unfinished import MONITOR_EVENTS, UnfinishedGuard
 from protocol.plumbing.watchdog import Waiting, Watchdog
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
@@ -96,7 +96,6 @@ from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
 from rollout_server.rewards import Rewarder
 from rollout_server.weights import default_weights_limit
 
-LEARNER_MAX_FRAME_BYTES = MAX_BODY_BYTES + MAX_HEADER_BYTES   # the largest frame the codec accepts
 UNACKED_CREDIT_FACTOR = 4
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -140,6 +139,8 @@ class RolloutService:
         self.rewarder: Rewarder | None = None
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
+        self.guard: UnfinishedGuard | None = None     # the learner socket's, made with it in run()
+        self._receiving = False        # recv_loop waits in its recv: the socket's queue is empty
         self.send_lock = asyncio.Lock()
         self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
                              on_change=self.progress.set)
@@ -178,8 +179,9 @@ class RolloutService:
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
             batch_wait_s=cfg.batch_wait_s, clock=self.clock)
         self.receiver = WeightsReceiver(
-            connect=lambda endpoint, max_bytes: ZmqChunkChannel(self.ctx, endpoint, max_bytes,
-                                                                curve=self.curve),
+            connect=lambda endpoint, max_bytes: ZmqChunkChannel(
+                self.ctx, endpoint, max_bytes, curve=self.curve,
+                unfinished_timeout_s=cfg.unfinished_timeout_s, on_cut=self.connection_cut),
             apply=self._apply_weights, report=self.send, version=lambda: self.engine.version,
             server_id=self.server_id, metrics=self.metrics, log=self.log,
             max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
@@ -229,7 +231,7 @@ class RolloutService:
 
     def _learner_socket(self) -> zmq.asyncio.Socket:
         cfg = self.cfg
-        sock = make_socket(self.ctx, zmq.DEALER, max_message_bytes=LEARNER_MAX_FRAME_BYTES,
+        sock = make_socket(self.ctx, zmq.DEALER, max_message_bytes=cfg.learner_max_message_bytes,
                            identity=self.server_id.encode(), curve=self.curve)
         sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.reconnect_ivl_s * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_ivl_max_s * 1000))
@@ -245,8 +247,15 @@ class RolloutService:
             loop.add_signal_handler(sig, self.on_signal)
         remove_stacks = install_stack_dump(self.server_id, stacks_dir(), self.log)   # kill -USR1
         self.sock = self._learner_socket()
+        # One monitor per socket (libzmq): monitor_loop hands the guard its connection events.
+        self.guard = UnfinishedGuard(self.sock, "learner", max_bytes=self.cfg.learner_max_message_bytes,
+                                     open_s=self.cfg.unfinished_timeout_s, curve=self.curve is not None,
+                                     router=False, on_cut=self.connection_cut, own_monitor=False)
+        # Never EVENTS on the asyncio socket from the guard's task (that can lose recv_loop's
+        # wake-up): the queue is empty while recv_loop waits in its recv.
+        self.guard.drained_by_owner = lambda: self._receiving
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-                                               | HANDSHAKE_FAILURES)
+                                               | MONITOR_EVENTS | HANDSHAKE_FAILURES)
         self.sock.connect(self.cfg.learner)
         self.log("runtime", **getattr(self.engine, "runtime", {}))   # device, dtype, and why
         self.log("ready", server_id=self.server_id, learner=self.cfg.learner,
@@ -258,7 +267,7 @@ class RolloutService:
             tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("recv", self.recv_loop()), ("pipeline", self.pipeline.run()),
                 ("heartbeat", self.heartbeat_loop()), ("weights", self.receiver.run()),
-                ("monitor", self.monitor_loop(monitor)))]
+                ("monitor", self.monitor_loop(monitor)), ("unfinished", self.guard.run()))]
             self.watchdog.start()
             await supervise(tasks, self.stopping, self.log)        # logs a task that crashed
             crash = first_crash(tasks)
@@ -279,6 +288,7 @@ class RolloutService:
             remove_stacks()
             self.sock.disable_monitor()
             monitor.close(0)
+            self.guard.close()
             self.sock.close(0)
             await self.close()
         if crash is not None:
@@ -425,11 +435,20 @@ class RolloutService:
         self.log("rehello", reason=reason)
         await self.say_hello()
 
+    def connection_cut(self, cut) -> None:
+        """A connection the unfinished-message guard ended (protocol.plumbing.unfinished.Cut)."""
+        self.metrics.connections_cut.labels(socket=cut.socket, reason=cut.reason).inc()
+        self.log("connection_cut", level="warning", socket=cut.socket, peer=cut.peer,
+                 reason=cut.reason, unfinished_bytes=cut.unfinished_bytes, detail=cut.detail)
+
     async def monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            message = parse_monitor_message(await monitor.recv_multipart())
+            event = message["event"]
+            if event & MONITOR_EVENTS:
+                self.guard.connection_event(event, message["value"])
             if event & HANDSHAKE_FAILURES:
                 # A refused key or a CURVE mismatch: the link never comes up; say so once per
                 # kind of failure (libzmq keeps retrying with backoff).
@@ -509,7 +528,14 @@ class RolloutService:
     # ---- messages from the learner ---------------------------------------------------------
     async def recv_loop(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=True)
+            self._receiving = True
+            try:
+                received = await self.sock.recv_multipart(copy=False)
+            finally:
+                self._receiving = False
+            if self.guard is not None:
+                self.guard.received(received)
+            frames = [f.bytes for f in received]
             self.last_learner_message = self.clock()
             try:
                 msg = protocol.decode(frames)

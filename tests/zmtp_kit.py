@@ -8,8 +8,10 @@ greeting, READY, then frames written by hand (:func:`frame`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import struct
+from collections.abc import Callable, Iterable
 
 GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
@@ -67,18 +69,50 @@ def raw_router(listener: socket.socket, timeout_s: float = 10) -> socket.socket:
     return sock
 
 
+def send_until_closed(sock: socket.socket, pieces: Iterable[bytes]) -> int:
+    """Write ``pieces`` in turn until the peer resets or closes the connection; returns the bytes
+    written (all of them if it never did). A socket timeout is raised: a peer that merely stops
+    reading has not refused anything."""
+    written = 0
+    try:
+        for piece in pieces:
+            sock.sendall(piece)
+            written += len(piece)
+    except ConnectionError:
+        pass
+    return written
+
+
 def send_unfinished(sock: socket.socket, frames: int, size: int) -> int:
     """Write ``frames`` frames of ``size`` bytes, each with MORE set (a message never finished);
     returns the bytes written before the peer hung up (all of them if it never did)."""
-    piece = frame(bytes(size), more=True)
-    written = 0
+    return send_until_closed(sock, itertools.repeat(frame(bytes(size), more=True), frames))
+
+
+def send_huge_frame(sock: socket.socket, claimed: int, limit: int) -> int:
+    """One frame announced as ``claimed`` bytes (a ZMTP long frame), its body written in 1 MiB
+    pieces up to ``limit`` bytes; returns the bytes written before the peer hung up."""
+    head = bytes([LONG]) + struct.pack(">Q", claimed)
+    return send_until_closed(sock, itertools.chain([head], itertools.repeat(bytes(1 << 20), limit >> 20)))
+
+
+async def send_as_dealer(endpoint: str, send: Callable[..., int], *args) -> int:
+    """``send(sock, *args)`` on a raw DEALER connected to ``endpoint``, in a thread (the peer may
+    be served by this event loop); the connection is closed afterwards."""
+    sock = await asyncio.to_thread(raw_dealer, endpoint, 30)
     try:
-        for _ in range(frames):
-            sock.sendall(piece)
-            written += len(piece)
-    except OSError:
-        pass
-    return written
+        return await asyncio.to_thread(send, sock, *args)
+    finally:
+        sock.close()
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (what a peer's bytes cost the process under test)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
 
 
 def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
+import os
 import socket
 import struct
 import sys
@@ -71,6 +73,7 @@ _BYTES_RECEIVED_AT = 128      # struct tcp_info: tcpi_bytes_received, a __u64, L
 _INFO_SIZE = _BYTES_RECEIVED_AT + 8
 _SRCFD = int(zmq.SRCFD)
 _LINUX = sys.platform.startswith("linux")
+_MONITORS = itertools.count()
 _CONNECTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
 _ENDS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 MONITOR_EVENTS = _CONNECTS | _ENDS
@@ -208,17 +211,18 @@ class UnfinishedGuard:
         self.links: dict[int, _Link] = {}
         self._carry: dict[int, int] = {}
         self._trim = 0
-        self.drained_by_owner: Callable[[], bool] | None = None
-        """When set, the timer's checks ask it, never the socket's EVENTS (an owner that reads the
-        socket through another handle knows when its queue is empty)."""
+        self.drained_by_owner: Callable[[], bool] = lambda: False
+        """Asked by :meth:`run` before each check: True while the owner waits in its receive
+        (the queue is empty). Left unset, the timer applies only the time rule."""
         self.enabled = _LINUX
-        self._owner = sock            # asked for EVENTS: zmq.asyncio re-arms its reader when asked
         self._sock = zmq.Socket.shadow(sock.underlying)
         self._monitor: zmq.Socket | None = None
         if self.enabled and own_monitor:
-            address = f"inproc://slipstream-unfinished-{id(self):x}"
+            address = f"inproc://slipstream-unfinished-{os.getpid()}-{next(_MONITORS)}"
             self._sock.monitor(address, MONITOR_EVENTS)
-            self._monitor = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+            # Made by the socket's own context object, so that its destroy() closes this one
+            # too: a guard whose owner never closed it must not hang the context's term().
+            self._monitor = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
             self._monitor.setsockopt(zmq.LINGER, 0)
             self._monitor.connect(address)
 
@@ -273,21 +277,14 @@ class UnfinishedGuard:
             if len(frames) >= 2 and len(frames[0]) == 6:
                 self.connection_event(*struct.unpack("=HI", frames[0]))
 
-    def drained(self) -> bool:
-        """True when the socket holds no complete message the application has not received."""
-        try:
-            return not (self._owner.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-        except zmq.ZMQError:
-            return False
-
-    def check(self, drained: bool | None = None) -> list[Cut]:
-        """Look at every connection once; cut the ones over a bound. ``drained``: whether the
-        socket's queue is empty (asked when None)."""
+    def check(self, drained: bool) -> list[Cut]:
+        """Look at every connection once; cut the ones over a bound. ``drained``: the socket's
+        owner knows its queue holds no complete message it has not received (the byte rule
+        applies only then). The owner knows, not the guard: reading ``EVENTS`` on a
+        ``zmq.asyncio`` socket from another task can lose the owner's wake-up."""
         if not self.enabled:
             return []
         self._events()
-        if drained is None:
-            drained = self.drained()
         now = self.clock()
         cuts = []
         for fd, link in list(self.links.items()):
@@ -349,10 +346,10 @@ class UnfinishedGuard:
     async def run(self) -> None:
         """Check every ``interval_s`` until cancelled."""
         if not self.enabled:
-            return
+            await asyncio.Future()          # nothing to check here; a task that ends is a crash
         while True:
             await asyncio.sleep(FOLLOW_UP_S if self.urgent() else self.interval_s)
-            self.check(drained=None if self.drained_by_owner is None else self.drained_by_owner())
+            self.check(drained=self.drained_by_owner())
 
     def close(self) -> None:
         if self._monitor is not None:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import zmq
-from zmtp_kit import closed_by_peer, frame, raw_dealer, send_unfinished
+from zmtp_kit import closed_by_peer, frame, raw_dealer, rss_bytes, send_unfinished
 
 from protocol.plumbing.curve import CurveClient, CurveServer, apply_curve
 from protocol.plumbing.unfinished import (
@@ -25,14 +25,6 @@ from protocol.plumbing.unfinished import (
 )
 
 pytestmark = pytest.mark.skipif(not hasattr(zmq, "SRCFD"), reason="libzmq without ZMQ_SRCFD")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 class Router:
@@ -59,7 +51,7 @@ class Router:
                 break
             self.guard.received(frames)
             self.messages.append([f.bytes for f in frames[1:]])
-        return self.guard.check()
+        return self.guard.check(drained=True)          # the queue was just emptied
 
     def pump_until(self, done, timeout_s: float = 20.0) -> None:
         """Receive and check as :meth:`UnfinishedGuard.run` would, until ``done()``."""

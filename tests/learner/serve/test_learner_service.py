@@ -4,7 +4,6 @@ the test: an honest rollout server, and hostile ones for every crash or stall fo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
 import threading
 
@@ -23,7 +22,7 @@ from learner_testkit import (
     samples_for,
     wait_until,
 )
-from zmtp_kit import frame, zmtp_dealer
+from zmtp_kit import frame, rss_bytes, send_as_dealer, send_huge_frame, send_unfinished, zmtp_dealer
 
 import protocol
 from learner.serve.records import StepRecords
@@ -188,35 +187,6 @@ async def test_repeated_hello_adds_no_credits(tmp_path, tiny_model_dir):
             s.close()
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-async def send_huge_frame(endpoint: str, claimed: int = 2 << 30, limit: int = 64 << 20) -> int:
-    """One frame announced as ``claimed`` bytes (ZMTP long frame), streamed in 1 MiB pieces until
-    the peer hangs up. Returns the bytes written (``limit`` if it never did: not refused)."""
-    _, writer = await zmtp_dealer(endpoint)
-    written = 0
-    try:
-        writer.write(b"\x02" + struct.pack(">Q", claimed))
-        piece = bytes(1 << 20)
-        while written < limit:
-            writer.write(piece)
-            await asyncio.wait_for(writer.drain(), 30)
-            written += len(piece)
-    except ConnectionError:
-        return written
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    return written
-
-
 async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, tiny_model_dir):
     async with running_learner(learner_config(tmp_path), tiny_model_dir) as svc:
         # The hand-made handshake is right: a small frame through it reaches the learner (and is
@@ -228,7 +198,7 @@ async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, ti
         writer.close()
         before = rss_bytes()
         for name in ("rollout", "weights", "control"):
-            written = await send_huge_frame(svc.endpoints[name])
+            written = await send_as_dealer(svc.endpoints[name], send_huge_frame, 2 << 30, 64 << 20)
             assert written < 64 << 20, f"{name}: a 2 GiB frame was not refused"
         assert rss_bytes() - before < 32 << 20
         assert [metric(svc, "slipstream_protocol_errors_total", socket=n)
@@ -236,26 +206,6 @@ async def test_oversize_frames_are_refused_before_they_are_buffered(tmp_path, ti
         async with HonestServer(svc.endpoints["rollout"]) as good:
             await good.wait_version(1)
         assert (await ctl(svc.endpoints["control"], "status")).ok
-
-
-async def send_unfinished(endpoint: str, size: int, limit: int) -> int:
-    """Frames of ``size`` bytes, each with MORE set, until the peer hangs up or ``limit`` bytes
-    are written; returns the bytes written."""
-    _, writer = await zmtp_dealer(endpoint)
-    piece = frame(bytes(size), more=True)
-    written = 0
-    try:
-        while written < limit:
-            writer.write(piece)
-            await asyncio.wait_for(writer.drain(), 30)
-            written += len(piece)
-    except ConnectionError:
-        return written
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    return written
 
 
 async def test_unfinished_messages_are_cut_on_every_socket(tmp_path, tiny_model_dir):
@@ -268,7 +218,7 @@ async def test_unfinished_messages_are_cut_on_every_socket(tmp_path, tiny_model_
     async with running_learner(cfg, tiny_model_dir) as svc:
         before = rss_bytes()
         for name, size in (("rollout", 256 << 10), ("weights", 16 << 10), ("control", 60 << 10)):
-            written = await send_unfinished(svc.endpoints[name], size, limit=256 << 20)
+            written = await send_as_dealer(svc.endpoints[name], send_unfinished, (256 << 20) // size, size)
             assert written < 256 << 20, f"{name}: an unfinished message was never cut"
             await wait_until(lambda n=name: metric(svc, "slipstream_connections_cut_total",
                                                    socket=n, reason="too_large") == 1,
