@@ -158,9 +158,56 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               f"learner.{MOVED_KEYS[key]} (the learner's keys are in sections; "
                               "docs/configuration.md)")
     try:
-        return SlipstreamConfig.model_validate(data)
+        cfg = SlipstreamConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, source)) from None
+    problems = cross_checks(cfg)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"config error in {source}: {problems[0]}{more}")
+    return cfg
+
+
+def cross_checks(cfg: SlipstreamConfig) -> list[str]:
+    """Learner and rollout settings that contradict each other, each as one line that names both
+    keys and says what to set (every process checks the whole file it is given, so a run
+    configured in one file is refused before anything starts).
+
+    - ``learner.lora`` with the vLLM engine needs ``rollout.vllm.enable_lora`` and a
+      ``max_lora_rank`` of at least ``learner.lora.r`` (vLLM refuses the adapter otherwise, at
+      the first publish).
+    - With ``inflight_update: finish`` a request finishes on the adapter it started on, so a
+      server can be generating on η + 1 versions at once: ``max_loras`` must hold them (vLLM would
+      reload an evicted adapter from disk for each such request). ``continue`` and ``resubmit``
+      move running requests to the newest adapter: the in-use and the loading one suffice (2).
+    - Training in one 16-bit format and sampling in the other (``bfloat16`` against ``float16``)
+      changes the weights at every publish: bfloat16 values past float16's range (65504) or below
+      its smallest normal number do not survive, and the correction would have to absorb the
+      difference. ``auto`` and ``float32`` on either side are fine (the engine casts).
+    """
+    problems = []
+    lr, ro = cfg.learner, cfg.rollout
+    eta = lr.staleness.max_staleness
+    if lr.lora is not None and ro.engine == "vllm":
+        v = ro.vllm
+        need = eta + 1 if ro.inflight_update == "finish" else min(2, eta + 1)
+        if not v.enable_lora:
+            problems.append("learner.lora trains LoRA adapters but rollout.vllm.enable_lora is false: "
+                            "set rollout.vllm.enable_lora: true")
+        if lr.lora.r > v.max_lora_rank:
+            problems.append(f"learner.lora.r is {lr.lora.r} but rollout.vllm.max_lora_rank is "
+                            f"{v.max_lora_rank}: set rollout.vllm.max_lora_rank to at least {lr.lora.r}")
+        if v.max_loras < need:
+            problems.append(f"rollout.vllm.max_loras is {v.max_loras} but learner.staleness.max_staleness "
+                            f"is {eta} (rollout.inflight_update: {ro.inflight_update}): a server may be "
+                            f"generating on {need} adapter versions at once; set rollout.vllm.max_loras "
+                            f"to at least {need}")
+    sixteen = {"bfloat16", "float16"}
+    if {lr.runtime.dtype, ro.dtype} == sixteen:
+        problems.append(f"learner.runtime.dtype is {lr.runtime.dtype} but rollout.dtype is {ro.dtype}: "
+                        "the weights change at every publish (bfloat16 and float16 hold different "
+                        "ranges); set rollout.dtype to the learner's, or auto")
+    return problems
 
 
 # ---- slipstream config ---------------------------------------------------------------------------

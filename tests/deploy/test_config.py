@@ -58,6 +58,55 @@ def test_bad_config_is_one_clear_line(tmp_path, text, overrides, needle):
     assert "\n" not in str(e.value)
 
 
+VLLM_LORA = ["learner.lora.r=8", "rollout.engine=vllm", "rollout.vllm.enable_lora=true",
+             "rollout.vllm.max_lora_rank=8", "rollout.vllm.max_loras=2", "learner.staleness.max_staleness=1"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.vllm.enable_lora=false"],
+     "learner.lora trains LoRA adapters but rollout.vllm.enable_lora is false: set rollout.vllm.enable_lora: true"),
+    (["learner.lora.r=16"],
+     "learner.lora.r is 16 but rollout.vllm.max_lora_rank is 8: set rollout.vllm.max_lora_rank to at least 16"),
+    (["learner.staleness.max_staleness=4"],
+     "rollout.vllm.max_loras is 2 but learner.staleness.max_staleness is 4 (rollout.inflight_update: finish)"),
+    (["learner.runtime.dtype=bfloat16", "rollout.dtype=float16"],
+     "learner.runtime.dtype is bfloat16 but rollout.dtype is float16"),
+    (["learner.runtime.dtype=float16", "rollout.dtype=bfloat16"],
+     "learner.runtime.dtype is float16 but rollout.dtype is bfloat16"),
+    (["rollout.vllm.enable_lora=false", "learner.lora.r=16"], "enable_lora is false: set rollout.vllm.enable_lora: true (+1 more)"),
+])
+def test_learner_and_rollout_settings_that_contradict_are_one_line(tmp_path, overrides, needle):
+    """Issue 37 item 6: start-up cross-checks between the learner's and the servers' settings."""
+    f = tmp_path / "c.yaml"
+    f.write_text("")
+    load_config(f, VLLM_LORA)                        # the base is consistent
+    with pytest.raises(ConfigError) as e:
+        load_config(f, VLLM_LORA + overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["learner.staleness.max_staleness=4", "rollout.inflight_update=resubmit"],   # the newest adapter only
+    ["learner.staleness.max_staleness=4", "rollout.vllm.max_loras=5"],
+    ["rollout.engine=hf", "rollout.vllm.enable_lora=false", "learner.lora.r=64"],  # the HF engine merges
+    ["learner.runtime.dtype=bfloat16", "rollout.dtype=auto"],
+    ["learner.runtime.dtype=float32", "rollout.dtype=float16"],
+])
+def test_settings_that_agree_pass_the_cross_checks(tmp_path, overrides):
+    f = tmp_path / "c.yaml"
+    f.write_text("")
+    load_config(f, VLLM_LORA + overrides)
+
+
+def test_a_contradiction_exits_2_in_every_process(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  lora: {r: 32}\nrollout:\n  engine: vllm\n  vllm: {enable_lora: true}\n")
+    for command in ("learner", "rollout", "run"):
+        assert main([command, "--config", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "rollout.vllm.max_lora_rank to at least 32" in err, err
+
+
 def test_an_old_flat_key_exits_2_with_its_new_place(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("learner:\n  max_new_tokens: 8\n")
