@@ -30,8 +30,12 @@ new version, when η shrinks or the policy becomes ``drop`` — and its capacity
 ``"correct"`` it is kept and trained with ``needs_correction`` set on the samples over the limit.
 Versions passed in only grow; a token newer than the learner's version makes a sample invalid.
 
-Resume (:mod:`buffer.checkpoint`): :meth:`RolloutBuffer.state_dict` holds everything buffered;
-the saved run's leases are lost at a restart and reported by the next :meth:`RolloutBuffer.expire`.
+Resume: :meth:`RolloutBuffer.state_dict` holds everything buffered, as plain data
+(:mod:`buffer.plain`): the gate totals, the buffered samples, the leases and their payloads, the
+de-duplication windows, the counters and the staleness histogram. The saved run's leases are lost
+at a restart and reported by the next :meth:`RolloutBuffer.expire` (capacity kept for reissue,
+or returned when out of attempts), so the gate neither leaks nor double-counts; a load checks
+that the leases, the open groups and the gate's buffered count agree.
 A buffer that sees a learner past version 0 without a checkpoint starts its gate with the history
 of that many trained batches.
 
@@ -49,14 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from buffer import checkpoint
 from buffer.dedupe import RecentKeys
 from buffer.gate import StalenessGate
 from buffer.groups import NO_TOKENS, Group, assemble_batch, select_groups
 from buffer.leases import Lease, LeaseTable
+from buffer.plain import from_plain, pack_payload, to_plain, unpack_payload
 from buffer.records import COUNTER_NAMES, AckStatus, Batch
 from buffer.staleness import StalenessLimit
 from protocol import Sample
+
+STATE_FORMAT = 2         # the checkpoint's layout; 2: samples stored in protocol 2.0 wire form
 
 STALE_POLICIES = ("drop", "correct")
 
@@ -584,17 +590,81 @@ class RolloutBuffer:
             finally:
                 self._waiting -= 1
 
-    # -- checkpoints (buffer/checkpoint.py) -------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self, binary: bool = True) -> dict[str, Any]:
         """Everything needed to resume, as plain data (buffered samples included); ``binary=False``
         makes it JSON-able. Lease payloads: plain data or a ``protocol.Message``."""
-        return checkpoint.state_dict(self, binary)
+        groups = [g for g in self._groups.values() if not g.ready] + list(self._ready)
+        return {
+            "format": STATE_FORMAT,
+            "version": self._version,
+            "batch_samples": self.batch_samples,
+            "group_size": self.group_size,
+            "max_staleness": self.gate.max_staleness,
+            "stale_policy": self._policy,
+            "gate": self.gate.state_dict(),
+            "leases": self.leases.state_dict(lambda p: pack_payload(p, binary)),
+            "groups": [{"assignment_id": g.assignment_id, "size": g.size,
+                        "samples": [to_plain(s.to_wire(), binary) for s in g.slots if s is not None]}
+                       for g in groups],
+            "seen": [k for k, _ in self._seen.items()],
+            "closed": [[k, v] for k, v in self._closed.items()],
+            "counters": dict(self._n),
+            "staleness_histogram": [[k, v] for k, v in sorted(self._hist.items())],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`, into a buffer built with the same group_size; η and the
-        stale policy come from the checkpoint, and its leases are lost (see :mod:`buffer.checkpoint`)."""
-        checkpoint.load_state_dict(self, state)
+        """Resume from :meth:`state_dict`, into a buffer built with the same group_size.
+
+        η and the stale policy come from the checkpoint (they may have been changed at runtime; call
+        the setters afterwards to override). Leases of the saved run are lost — their servers are gone
+        or will reconnect — and the next ``expire`` reports them: for reissue (their capacity stays
+        reserved, so the gate is exact), or, out of attempts, as failed with their capacity returned.
+        Results that servers re-send for them in the meantime are accepted as usual.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"buffer state format {state.get('format')!r}, expected {STATE_FORMAT}")
+        if state["group_size"] != self.group_size:
+            raise ValueError(f"checkpoint group_size {state['group_size']} != {self.group_size}: "
+                             "buffered groups cannot be re-cut")
+        self.gate.load_state_dict(state["gate"])
+        self._policy = self._check_policy(state["stale_policy"])
+        self.leases.load_state_dict(state["leases"], unpack_payload)
+        self._groups, self._ready = {}, deque()
+        self._ready_samples = self._pending = 0
+        in_flight = 0
+        for gd in state["groups"]:
+            g = Group(gd["assignment_id"], int(gd["size"]))
+            for w in gd["samples"]:
+                s = Sample.from_wire(from_plain(w), "buffer state sample")
+                tv = s.token_versions
+                g.fill(s.group_index, s, int(tv.min()) if len(tv) else -1)
+            g.resolved = g.filled
+            self._groups[g.assignment_id] = g
+            self._pending += g.filled
+            if g.filled == g.size:
+                self._set_ready(g)
+            else:
+                if g.assignment_id not in self.leases:
+                    raise ValueError(f"buffer state: open group {g.assignment_id!r} has no lease")
+                in_flight += g.size - g.filled
+        if len(self.leases) != len(self._groups) - len(self._ready):
+            raise ValueError("buffer state: leases and open groups differ")
+        if self.gate.buffered != self._pending:
+            raise ValueError(f"buffer state: gate counts {self.gate.buffered} buffered samples, "
+                             f"the checkpoint holds {self._pending}")
+        self.gate.in_flight = in_flight
+        self._seen = RecentKeys(self._seen.capacity)
+        self._seen.update((k, None) for k in state["seen"])
+        self._closed = RecentKeys(self._closed.capacity)
+        self._closed.update((k, v) for k, v in state["closed"])
+        self._n = dict.fromkeys(COUNTER_NAMES, 0)
+        self._n.update({k: int(v) for k, v in state["counters"].items() if k in self._n})
+        self._hist = {int(k): int(v) for k, v in state["staleness_histogram"]}
+        self._version = int(state["version"])
+        self._started = True
+        self._swept = None
 
     def __repr__(self) -> str:
         return (f"RolloutBuffer(version={self._version}, eta={self.max_staleness}, "

@@ -62,7 +62,10 @@ from protocol.schema import (
     record,
     wire,
 )
-from protocol.weights import DTYPE_BYTES
+
+# Bytes per element of every dtype a weights manifest may name (torch dtype names).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+               "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 _STR, _INT, _NAT, _FLOAT, _BOOL = Str(), Int(), Int(min_value=0), Float(), Bool()
 _MAP, _FMAP = PlainMap(), FloatMap()

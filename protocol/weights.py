@@ -20,9 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-# Bytes per element of every dtype a weights manifest may name (torch dtype names).
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
-               "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+from protocol.messages import DTYPE_BYTES, TensorSpec
 
 
 def tensor_layout(items: Iterable[tuple[str, str, Sequence[int]]]):
@@ -31,8 +29,6 @@ def tensor_layout(items: Iterable[tuple[str, str, Sequence[int]]]):
     Returns the manifest's ``TensorSpec`` list (offsets and byte sizes). The one definition of the
     layout: the learner flattens into it, a server unflattens from it.
     """
-    from protocol.messages import TensorSpec
-
     specs, offset = [], 0
     for name, dtype, shape in items:
         if dtype not in DTYPE_BYTES:

@@ -99,3 +99,12 @@ class TokenizerEngine:
 
     def decode(self, token_ids: np.ndarray) -> str:
         return self.tokenizer.decode(np.asarray(token_ids).tolist(), skip_special_tokens=True)
+
+
+def describe(engine: str, device: str, dtype: str, why: dict[str, str], threads: int) -> dict[str, object]:
+    """The engine's decisions as one record (the server's ``runtime`` event), with a ``line``."""
+    info: dict[str, object] = {"engine": engine, "device": device, "dtype": dtype, "threads": threads,
+                               "why": dict(why)}
+    info["line"] = f"engine {engine}; " + "; ".join(
+        f"{k} {info[k]}" + (f" ({why[k]})" if k in why else "") for k in ("device", "dtype", "threads"))
+    return info

@@ -61,8 +61,7 @@ import torch
 
 from ops.precision import native_bfloat16
 from rollout_server.config import RolloutConfig
-from rollout_server.engine import Completion, GenRequest, TokenizerEngine, WeightUpdate
-from rollout_server.engines import describe
+from rollout_server.engine import Completion, GenRequest, TokenizerEngine, WeightUpdate, describe
 
 WORKER_EXTENSION = "rollout_server.vllm_worker.SlipstreamWorkerExtension"
 GiB = 1 << 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import protocol
 from rollout_server.config import RolloutConfig
-from rollout_server.engine import Engine
+from rollout_server.engine import Engine, describe
 
 
 def resolve_device(device: str, dtype: str) -> tuple[str, str, dict[str, str]]:
@@ -27,15 +27,6 @@ def resolve_device(device: str, dtype: str) -> tuple[str, str, dict[str, str]]:
         dtype = "bfloat16" if native else "float32"
         why["dtype"] = f"auto: {reason}"
     return device, dtype, why
-
-
-def describe(engine: str, device: str, dtype: str, why: dict[str, str], threads: int) -> dict[str, object]:
-    """The engine's decisions as one record (the server's ``runtime`` event), with a ``line``."""
-    info: dict[str, object] = {"engine": engine, "device": device, "dtype": dtype, "threads": threads,
-                               "why": dict(why)}
-    info["line"] = f"engine {engine}; " + "; ".join(
-        f"{k} {info[k]}" + (f" ({why[k]})" if k in why else "") for k in ("device", "dtype", "threads"))
-    return info
 
 
 def _threads() -> int:

@@ -217,3 +217,102 @@ def test_the_wing_check_catches_a_planted_violation(tmp_path):
             "learner/train/_planted_violation.py:5: learner.train imports learner.serve"]
     finally:
         planted.unlink()
+
+
+# ---- no import cycles (issue 37 item 5) ----------------------------------------------------------
+
+PACKAGES = tuple(RULES)
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports, read from the source: every import, at module
+    level, in functions and under ``TYPE_CHECKING`` alike (a lazy or type-only import is still an
+    edge a reader follows). ``from pkg import name`` is an edge to ``pkg.name`` where that is a
+    module, else to ``pkg``."""
+    files = {module_name(p, root): p for package in packages for p in sorted((root / package).rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    edges.add(full if full in files else known(base))
+        graph[name] = {e for e in edges if e is not None and e != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_modules_import_each_other_directly_or_in_a_loop():
+    graph = module_graph()
+    assert len(graph) > 100 and "learner.train.trainer" in graph["learner.train.distributed"]
+    found = cycles(graph)
+    assert not found, "import cycles (each line: modules that reach each other by imports):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_check_finds_planted_cycles(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.c import X\n")
+    (pkg / "sub" / "c.py").write_text("def f():\n    from ..a import g\n")
+    (pkg / "d.py").write_text("import pkg.a\nfrom pkg.sub import c\n")     # into the loop, not part of it
+    (pkg / "e.py").write_text("from pkg import f\n")
+    (pkg / "f.py").write_text("from . import e\n")
+    graph = module_graph(tmp_path, ("pkg",))
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.e", "pkg.f"]]

@@ -4,12 +4,19 @@ start-up check of a model directory the user gives (:func:`check_model_dir`)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from protocol.errors import StartupError
 
 CONFIG_FILE = "config.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+def cache_dir() -> Path:
+    """Where built models, converted checkpoints and wheels are kept: ``SLIPSTREAM_CACHE``, else
+    ``~/.cache/slipstream``."""
+    return Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream"))
 
 
 def check_model_dir(path: str | Path, key: str = "model") -> None:

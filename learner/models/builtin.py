@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from learner.data.tasks import Task, get_task
+from learner.models import cache_dir
 from protocol.errors import StartupError
 
 RECIPES: dict[str, dict] = {
@@ -67,10 +68,6 @@ BUILTIN_MODELS = tuple(RECIPES)
 
 CHARS = list("0123456789+-*=?.,: ") + list("abcdefghijklmnopqrstuvwxyz")
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLIPSTREAM_CACHE", Path.home() / ".cache" / "slipstream"))
 
 
 def build_tokenizer():

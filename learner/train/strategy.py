@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -40,14 +40,31 @@ from learner.config import TrainerConfig
 from learner.train.policy_io import load_policy_state, policy_state, publish_tensors, save_pretrained
 from learner.train.step import MiniBatch, SkippedStep, StepData, UpdateLog
 
-if TYPE_CHECKING:
-    from learner.train.trainer import Trainer
-
-__all__ = ["PlainStrategy", "Skip", "TrainStrategy"]
+__all__ = ["PlainStrategy", "Skip", "TrainStrategy", "TrainerParts"]
 
 Skip = Callable[[str], SkippedStep]
 """``skip(reason)``: the :class:`SkippedStep` (rollback done) an optimizer step raises when it
 could not apply its update."""
+
+
+class TrainerParts(Protocol):
+    """What a strategy reads of the trainer it serves (:class:`learner.train.trainer.Trainer`
+    has them; this module does not import it): the config, the models and optimizers the trainer
+    built (None where it has none), and the step the strategy runs."""
+
+    cfg: TrainerConfig
+    tokenizer: Any
+    model: torch.nn.Module
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    lora_config: Any
+    reference: Any
+    critic: Any
+    critic_optimizer: torch.optim.Optimizer | None
+
+    def local_step(self, batch: Batch) -> dict[str, float]:
+        """One policy step of ``batch`` in this process."""
+        ...
 
 
 class TrainStrategy(Protocol):
@@ -63,7 +80,7 @@ class TrainStrategy(Protocol):
         """The config the trainer loads its models with (device, dtype)."""
         ...
 
-    def wrap(self, trainer: Trainer) -> None:
+    def wrap(self, trainer: TrainerParts) -> None:
         """Bind ``trainer`` once its models and optimizers exist (an engine may replace its
         ``critic`` and the model its ``forward`` runs)."""
         ...
@@ -148,12 +165,12 @@ class PlainStrategy:
     load_engine_state = None
 
     def __init__(self) -> None:
-        self.trainer: Trainer | None = None
+        self.trainer: TrainerParts | None = None
 
     def configure(self, cfg: TrainerConfig) -> TrainerConfig:
         return cfg
 
-    def wrap(self, trainer: Trainer) -> None:
+    def wrap(self, trainer: TrainerParts) -> None:
         self.trainer = trainer
 
     def step(self, batch: Batch) -> dict[str, float]:
