@@ -140,7 +140,6 @@ class RolloutService:
         self.ctx = zmq.asyncio.Context()
         self.sock: zmq.asyncio.Socket | None = None
         self.guard: UnfinishedGuard | None = None     # the learner socket's, made with it in run()
-        self._receiving = False        # recv_loop waits in its recv: the socket's queue is empty
         self.send_lock = asyncio.Lock()
         self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
                              on_change=self.progress.set)
@@ -251,9 +250,6 @@ class RolloutService:
         self.guard = UnfinishedGuard(self.sock, "learner", max_bytes=self.cfg.learner_max_message_bytes,
                                      open_s=self.cfg.unfinished_timeout_s, curve=self.curve is not None,
                                      router=False, on_cut=self.connection_cut, own_monitor=False)
-        # Never EVENTS on the asyncio socket from the guard's task (that can lose recv_loop's
-        # wake-up): the queue is empty while recv_loop waits in its recv.
-        self.guard.drained_by_owner = lambda: self._receiving
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                                                | MONITOR_EVENTS | HANDSHAKE_FAILURES)
         self.sock.connect(self.cfg.learner)
@@ -528,14 +524,7 @@ class RolloutService:
     # ---- messages from the learner ---------------------------------------------------------
     async def recv_loop(self) -> None:
         while True:
-            self._receiving = True
-            try:
-                received = await self.sock.recv_multipart(copy=False)
-            finally:
-                self._receiving = False
-            if self.guard is not None:
-                self.guard.received(received)
-            frames = [f.bytes for f in received]
+            frames = [f.bytes for f in await self.guard.receive(self.sock)]
             self.last_learner_message = self.clock()
             try:
                 msg = protocol.decode(frames)

@@ -122,10 +122,6 @@ class RouterSocket:
         ``idle``, when given, is awaited whenever the loop stops reading: the queue is empty,
         or BURST messages were handled back to back (the learner sends the Acks it held for the
         burst there, :class:`PendingAcks`)."""
-        if self.guard is not None:
-            # Never EVENTS on the asyncio socket from the timer task (that lost serve()'s wake-up):
-            # the queue is empty while serve() waits in its asyncio recv.
-            self.guard.drained_by_owner = lambda: self._receiving
         guard = asyncio.create_task(self.guard.run(), name=f"{self.name}-unfinished") \
             if self.guard is not None else None
         try:
@@ -159,11 +155,10 @@ class RouterSocket:
                     await idle()
                 self._receiving = True
                 try:
-                    received = await self.sock.recv_multipart(copy=False)
+                    received = await (self.sock.recv_multipart(copy=False) if self.guard is None
+                                      else self.guard.receive(self.sock))
                 finally:
                     self._receiving = False
-                if self.guard is not None:
-                    self.guard.received(received)
                 identity, *frames = [f.bytes for f in received]
             try:
                 reply = await handler(identity, protocol.decode(frames))

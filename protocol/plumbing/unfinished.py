@@ -211,9 +211,9 @@ class UnfinishedGuard:
         self.links: dict[int, _Link] = {}
         self._carry: dict[int, int] = {}
         self._trim = 0
-        self.drained_by_owner: Callable[[], bool] = lambda: False
-        """Asked by :meth:`run` before each check: True while the owner waits in its receive
-        (the queue is empty). Left unset, the timer applies only the time rule."""
+        self.waiting = False
+        """True while the owner waits in :meth:`receive` (the queue is empty): :meth:`run`'s
+        checks apply the byte rule only then."""
         self.enabled = _LINUX
         self._sock = zmq.Socket.shadow(sock.underlying)
         self._monitor: zmq.Socket | None = None
@@ -238,6 +238,18 @@ class UnfinishedGuard:
         except (zmq.ZMQError, AttributeError):
             return
         self.received_sizes(fd, [len(f) for f in frames[self.skip:]])
+
+    async def receive(self, sock) -> list:
+        """``sock.recv_multipart(copy=False)`` (the owner's ``zmq.asyncio`` socket), counted; while
+        it waits, :attr:`waiting` says the queue is empty (never ``EVENTS`` from another task: that
+        can lose the owner's wake-up)."""
+        self.waiting = True
+        try:
+            frames = await sock.recv_multipart(copy=False)
+        finally:
+            self.waiting = False
+        self.received(frames)
+        return frames
 
     def received_sizes(self, fd: int, sizes: Iterable[int]) -> None:
         """Count a complete message of frames of ``sizes`` bytes from the connection on ``fd``."""
@@ -349,7 +361,7 @@ class UnfinishedGuard:
             await asyncio.Future()          # nothing to check here; a task that ends is a crash
         while True:
             await asyncio.sleep(FOLLOW_UP_S if self.urgent() else self.interval_s)
-            self.check(drained=self.drained_by_owner())
+            self.check(drained=self.waiting)
 
     def close(self) -> None:
         if self._monitor is not None:
