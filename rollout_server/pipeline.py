@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import protocol
-from protocol.plumbing.process import trace
+from protocol.plumbing.process import raise_if_cancelling, trace, wait_event
 from rollout_server.engine import Completion, GenRequest
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import Scored
@@ -159,6 +159,7 @@ class Pipeline:
     async def run(self) -> None:
         """Batches until cancelled; keeps going while stopping (the drain finishes leases)."""
         while True:
+            raise_if_cancelling()        # one swallowed on the way (a reward's wait_for) ends it here
             await self._queued.wait()
             await self._window()
             batch, self.queue = self.queue, []
@@ -181,9 +182,7 @@ class Pipeline:
                 await asyncio.sleep(left)
                 return
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left)
-            except TimeoutError:
+            if not await wait_event(self._arrived, left):
                 return
 
     async def run_batch(self, batch: list[protocol.Assignment]) -> None:

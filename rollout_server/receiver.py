@@ -52,7 +52,7 @@ import zmq
 import protocol
 from protocol.codec import MAX_FRAME_BYTES
 from protocol.plumbing.curve import CurveClient
-from protocol.plumbing.process import trace
+from protocol.plumbing.process import trace, wait_event
 from protocol.plumbing.sockets import make_socket
 from protocol.plumbing.unfinished import FOLLOW_UP_S, Cut, UnfinishedGuard
 from protocol.weights import chunk_checksum, combine_checksums
@@ -246,11 +246,7 @@ class WeightsReceiver:
             await self._rebased.wait()
         if self._settled.is_set():
             return True
-        try:
-            await asyncio.wait_for(self._settled.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._settled, timeout_s)
 
     def _settle(self, m: protocol.WeightsAvailable) -> None:
         if self.announced is m:

@@ -81,7 +81,7 @@ import zmq.asyncio
 import protocol
 from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
-from protocol.plumbing.process import EventLog, cancel_all, supervise
+from protocol.plumbing.process import EventLog, cancel_all, supervise, wait_event
 from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
 from protocol.plumbing.unfinished import MONITOR_EVENTS, UnfinishedGuard
@@ -488,9 +488,7 @@ class RolloutService:
             self.version_changed.clear()
             if left <= 0 or self.engine.version >= needed:
                 break
-            try:
-                await asyncio.wait_for(self.version_changed.wait(), left)
-            except TimeoutError:
+            if not await wait_event(self.version_changed, left):
                 break
         if self.engine.version < needed:
             self.metrics.count("weights_behind")

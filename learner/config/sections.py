@@ -268,7 +268,14 @@ class ServersSettings(BaseModel):
     work: they are re-issued at once without using an attempt, and it gets no new work for a
     probation that doubles with each such loss in a row."""
     silent_min_s: float = Field(5.0, gt=0)
-    """The least silence that counts (see silent_factor)."""
+    """The least silence that counts (see silent_factor). A server that has returned nothing yet
+    shares its threshold with the idle servers waiting for work (x holders / (holders + idle)), so
+    that each waiting server gets a trial within about one threshold however many identities wait."""
+    trial_share: float = Field(0.25, gt=0, le=1)
+    """Share of the staleness gate ((max_staleness + 1) x batch samples) that the servers which
+    have returned nothing hold at most, together, while a server that has returned work is known
+    (at least one group; off with initial_allowance 0): identities that never return work cannot
+    take the gate from the servers that do."""
     no_valid_sample_timeout_s: float = Field(120.0, ge=0)
     """Stop the run (exit code 5, one line saying why) when samples keep arriving failed or refused
     (a reward that raises, rewards beyond max_abs_reward) and none valid for this long (0 = never)."""

@@ -46,6 +46,7 @@ import protocol
 from learner.config import DataSettings, EvaluationSettings
 from learner.data.prompts import PromptSource
 from learner.metrics import LearnerMetrics
+from protocol.plumbing.process import wait_event
 
 MAX_ATTEMPTS = 3
 RECENT_ROUNDS = 4          # closed rounds whose ids still answer "duplicate" (else "stale")
@@ -160,11 +161,7 @@ class Evaluation:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the open round to finish; True if none is open."""
-        try:
-            await asyncio.wait_for(self.idle.wait(), max(0.0, timeout_s))
-        except TimeoutError:
-            pass
-        return self.idle.is_set()
+        return await wait_event(self.idle, timeout_s)
 
     # ---- dispatch (called by Admission.dispatch) ----------------------------------------------
     async def dispatch(self, admission) -> None:

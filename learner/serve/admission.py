@@ -26,16 +26,33 @@ a server may hold unreturned is bounded by what it has returned, like TCP's slow
 
 ``completed`` = leases it completed (since its last pre-emption), so the allowance doubles with
 each round of work returned and a proven server reaches its ``max_concurrency`` in a few rounds;
-``initial_allowance`` 0 turns this off (the declared ``max_concurrency`` from the start). A lone
-server is not bound: it takes no one's work, and its first batch goes out at once, so that a
-one-server run with fixed seeds repeats exactly (the demo); the allowance binds once a second
-server is known.
+``initial_allowance`` 0 turns this off (the declared ``max_concurrency`` from the start), and the
+trial budget below with it. A lone server is not bound: it takes no one's work, and its first
+batch goes out at once, so that a one-server run with fixed seeds repeats exactly (the demo); the
+allowance binds once a second server is known.
+
+Trials. A server is *proven* once it completed a lease (since its last pre-emption). While a
+proven server is known, the unproven ones together hold at most the trial budget::
+
+    Σ outstanding(unproven) + group_size <= trial_budget
+    trial_budget = max(group_size, trial_share · gate size, whole groups)
+    gate size    = (max_staleness + 1) · batch_samples   (or max_inflight, if smaller)
+
+so a fleet of identities that never return work can take a quarter of the gate (by default), not
+all of it, and a server joining a running fleet still gets its first work at once (round-robin:
+the least recently served goes first). While no server is proven (a run's start) there is no
+budget: every server is on trial.
 
 Silent servers. A server holding leases that has returned nothing — no result extending or
 completing one — for ``silent_factor`` × its expected completion time (the mean issue → completion
 time of its own leases, or of every server's while it has completed none, or ``silent_min_s``
 while no server has; at least ``silent_min_s``) while another server waits for work
-(credits for a group, eligible, and nothing to give it) loses its leases: they are re-issued at
+(credits for a group, eligible, and nothing to give it) loses its leases. An unproven holder's
+threshold is shared with the idle servers waiting for a trial: × H / (H + W) for H unproven
+holders and W idle waiting servers (still at least ``silent_min_s``), so that a whole rotation of
+trials takes about one threshold however many identities wait, instead of one threshold per
+round of H (20 identities holding the gate ahead of an honest server starved it for minutes
+otherwise). They are re-issued at
 once (``slipstream_leases_preempted_total``, a ``leases_preempted`` event), preferably to a
 server that has returned work, the first ``max_attempts`` times without using up an attempt
 (``RolloutBuffer.preempt_holder``: a late result of its own still counts, the first copy of every
@@ -59,7 +76,8 @@ order — the server given work least recently (or never) goes first — while:
   work until it applies newer weights (``WeightsApplied`` or a heartbeat with its new version);
 - for new work, the buffer's staleness gate has room for a whole group (``capacity(v) >=
   group_size``). Leases waiting for re-issue go first, and need no room: their samples are still
-  counted in flight.
+  counted in flight;
+- an unproven server, while the trial budget has room for a group (see Trials).
 
 Restarts. A server puts a per-process ``session`` in its Hello's metadata. A Hello from a known
 identity with another session is a restarted process (same ``server_id``): its old leases are
@@ -164,6 +182,7 @@ class Admission:
         max_servers: servers known at once; another identity's Hello is refused.
         initial_allowance: samples a server may hold before it returned any (0: no allowance).
         silent_factor, silent_min_s: when a server holding work counts as silent.
+        trial_share: share of the gate the unproven servers hold at most (see Trials).
         clock: monotonic seconds (tests pass a fake one; give the buffer the same one).
     """
 
@@ -173,7 +192,8 @@ class Admission:
                  server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
                  weights_failure_limit: int = 3, max_inflight: Callable[[], int] = lambda: 0,
                  max_servers: int = 256, initial_allowance: int = 16, silent_factor: float = 4.0,
-                 silent_min_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 silent_min_s: float = 5.0, trial_share: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic):
         self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
         self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
         self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
@@ -181,6 +201,7 @@ class Admission:
         self.max_inflight = max_inflight          # the operator's cap on a server's samples (0 = none)
         self.max_servers, self.initial_allowance = max_servers, initial_allowance
         self.silent_factor, self.silent_min_s = silent_factor, silent_min_s
+        self.trial_share = trial_share
         self._refusal_logged, self._refusals_suppressed = float("-inf"), 0
         self.paused = False                       # ctl pause: no new or re-issued work until resume
         self.servers: dict[bytes, ServerState] = {}
@@ -208,6 +229,29 @@ class Admission:
         g = self.buffer.group_size
         completed = self.buffer.leases.delivery(srv.server_id).completed - srv.completed_mark
         return min(srv.max_concurrency, max(g, self.initial_allowance) + g * max(0, completed))
+
+    def proven(self, srv: ServerState) -> bool:
+        """``srv`` completed a lease since its last pre-emption (see the module docstring: Trials)."""
+        return self.buffer.leases.delivery(srv.server_id).completed > srv.completed_mark
+
+    def trial_budget(self) -> int:
+        """Samples the unproven servers may hold together while a proven one is known."""
+        g, gate = self.buffer.group_size, self.buffer.gate
+        size = (gate.max_staleness + 1) * gate.batch_samples
+        if gate.max_inflight is not None:
+            size = min(size, gate.max_inflight)
+        return max(g, int(self.trial_share * size) // g * g)
+
+    def _trials_open(self) -> bool:
+        """An unproven server may get another group now (the trial budget has room for one, or
+        there is no budget: the allowance is off, or no server is proven yet)."""
+        if not self.initial_allowance or len(self.servers) <= 1:
+            return True
+        unproven = [s for s in self.servers.values() if not self.proven(s)]
+        if len(unproven) == len(self.servers):
+            return True
+        held = sum(self.outstanding(s) for s in unproven)
+        return held + self.buffer.group_size <= self.trial_budget()
 
     def rollout_idle_ratio(self) -> float:
         """Mean idle ratio the connected servers last reported; NaN while none has reported (a
@@ -438,6 +482,8 @@ class Admission:
         planned: list[tuple[ServerState, protocol.Assignment]] = []
         while True:
             eligible = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
+            if eligible and not self._trials_open():
+                eligible = [s for s in eligible if self.proven(s)]
             if not eligible:
                 break
             # Work taken back from a silent server goes to one that has returned work first.
@@ -461,8 +507,7 @@ class Admission:
             await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
 
     def _reissue_order(self, srv: ServerState) -> tuple[bool, int]:
-        return (self.buffer.leases.delivery(srv.server_id).completed <= srv.completed_mark,
-                srv.served)
+        return not self.proven(srv), srv.served
 
     def _next_work(self, srv: ServerState) -> protocol.Assignment | None:
         if self.closed or self.paused:
@@ -503,9 +548,11 @@ class Admission:
         if self._preempt_silent(now):
             await self.dispatch()
 
-    def silence(self, srv: ServerState, now: float, oldest_issue: float | None) -> tuple[float, float]:
+    def silence(self, srv: ServerState, now: float, oldest_issue: float | None,
+                share: float = 1.0) -> tuple[float, float]:
         """``(silent_s, threshold_s)`` of ``srv``: how long it has returned nothing while holding
-        work (0 without leases), and how long it may."""
+        work (0 without leases), and how long it may; ``share`` scales the threshold (an unproven
+        holder's H / (H + W), see the module docstring: Silent servers)."""
         if oldest_issue is None:
             return 0.0, math.inf
         leases = self.buffer.leases
@@ -513,7 +560,7 @@ class Admission:
         expected = d.mean_s if not math.isnan(d.mean_s) else leases.mean_completion_s
         if math.isnan(expected):              # nothing completed anywhere yet (a run's start)
             expected = self.silent_min_s
-        threshold = max(self.silent_min_s, self.silent_factor * expected)
+        threshold = max(self.silent_min_s, self.silent_factor * expected * share)
         return now - max(d.last_s, oldest_issue), threshold
 
     def _preempt_silent(self, now: float) -> bool:
@@ -522,17 +569,23 @@ class Admission:
         if self.closed or self.paused or len(self.servers) < 2:
             return False
         oldest = self.buffer.leases.oldest_issue_by_holder()
+        g = self.buffer.group_size
+        wanting = [s for s in self.servers.values() if s.credits >= g and self.eligible(s)]
+        if not wanting:
+            return False
+        unproven = sum(1 for s in self.servers.values() if s.server_id in oldest and not self.proven(s))
+        idle = sum(1 for s in wanting if s.server_id not in oldest)
+        share = unproven / (unproven + idle) if unproven else 1.0
         silent = []
         for srv in self.servers.values():
-            silent_s, threshold = self.silence(srv, now, oldest.get(srv.server_id))
+            silent_s, threshold = self.silence(srv, now, oldest.get(srv.server_id),
+                                               1.0 if self.proven(srv) else share)
             if silent_s > threshold:
                 silent.append((srv, silent_s, threshold))
         if not silent:
             return False
-        g = self.buffer.group_size
         quiet = {srv.identity for srv, _, _ in silent}
-        waiting = sum(1 for s in self.servers.values()
-                      if s.identity not in quiet and s.credits >= g and self.eligible(s))
+        waiting = sum(1 for s in wanting if s.identity not in quiet)
         if not waiting:
             return False
         for srv, silent_s, threshold in silent:

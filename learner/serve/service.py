@@ -77,7 +77,7 @@ from learner.state.run_state import RunState
 from learner.train.distributed import make_trainer
 from learner.train.trainer import BrokenWeights, SkippedStep
 from protocol.plumbing.http import HttpEndpoint
-from protocol.plumbing.process import EventLog, cancel_all, supervise, trace
+from protocol.plumbing.process import EventLog, cancel_all, supervise, trace, wait_event
 from protocol.plumbing.sockets import advertised_host, bind, make_socket
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
 from protocol.plumbing.unfinished import UnfinishedGuard
@@ -185,7 +185,8 @@ class LearnerService:
             weights_failure_limit=cfg.servers.weights_failure_limit,
             max_inflight=lambda: self.cfg.servers.max_inflight_per_server,
             max_servers=cfg.servers.max_servers, initial_allowance=cfg.servers.initial_allowance,
-            silent_factor=cfg.servers.silent_factor, silent_min_s=cfg.servers.silent_min_s)
+            silent_factor=cfg.servers.silent_factor, silent_min_s=cfg.servers.silent_min_s,
+            trial_share=cfg.servers.trial_share)
         # Failed and refused samples: counted, reported, and the run stopped when none is valid.
         self.no_valid_samples: str | None = None
         self.diverged: str | None = None
@@ -465,9 +466,7 @@ class LearnerService:
         deadline = time.monotonic() + self.cfg.servers.final_sync_s
         while not self.admission.all_at(self.version) and time.monotonic() < deadline:
             self.admission.versions_changed.clear()
-            try:
-                await asyncio.wait_for(self.admission.versions_changed.wait(), deadline - time.monotonic())
-            except TimeoutError:
+            if not await wait_event(self.admission.versions_changed, deadline - time.monotonic()):
                 break
         if self.evaluation is not None:       # the last version's evaluation, if one is open
             await self.evaluation.wait_idle(deadline - time.monotonic())

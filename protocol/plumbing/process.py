@@ -140,6 +140,35 @@ async def supervise(tasks: Iterable[asyncio.Task], stop: asyncio.Event,
     return {t for t in done if t is not waiter}, error
 
 
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for ``event``; True if it is set.
+
+    Use this, not ``asyncio.wait_for(event.wait(), t)``: on Python 3.11 ``wait_for`` loses a
+    cancellation that arrives as its awaitable completes (it returns the result instead), and a
+    task that was being cancelled goes on; a rollout server's pipeline then waited for work for
+    ever while its process stopped. ``asyncio.wait`` never swallows the cancellation.
+    """
+    if event.is_set():
+        return True
+    if timeout_s <= 0:
+        return False
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait([waiter], timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+def raise_if_cancelling() -> None:
+    """Raise ``CancelledError`` if the current task is being cancelled (Python 3.11+: a loop's
+    safety net for a cancellation a library call swallowed, as ``wait_for`` can)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    if cancelling is not None and cancelling():
+        raise asyncio.CancelledError
+
+
 async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
     """Cancel ``tasks`` and wait until every one has ended (errors swallowed: already logged)."""
     tasks = list(tasks)

@@ -320,6 +320,11 @@ class Ingress:
         rc = await proc.wait()
         assert rc == 0, f"the ingress client failed ({rc})"
         await asyncio.wait_for(self.done.wait(), 30)
+        # The client has exited: forget it now, as server_timeout_s would. Left known, it would
+        # make the next phase's client the second server, held to an initial allowance
+        # (learner.serve.admission: Allowance) while it asks for all its work up front.
+        for srv in list(self.svc.admission.servers.values()):
+            self.svc.admission.lose(srv, "left")
         client_side = json.loads(out.read_text())
         assert client_side["statuses"] == {"accepted": groups * GROUP}, client_side["statuses"]
         w = self.window

@@ -1,13 +1,16 @@
 """Issue 31.3 and 31.4 through real processes: a fleet of identities that take work and never
 return it does not starve the run, and a reward that always fails stops it with one line.
 
-- Starving fleet: a real ``slipstream learner`` (tiny model); 20 protocol-level identities (this
-  process) say Hello, ask for 64 samples each, heartbeat, apply every version, and never return
-  an assignment; one honest client (tests/integration/load_client.py) joins after they hold work.
-  The learner must keep training: each identity holds at most ``initial_allowance`` samples, their
-  leases are pre-empted for the honest server long before ``lease_timeout_s`` (600 s here), and a
-  22nd identity is refused (``max_servers``). Before the allowance and the pre-emption the fleet
-  held the gate's whole capacity until its leases timed out: not one step in the test's time.
+- Starving fleet: a real ``slipstream learner`` (tiny model) with the default ``learner.servers``
+  guards; 20 protocol-level identities (this process) say Hello, ask for 64 samples each,
+  heartbeat, apply every version, and never return an assignment; one honest client
+  (tests/integration/load_client.py) joins after they hold the whole gate. The learner must keep
+  training: the silent holders' leases are pre-empted long before ``lease_timeout_s`` (600 s here)
+  and the waiting identities take their trials in turn (one threshold shared among them), the
+  honest server gets work, and once it has returned some the fleet holds at most the trial budget
+  (a quarter of the gate: one group) while the honest server trains; a 22nd identity is refused
+  (``max_servers``). Before these guards the fleet held the gate until its leases timed out; with
+  the allowance and pre-emption alone it took minutes for the honest server's turn to come.
 - Failing reward: ``slipstream run`` with one real rollout server whose reward plug-in calls
   ``sys.exit``: the server stays up (the call fails its samples, not the process), the learner
   counts the failures by reason and stops after ``no_valid_sample_timeout_s`` with exit code 5
@@ -40,55 +43,69 @@ FLEET, MAX_SERVERS = 20, 21
 
 def test_a_fleet_that_hoards_work_does_not_starve_the_run(tmp_path, tiny_model_dir, subprocess_env,
                                                             process_groups):
-    learner, ready, lines = start_learner(
-        tmp_path, tiny_model_dir, subprocess_env, process_groups.popen,
-        servers={"max_servers": MAX_SERVERS, "initial_allowance": 8, "silent_min_s": 0.5, "silent_factor": 2.0})
+    learner, ready, lines = start_learner(tmp_path, tiny_model_dir, subprocess_env, process_groups.popen,
+                                          servers={"max_servers": MAX_SERVERS})
     got: dict[str, dict] = {f"hoard-{i}": {} for i in range(FLEET + 1)}
+
+    def fleet_holds(status: dict) -> int:
+        return sum(v["outstanding"] for k, v in status["servers"].items() if k.startswith("hoard-"))
 
     async def scenario() -> dict:
         ctx = zmq.asyncio.Context()
         stop = asyncio.Event()
         tasks = [asyncio.create_task(hoarder(ctx, ready["rollout"], f"hoard-{i}", stop, got[f"hoard-{i}"]))
                  for i in range(FLEET)]
-        # The fleet takes the gate's whole capacity before an honest server is there.
+        # The fleet takes the gate's whole capacity (16 samples) before an honest server is there.
         deadline = time.monotonic() + 30
         while sum(g.get("samples", 0) for g in got.values()) < 16 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         before = control_status(ready["control"])
         honest = process_groups.popen([sys.executable, str(HERE / "load_client.py"), ready["rollout"],
-                                       "1", "25", str(tmp_path / "honest.json")], env=subprocess_env)
+                                       "1", "120", str(tmp_path / "honest.json")], env=subprocess_env)
         # One identity more than max_servers: refused.
         await asyncio.sleep(1.0)
         extra = asyncio.create_task(hoarder(ctx, ready["rollout"], f"hoard-{FLEET}", stop, got[f"hoard-{FLEET}"]))
         start = time.monotonic()
-        version = 0
-        while time.monotonic() - start < 20 and version < 10:
+        status = control_status(ready["control"])
+        while time.monotonic() - start < 90 and status["version"] < 10:
             await asyncio.sleep(0.5)
-            version = control_status(ready["control"])["version"]
+            status = control_status(ready["control"])
+        reached = time.monotonic() - start
+        # The honest server has returned work: the fleet's share falls to the trial budget as the
+        # holders it had before are pre-empted (one threshold), and training goes on meanwhile.
+        while time.monotonic() - start < reached + 20 and fleet_holds(status) > 4:
+            await asyncio.sleep(0.5)
+            status = control_status(ready["control"])
+        settled = status
+        await asyncio.sleep(3.0)
         after = control_status(ready["control"])
         stop.set()
         await asyncio.gather(*tasks, extra)
         honest.send_signal(signal.SIGTERM)
         honest.wait(timeout=30)
         ctx.term()
-        return {"before": before, "after": after, "seconds": time.monotonic() - start}
+        return {"before": before, "reached_s": reached, "settled": settled, "after": after}
 
     out = asyncio.run(scenario())
     m = scrape(ready["metrics"])
     learner.send_signal(signal.SIGTERM)
     learner.wait(timeout=60)
-    before, after = out["before"], out["after"]
+    before, settled, after = out["before"], out["settled"], out["after"]
     hoarders = {k: v for k, v in after["servers"].items() if k.startswith("hoard-")}
-    print({"versions": after["version"], "seconds": round(out["seconds"], 1),
-           "preempted": total(m, "slipstream_leases_preempted_total"),
-           "held": {k: v["outstanding"] for k, v in hoarders.items()}})
+    print({"versions_after": after["version"], "ten_versions_s": round(out["reached_s"], 1),
+           "fleet_holds": fleet_holds(settled), "preempted": total(m, "slipstream_leases_preempted_total"),
+           "taken": {k: g.get("samples", 0) for k, g in got.items()}})
     assert before["version"] == 0 and before["inflight_samples"] > 0, before
-    # It trains on the honest server's work: 10 versions in well under lease_timeout_s.
-    assert after["version"] >= 10, (after["version"], lines[-20:])
+    # It trains on the honest server's work: 10 versions in well under lease_timeout_s (600 s);
+    # measured ~25 s (five rotations of trials at silent_min_s; before the shared threshold ~100 s).
+    assert settled["version"] >= 10, (settled["version"], lines[-20:])
     assert total(m, "slipstream_leases_preempted_total") > 0, m
-    # No hoarder ever holds more than its allowance (it returned nothing: initial_allowance).
-    assert all(v["outstanding"] <= 8 for v in hoarders.values()), hoarders
-    assert all(g.get("samples", 0) <= 8 * 4 for g in got.values()), got     # a few pre-emptions at most
+    # Then the fleet holds at most the trial budget (one group) and the honest server trains on.
+    assert fleet_holds(settled) <= 4, settled["servers"]
+    assert after["version"] >= settled["version"] + 10, (settled["version"], after["version"])
+    # No hoarder ever holds more than the initial allowance (16), and none has had many turns.
+    assert all(v["outstanding"] <= 16 for v in hoarders.values()), hoarders
+    assert all(g.get("samples", 0) <= 16 * 3 for g in got.values()), got
     # The 22nd identity is refused, and counted.
     assert "too_many_servers" in got[f"hoard-{FLEET}"].get("errors", []), got[f"hoard-{FLEET}"]
     assert m.get('slipstream_rollout_servers_refused_total{reason="too_many_servers"}', 0) >= 1, m

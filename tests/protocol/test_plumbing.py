@@ -8,6 +8,7 @@ import io
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -18,7 +19,7 @@ import zmq
 
 import protocol
 from protocol.plumbing.http import HttpEndpoint
-from protocol.plumbing.process import EventLog, cancel_all, supervise
+from protocol.plumbing.process import EventLog, cancel_all, raise_if_cancelling, supervise, wait_event
 from protocol.plumbing.sockets import advertised_host, bind, check_endpoint, make_socket
 
 
@@ -180,6 +181,54 @@ async def test_supervise_returns_on_stop():
     done, error = await supervise([t], stop, lambda *a, **k: None)
     assert done == set() and error is None
     await cancel_all([t])
+
+
+async def _cancelled_as_the_event_is_set(wait) -> str:
+    """Cancel a task in the loop turn its event is set: how did it end?"""
+    event = asyncio.Event()
+
+    async def waiter():
+        await wait(event)
+        return "went on"
+
+    task = asyncio.create_task(waiter())
+    for _ in range(5):
+        await asyncio.sleep(0)          # the task now waits on the event
+    event.set()
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return "cancelled"
+
+
+async def test_wait_event_never_loses_a_cancellation():
+    """The rollout server's pipeline once waited for ever while its process stopped: Python 3.11's
+    wait_for returned the event's result to a task being cancelled. wait_event does not."""
+    assert await _cancelled_as_the_event_is_set(lambda e: wait_event(e, 10.0)) == "cancelled"
+    if sys.version_info[:2] == (3, 11):   # the bug wait_event avoids (gone in 3.12's wait_for)
+        assert await _cancelled_as_the_event_is_set(lambda e: asyncio.wait_for(e.wait(), 10.0)) == "went on"
+    event = asyncio.Event()
+    t0 = time.monotonic()
+    assert await wait_event(event, 0.05) is False and time.monotonic() - t0 >= 0.05
+    event.set()
+    assert await wait_event(event, 0.0) is True
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11+")
+async def test_raise_if_cancelling_ends_a_loop_that_swallowed_its_cancellation():
+    async def loop():
+        while True:
+            raise_if_cancelling()
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass                     # swallowed, as a library call can
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=5)
+    assert task in done and task.cancelled()
 
 
 def test_trace_writes_points_only_when_asked_and_never_fails(tmp_path, monkeypatch):

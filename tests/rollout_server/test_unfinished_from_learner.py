@@ -10,9 +10,12 @@ import asyncio
 import socket
 import threading
 
+import zmq.asyncio
 from zmtp_kit import frame, raw_router, send_unfinished
 
+import protocol
 from rollout_server.config import RolloutConfig
+from rollout_server.receiver import ZmqChunkChannel
 from rollout_server.service import RolloutService
 
 
@@ -65,3 +68,46 @@ async def test_a_learner_that_never_finishes_a_message_is_cut(tiny_model_dir):
             c.close()
         listener.close()
         await asyncio.wait_for(run, 60)
+
+
+async def test_a_weights_socket_that_never_finishes_a_chunk_is_cut():
+    """The weights fetch channel (rollout_server.receiver.ZmqChunkChannel) against a weights
+    ROUTER that answers a chunk request with a message it never finishes: cut past its bound
+    (the frame limit + 1 MiB for a chunk's header and body), and one held open past
+    ``unfinished_timeout_s``; the channel reconnects and the same receive() still takes the
+    chunk a third connection sends whole."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ctx = zmq.asyncio.Context()
+    cuts = []
+    channel = ZmqChunkChannel(ctx, f"tcp://127.0.0.1:{listener.getsockname()[1]}", max_frame_bytes=1 << 20,
+                              unfinished_timeout_s=1.0, on_cut=cuts.append)
+    conns = []
+    try:
+        conns.append(await accept(listener))
+        await channel.request(3, 0)
+        reply = asyncio.create_task(channel.receive(60))
+        sender = threading.Thread(target=send_unfinished, args=(conns[-1], 4096, 256 << 10), daemon=True)
+        sender.start()
+        await wait_for(lambda: [c.reason for c in cuts] == ["too_large"], "the too-large chunk cut")
+        # Past the 2 MiB bound, and far below the 1 GiB offered: what loopback delivers between
+        # two checks (the guard runs between receive()'s poll slices, 50 ms, then 10 ms apart).
+        assert 2 << 20 <= cuts[0].unfinished_bytes < 256 << 20, cuts
+        await asyncio.to_thread(sender.join, 30)
+        assert not sender.is_alive(), "the sender was never told the connection ended"
+        conns.append(await accept(listener))
+        conns[-1].sendall(frame(bytes(200 << 10), more=True))
+        await wait_for(lambda: [c.reason for c in cuts] == ["too_large", "open_too_long"],
+                       "the held chunk cut")
+        assert not reply.done()
+        conns.append(await accept(listener))
+        frames = protocol.encode(protocol.WeightChunk(version=3, index=0, checksum="c", data=b"w" * 1000))
+        conns[-1].sendall(b"".join(frame(bytes(f), more=i < len(frames) - 1) for i, f in enumerate(frames)))
+        got = await asyncio.wait_for(reply, 30)
+        assert isinstance(got, protocol.WeightChunk) and bytes(got.data) == b"w" * 1000, got
+        assert all(c.socket == "weights" for c in cuts)
+    finally:
+        channel.close()
+        for c in conns:
+            c.close()
+        listener.close()
+        ctx.term()

@@ -20,7 +20,7 @@ from learner.serve.admission import Admission
 
 class Harness:
     def __init__(self, *, g: int = 2, batch_prompts: int = 2, eta: int = 1, lease_timeout_s: float = 50.0,
-                 server_timeout_s: float = 10.0, reannounce_s: float = 5.0):
+                 server_timeout_s: float = 10.0, reannounce_s: float = 5.0, **guards):
         self.now = 1000.0                  # the fake clock, moved by hand: h.now += dt
         self.clock = lambda: self.now
         self.buffer = RolloutBuffer(batch_samples=g * batch_prompts, group_size=g, max_staleness=eta,
@@ -36,7 +36,7 @@ class Harness:
                              welcome=self.welcome, metrics=self.metrics,
                              log=lambda event, **f: self.log.append((event, f)),
                              server_timeout_s=server_timeout_s, reannounce_s=reannounce_s,
-                             clock=self.clock)
+                             clock=self.clock, **guards)
 
     async def send(self, identity: bytes, msg: protocol.Message) -> bool:
         self.attempts.append(identity)
@@ -289,3 +289,58 @@ async def test_max_inflight_per_server_caps_and_pause_stops_dispatch():
     h.adm.paused = False
     await h.adm.dispatch()
     assert [aid for _, aid in h.assigned()] == ["a1", "a2", "a3", "a4"] and a.credits == 0
+
+
+async def test_servers_that_returned_nothing_share_a_trial_budget_once_one_has():
+    """While a proven server is known, unproven ones hold at most trial_share of the gate together
+    (two groups here): the third newcomer waits while the proven server gets the gate's rest."""
+    h = Harness(g=2, batch_prompts=2, eta=3, server_timeout_s=1e9)  # gate 16; budget max(2, 0.25·16) = 4
+    a = await h.join("A", max_concurrency=8, credits=2)
+    await h.complete(h.of_type(protocol.Assignment)[0])              # A completed a lease: proven
+    assert h.adm.proven(a) and h.adm.trial_budget() == 4
+    newcomers = [await h.join(f"N{i}", max_concurrency=8) for i in range(3)]
+    for n in newcomers:
+        n.credits = 8
+    await h.adm.dispatch()
+    assert [i for i, _ in h.assigned()] == [b"A", b"N0", b"N1"]      # a trial each, until 4 are held
+    await h.adm.work_request(a, protocol.WorkRequest(server_id="A", credits=8))
+    assert [i for i, _ in h.assigned()][3:] == [b"A"] * 4               # the proven one gets the rest
+    assert h.buffer.capacity(0) >= 2 and h.adm.outstanding(newcomers[2]) == 0   # room, yet no trial
+    # N0 returns its work: proven, and its group of the budget is free for N2's trial.
+    await h.complete(h.of_type(protocol.Assignment, b"N0")[0])
+    await h.adm.dispatch()
+    assert h.adm.proven(newcomers[0]) and h.adm.outstanding(newcomers[2]) == 2
+    # With no server proven there is no budget (a run's start): every server is on trial.
+    h2 = Harness(g=2, batch_prompts=2, eta=3, server_timeout_s=1e9)
+    for i in range(4):
+        await h2.join(f"S{i}", max_concurrency=8, credits=4)
+    assert len(h2.assigned()) == 8 and h2.buffer.capacity(0) == 0
+    # initial_allowance 0 turns the allowance and the budget off.
+    h3 = Harness(g=2, batch_prompts=2, eta=3, server_timeout_s=1e9, initial_allowance=0)
+    a = await h3.join("A", max_concurrency=8, credits=2)
+    await h3.complete(h3.of_type(protocol.Assignment)[0])
+    for i in range(3):
+        await h3.join(f"N{i}", max_concurrency=8, credits=2)
+    assert [i for i, _ in h3.assigned()] == [b"A", b"N0", b"N1", b"N2"]
+
+
+async def test_an_unproven_holder_shares_its_silence_threshold_with_the_idle_servers():
+    """Nothing completed anywhere: the threshold is silent_factor x silent_min_s = 4 s; with 2
+    unproven holders and 2 idle servers waiting, each holder's is 4 x 2 / 4 = 2 s."""
+    h = Harness(g=2, batch_prompts=2, eta=1, server_timeout_s=1e9, lease_timeout_s=600.0,
+                silent_min_s=1.0, silent_factor=4.0)                 # gate 8 = 4 groups
+    await h.join("H0", max_concurrency=4, credits=4)                 # alone: 2 groups at once
+    await h.join("H1", max_concurrency=4, credits=4)                 # 2 more: the gate is full
+    assert [i for i, _ in h.assigned()] == [b"H0", b"H0", b"H1", b"H1"]
+    idle = [await h.join(f"W{i}", max_concurrency=4, credits=4) for i in range(2)]
+    h.now += 1.9
+    await h.adm.tick()
+    assert h.metrics.value("slipstream_leases_preempted_total") == 0
+    h.now += 0.2                                                     # 2.1 s: past 2 s, not 4 s
+    await h.adm.tick()
+    assert h.metrics.value("slipstream_leases_preempted_total") == 4
+    (event, fields), = [e for e in h.log if e[0] == "leases_preempted"][:1]
+    assert event == "leases_preempted" and fields["threshold_s"] == 2.0, fields
+    # Re-issued to the idle servers, one group each round-robin (H0, H1 are on probation).
+    assert sorted(i for i, _ in h.assigned()[4:]) == [b"W0", b"W0", b"W1", b"W1"]
+    assert all(h.adm.outstanding(w) == 4 for w in idle)
