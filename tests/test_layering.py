@@ -316,3 +316,44 @@ def test_the_cycle_check_finds_planted_cycles(tmp_path):
     (pkg / "f.py").write_text("from . import e\n")
     graph = module_graph(tmp_path, ("pkg",))
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.e", "pkg.f"]]
+
+
+# -- Private attributes ----------------------------------------------------------------------------
+# A component's underscore attributes are its own (issue 37: evaluation once charged Admission's
+# credits and called its _send). Reaching into a library's internals is allowed where it has no
+# public twin: these roots only.
+LIBRARY_ROOTS = frozenset({"torch", "sys", "os"})
+
+
+def private_reaches(path: Path, source: str | None = None) -> list[str]:
+    """``x._name`` where ``x`` is not ``self``/``cls`` (nor a library root), anywhere in a file."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if isinstance(root, ast.Name) and root.id in LIBRARY_ROOTS:
+            continue
+        out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_component_reaches_into_another_ones_private_attributes():
+    files = [f for package in PACKAGES for f in package_files(package)]
+    assert len(files) > 100
+    found = [v for f in files for v in private_reaches(f)]
+    assert not found, "private attributes of another object:\n" + "\n".join(found)
+
+
+def test_the_private_attribute_check_catches_a_planted_one(tmp_path):
+    planted = ("def dispatch(admission, srv):\n    srv.credits -= 1\n    self._ok = admission._send\n"
+               "    torch._foreach_norm\n    return self.owner._state\n")
+    path = tmp_path / "planted.py"
+    path.write_text(planted)
+    assert private_reaches(path) == ["planted.py:3: admission._send", "planted.py:5: self.owner._state"]

@@ -17,9 +17,14 @@ send the result, re-send until acknowledged); the learner tells them apart by th
 - **Acknowledged.** Every eval sample is acked (``accepted``; a second copy ``duplicate``; one for
   a round already closed ``stale``; one that does not fit its assignment ``invalid``, whose lease
   then expires and is re-issued), so servers do not re-send.
-- **Leases of their own.** An eval assignment whose server died, went silent past
-  ``lease_timeout_s`` or refused it is **re-issued** (to any eligible server, same id, attempt + 1),
-  at most ``max_attempts`` times in all; then it is dropped and counted in ``eval_dropped``.
+- **Leases like every other.** An eval assignment is a :class:`buffer.leases.Lease` in a
+  :class:`buffer.leases.LeaseTable` of its own (the same lifecycle as the training leases, kept
+  apart from the buffer's table because those move gate capacity and are checkpointed): one whose
+  server died, went silent past ``lease_timeout_s`` or refused it is **re-issued** (to any
+  eligible server, same id, attempt + 1), at most ``max_attempts`` times in all; then it is
+  dropped and counted in ``eval_dropped``. :class:`Admission` hands them out through the same
+  dispatch as training work: it asks :meth:`Evaluation.take` for the next one for a server,
+  charges the server's credit and sends it (the :class:`learner.serve.admission.SideWork` port).
 
 A round is complete when every prompt has a result or was dropped. Its numbers — ``eval_reward_mean``
 (over samples not failed), ``eval_accuracy`` (the fraction with reward >= ``eval_correct_threshold``,
@@ -35,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +48,7 @@ from typing import Any
 import numpy as np
 
 import protocol
+from buffer.leases import Lease, LeaseState, LeaseTable
 from learner.config import DataSettings, EvaluationSettings
 from learner.data.prompts import PromptSource
 from learner.metrics import LearnerMetrics
@@ -52,37 +58,24 @@ MAX_ATTEMPTS = 3
 RECENT_ROUNDS = 4          # closed rounds whose ids still answer "duplicate" (else "stale")
 
 
-@dataclass(slots=True)
-class EvalLease:
-    assignment_id: str
-    prompt: dict
-    holder: str = ""
-    deadline_s: float = 0.0
-    attempt: int = 0
-
-
 @dataclass
 class EvalRound:
     number: int
     version: int
     started_s: float
-    leases: dict[str, EvalLease] = field(default_factory=dict)   # open: waiting or held
-    waiting: deque[str] = field(default_factory=deque)            # ids to send (re-issues first)
+    unsent: deque[tuple[str, dict]] = field(default_factory=deque)   # (id, prompt) never issued
+    retry: deque[Lease] = field(default_factory=deque)               # lost leases (sent first)
     rewards: list[float] = field(default_factory=list)
     failed: int = 0
     dropped: int = 0
     token_versions: list[int] = field(default_factory=list)      # min and max of every sample
 
-    @property
-    def open(self) -> bool:
-        return bool(self.leases)
-
 
 class Evaluation:
     """Evaluation rounds (see the module docstring). Driven by calls, like Admission: the service
     calls :meth:`maybe_start` after each version, routes results through :meth:`receive`; Admission
-    calls :meth:`dispatch`, :meth:`outstanding`, :meth:`release_holder`, :meth:`refused`,
-    :meth:`expire` (its ``side_work`` hooks).
+    calls :meth:`wants`, :meth:`take`, :meth:`outstanding`, :meth:`release_holder`, :meth:`refused`
+    and :meth:`expire` (its :class:`learner.serve.admission.SideWork` port).
 
     Args:
         prompts: the round's prompts (stream items with ``prompt_token_ids``).
@@ -108,7 +101,8 @@ class Evaluation:
         self.rounds = 0
         self.last: dict[str, Any] | None = None       # the last complete round's numbers
         self._recent: deque[str] = deque(maxlen=RECENT_ROUNDS)   # prefixes of closed rounds
-        self._held: Counter[str] = Counter()          # server id -> eval assignments it holds
+        # The open round's leases (a closed round has none left: each was answered or dropped).
+        self.leases = LeaseTable(timeout_s=lease_timeout_s, max_attempts=max_attempts, clock=clock)
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -139,15 +133,12 @@ class Evaluation:
         if self.round is not None:
             self.metrics.eval_rounds.labels(outcome="skipped").inc()
             self.log("eval_skipped", level="warning", eval_version=version,
-                     open_round_version=self.round.version, waiting=len(self.round.leases),
+                     open_round_version=self.round.version, waiting=self._open_count(),
                      hint="the previous evaluation is still running: raise eval_every or add servers")
             return False
         self.rounds += 1
         r = self.round = EvalRound(self.rounds, version, self.clock())
-        for k, p in enumerate(self.prompts):
-            aid = f"{self.prefix}{r.number}.{k}"
-            r.leases[aid] = EvalLease(aid, p)
-            r.waiting.append(aid)
+        r.unsent.extend((f"{self.prefix}{r.number}.{k}", p) for k, p in enumerate(self.prompts))
         self.idle.clear()
         self.log("eval_started", eval_version=version, prompts=len(self.prompts))
         return True
@@ -157,35 +148,40 @@ class Evaluation:
 
     def outstanding(self, server_id: str) -> int:
         """Eval samples ``server_id`` holds (one per held assignment)."""
-        return self._held[server_id]
+        return self.leases.held_samples(server_id)
+
+    def _open_count(self) -> int:
+        r = self.round
+        return 0 if r is None else len(r.unsent) + len(self.leases)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the open round to finish; True if none is open."""
         return await wait_event(self.idle, timeout_s)
 
-    # ---- dispatch (called by Admission.dispatch) ----------------------------------------------
-    async def dispatch(self, admission) -> None:
-        """Hand waiting eval assignments to eligible servers with a free credit (fewest held first)."""
+    # ---- handing out work (Admission's SideWork port) ------------------------------------------
+    def wants(self, server_version: int) -> bool:
+        """There is eval work a server at ``server_version`` may take (the round's version or newer,
+        so its completions are that version's)."""
         r = self.round
-        if getattr(admission, "paused", False):
-            return                           # ctl pause holds evaluation work too
-        while r is not None and r is self.round and r.waiting:
-            ready = [s for s in admission.servers.values()
-                     if s.credits >= 1 and admission.eligible(s) and s.version >= r.version]
-            if not ready:
-                return
-            srv = min(ready, key=lambda s: self.outstanding(s.server_id))
-            lease = r.leases.get(r.waiting.popleft())
-            if lease is None or lease.holder:
-                continue                     # finished meanwhile by an earlier holder
-            lease.holder, lease.attempt = srv.server_id, lease.attempt + 1
-            self._held[srv.server_id] += 1
-            lease.deadline_s = self.clock() + self.lease_timeout_s
-            srv.credits -= 1
-            await admission._send(srv, self._assignment(lease))   # not queued: srv lost, re-issued
+        return r is not None and bool(r.unsent or r.retry) and server_version >= r.version
 
-    def _assignment(self, lease: EvalLease) -> protocol.Assignment:
-        p = lease.prompt
+    def take(self, server_id: str) -> protocol.Assignment | None:
+        """Lease the next eval assignment (re-issues first) to ``server_id``; None when none waits."""
+        r = self.round
+        if r is None:
+            return None
+        while r.retry:
+            lease = r.retry.popleft()
+            if self.leases.get(lease.assignment_id) is lease and lease.state is LeaseState.EXPIRED:
+                return self._assignment(self.leases.reissue(lease, server_id))
+            # else answered meanwhile by an earlier holder (the first copy wins)
+        if r.unsent:
+            aid, prompt = r.unsent.popleft()
+            return self._assignment(self.leases.issue(aid, server_id, 1, payload=prompt, version=r.version))
+        return None
+
+    def _assignment(self, lease: Lease) -> protocol.Assignment:
+        p = lease.payload
         return protocol.Assignment(
             assignment_id=lease.assignment_id, prompt_id=p["prompt_id"],
             prompt_token_ids=p["prompt_token_ids"], group_size=1, version=self.version(),
@@ -194,44 +190,28 @@ class Evaluation:
             deadline_s=self.lease_timeout_s, attempt=lease.attempt)
 
     # ---- losing leases (called by Admission) -----------------------------------------------------
-    def _release(self, lease: EvalLease) -> None:
-        if lease.holder:
-            self._held[lease.holder] -= 1
-            if self._held[lease.holder] <= 0:
-                del self._held[lease.holder]
-            lease.holder = ""
-
-    def _lose(self, lease: EvalLease, reason: str) -> None:
+    def _lost(self, lost: tuple[list[Lease], list[Lease]], reason: str) -> None:
+        retry, exhausted = lost
         r = self.round
-        self._release(lease)
-        if lease.attempt >= self.max_attempts:
-            del r.leases[lease.assignment_id]
+        if r is None:
+            return
+        r.retry.extend(retry)
+        for lease in exhausted:
             r.dropped += 1
             self.log("eval_dropped", assignment_id=lease.assignment_id, reason=reason,
                      attempts=lease.attempt)
+        if exhausted:
             self._maybe_finish()
-        else:
-            r.waiting.appendleft(lease.assignment_id)
 
     def release_holder(self, server_id: str) -> None:
         """``server_id`` is gone: its eval assignments are re-issued (or dropped when out of attempts)."""
-        r = self.round
-        if r is not None:
-            for lease in [le for le in r.leases.values() if le.holder == server_id]:
-                self._lose(lease, "server_lost")
+        self._lost(self.leases.release_holder(server_id), "server_lost")
 
     def refused(self, server_id: str, assignment_id: str) -> None:
-        r = self.round
-        lease = r.leases.get(assignment_id) if r is not None else None
-        if lease is not None and lease.holder == server_id:
-            self._lose(lease, "refused")
+        self._lost(self.leases.release(assignment_id, server_id), "refused")
 
     def expire(self) -> None:
-        r = self.round
-        if r is not None:
-            now = self.clock()
-            for lease in [le for le in r.leases.values() if le.holder and le.deadline_s <= now]:
-                self._lose(lease, "expired")
+        self._lost(self.leases.expire(), "expired")
 
     # ---- results -------------------------------------------------------------------------------
     async def receive(self, msg: protocol.RolloutResult,
@@ -257,7 +237,7 @@ class Evaluation:
 
     def _take(self, s: protocol.Sample) -> str:
         r = self.round
-        lease = r.leases.get(s.assignment_id) if r is not None else None
+        lease = self.leases.get(s.assignment_id) if r is not None else None
         if lease is None:
             if r is not None and s.assignment_id.startswith(f"{self.prefix}{r.number}."):
                 return "duplicate"             # this round's, already answered (or dropped)
@@ -267,11 +247,10 @@ class Evaluation:
         if (s.sample_id != protocol.sample_id(s.assignment_id, 0) or s.group_size != 1
                 or n > self.sampling.max_new_tokens
                 or (n and int(np.max(s.token_versions)) > self.version())
-                or not np.array_equal(s.prompt_token_ids, lease.prompt["prompt_token_ids"])):
+                or not np.array_equal(s.prompt_token_ids, lease.payload["prompt_token_ids"])):
             self.log("eval_sample_invalid", sample_id=s.sample_id[:200])
             return "invalid"                   # the lease stays: it expires and is re-issued
-        self._release(lease)
-        del r.leases[s.assignment_id]
+        self.leases.complete(s.assignment_id)
         if s.failed:
             r.failed += 1
         else:
@@ -282,7 +261,7 @@ class Evaluation:
 
     def _maybe_finish(self) -> None:
         r = self.round
-        if r is None or r.open:
+        if r is None or r.unsent or len(self.leases):
             return
         self.round = None
         self._recent.append(f"{self.prefix}{r.number}.")
@@ -309,5 +288,5 @@ class Evaluation:
     def status(self) -> dict:
         r = self.round
         return {"rounds": self.rounds, "last": self.last,
-                "open": None if r is None else {"version": r.version, "waiting": len(r.waiting),
-                                                "open": len(r.leases)}}
+                "open": None if r is None else {"version": r.version, "waiting": len(r.unsent) + len(r.retry),
+                                                "open": self._open_count()}}

@@ -112,9 +112,13 @@ Weights. :meth:`Admission.announce` sends each new manifest to every server; a s
 rejoins, or is still behind the newest version ``reannounce_s`` after it was announced to it,
 gets it again (with its next heartbeat).
 
-Evaluation. ``side_work`` (a :class:`learner.data.evaluation.Evaluation`) is work outside the gate:
-its assignments have their own ids and leases, but take server credits, so :meth:`outstanding`
-counts them and :meth:`dispatch` hands them out first; refusals, lost servers and expiry reach it.
+Evaluation. ``side_work`` (a :class:`SideWork`: :class:`learner.data.evaluation.Evaluation`) is
+work outside the gate: its assignments have their own ids and leases (the same
+:class:`buffer.leases.LeaseTable` kind, a table of its own), but take server credits, so
+:meth:`outstanding` counts them and :meth:`dispatch` hands them out first, one credit each, to
+the eligible server holding fewest of them that ``side_work.wants`` (it has applied the round's
+version): ``side_work.take(server)`` leases the next one, Admission charges the credit and sends
+it. Refusals, lost servers and expiry reach it too.
 
 Everything here is driven by calls — no socket, no task, no clock of its own: it is handed a
 ``send(identity, message) -> bool`` coroutine, a clock, and a factory of new assignments.
@@ -130,7 +134,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import protocol
 from buffer import Lease, LeaseState, RolloutBuffer
@@ -165,6 +169,30 @@ class ServerState:
 
 def _served(srv: ServerState) -> int:
     return srv.served
+
+
+class SideWork(Protocol):
+    """Work outside the staleness gate that takes server credits (evaluation rounds)."""
+
+    def owns(self, assignment_id: str) -> bool: ...
+
+    def outstanding(self, server_id: str) -> int:
+        """Samples of its assignments ``server_id`` holds."""
+        ...
+
+    def wants(self, server_version: int) -> bool:
+        """It has work a server at ``server_version`` may take."""
+        ...
+
+    def take(self, server_id: str) -> protocol.Assignment | None:
+        """Lease its next assignment to ``server_id`` (None: nothing waits)."""
+        ...
+
+    def refused(self, server_id: str, assignment_id: str) -> None: ...
+
+    def release_holder(self, server_id: str) -> None: ...
+
+    def expire(self) -> None: ...
 
 
 class Admission:
@@ -213,7 +241,7 @@ class Admission:
         self.versions_changed = asyncio.Event()   # set whenever a server's version changes or it leaves
         # Work outside the staleness gate (learner.data.evaluation): its own leases and namespace, but
         # it takes server credits, so it is counted in outstanding() and dispatched first.
-        self.side_work: Any = None
+        self.side_work: SideWork | None = None
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -477,7 +505,7 @@ class Admission:
     async def dispatch(self) -> None:
         """Turn credits into assignments while the rules above allow (see the module docstring)."""
         if self.side_work is not None:
-            await self.side_work.dispatch(self)
+            await self._dispatch_side_work(self.side_work)
         g = self.buffer.group_size
         planned: list[tuple[ServerState, protocol.Assignment]] = []
         while True:
@@ -504,6 +532,21 @@ class Admission:
             if self.servers.get(srv.identity) is not srv:
                 continue                          # lost by an earlier send: its leases re-issue
             assignment.burst_left = left[srv.identity]
+            await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
+
+    async def _dispatch_side_work(self, side: SideWork) -> None:
+        """Side work first, a credit each, to the eligible server holding fewest of it (also after
+        :meth:`close`: the last version's evaluation round still runs; not while paused)."""
+        while not self.paused:
+            ready = [s for s in self.servers.values()
+                     if s.credits >= 1 and self.eligible(s) and side.wants(s.version)]
+            if not ready:
+                return
+            srv = min(ready, key=lambda s: side.outstanding(s.server_id))
+            assignment = side.take(srv.server_id)
+            if assignment is None:
+                return
+            srv.credits -= 1
             await self._send(srv, assignment)      # not queued: srv is lost, the lease re-issued
 
     def _reissue_order(self, srv: ServerState) -> tuple[bool, int]:
