@@ -3,7 +3,8 @@ no globals, no device assumptions).
 
 Conventions: per-token tensors are ``[B, T]``; ``mask`` is ``[B, T]`` bool/float, 1 for a completion
 token that counts — padding never changes a result. Losses return ``(loss, stats)`` with a 0-dim loss
-that carries grad and a dict of plain floats (``merge_stats`` combines the dicts of micro-batches).
+that carries grad and a dict of detached 0-dim tensors (``read_tensors`` reads a step's at once;
+``merge_stats`` combines the dicts of micro-batches).
 Low-precision inputs are reduced in float32.
 
 The functions load on first use (``ops.<name>``, ``from ops import <name>``: PEP 562), so what
@@ -58,6 +59,7 @@ _WHERE = {
     "pf_ppo_resample": "filtration",
     "pf_ppo_weights": "filtration",
     "ppo_policy_loss": "losses",
+    "read_tensors": "stats",
     "reinforce_pp_advantages": "advantages",
     "returns_to_go": "advantages",
     "shape_token_rewards": "rewards",
@@ -123,6 +125,7 @@ __all__ = [
     "pf_ppo_resample",
     "pf_ppo_weights",
     "ppo_policy_loss",
+    "read_tensors",
     "reinforce_pp_advantages",
     "returns_to_go",
     "shape_token_rewards",

@@ -44,7 +44,7 @@ def importance_weights(
     mode: str = "tis",
     cap: float | None = 2.0,
     veto: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Detached importance weights w = π_prox/μ -> (weights [B, T], mask [B, T], stats).
 
     proximal_logprobs, behavior_logprobs, mask: [B, T]. Returned ``weights`` are 0 wherever the
@@ -53,7 +53,7 @@ def importance_weights(
     unused by ``none``. ``veto`` (> 0, or None for no veto) is the per-token veto of ``geo_mis``: a
     sequence with a counted token whose weight is below it is removed whole; other modes ignore it.
 
-    Stats (plain floats, computed on the raw weights over the counted tokens of the input mask):
+    Stats (0-dim tensors, computed on the raw weights over the counted tokens of the input mask):
     ``is_weight_mean``, ``is_weight_max``, ``is_weight_min``, ``is_ess_ratio`` = (Σw)²/(n·Σw²) ∈ (0, 1]
     (1 when on-policy; Kish's effective sample size over n), ``is_masked_fraction`` (counted tokens
     removed by mis/seq_mis), ``is_truncated_fraction`` (tokens whose weight the cap lowered),
@@ -97,21 +97,24 @@ def importance_weights(
         w = torch.ones_like(raw)  # rejection only: what is kept weighs 1
     weights = torch.where(new_keep, w, torch.zeros_like(w))
 
+    # The statistics stay on the device (0-dim tensors; ops.read_tensors reads a step's at once).
     n = keep.sum()
     sum_w = masked_sum(raw, keep)
     sum_w2 = masked_sum(raw.square(), keep)
-    ess = (sum_w.square() / (n * sum_w2)).item() if n > 0 else 1.0
-    raw_counted = raw[keep]
-    stats = {
-        "is_weight_mean": masked_mean(raw, keep).item(),
-        "is_weight_max": raw_counted.max().item() if raw_counted.numel() else 0.0,
-        "is_weight_min": raw_counted.min().item() if raw_counted.numel() else 0.0,
-        "is_ess_ratio": ess,
-        "is_masked_fraction": masked_mean((keep & ~new_keep).to(cdt), keep).item(),
-        "is_truncated_fraction": masked_mean(truncated.to(cdt), keep).item(),
-        "is_veto_fraction": masked_mean(vetoed.to(cdt), keep).item(),
-        "mismatch_kl": masked_mean(kl_estimate(behavior_logprobs, proximal_logprobs, "k3"), keep).item(),
-    }
+    with torch.no_grad():
+        ess = torch.where(n > 0, sum_w.square() / (n * sum_w2), torch.ones_like(sum_w))
+        inf = torch.full_like(sum_w, float("inf"))
+        has = n > 0
+        stats = {
+            "is_weight_mean": masked_mean(raw, keep),
+            "is_weight_max": torch.where(has, torch.where(keep, raw, -inf).amax(), torch.zeros_like(sum_w)),
+            "is_weight_min": torch.where(has, torch.where(keep, raw, inf).amin(), torch.zeros_like(sum_w)),
+            "is_ess_ratio": ess,
+            "is_masked_fraction": masked_mean((keep & ~new_keep).to(cdt), keep),
+            "is_truncated_fraction": masked_mean(truncated.to(cdt), keep),
+            "is_veto_fraction": masked_mean(vetoed.to(cdt), keep),
+            "mismatch_kl": masked_mean(kl_estimate(behavior_logprobs, proximal_logprobs, "k3"), keep),
+        }
     out_mask = new_keep if mask.dtype == torch.bool else torch.where(new_keep, mask, torch.zeros_like(mask))
     return weights, out_mask, stats
 

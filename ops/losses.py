@@ -1,7 +1,8 @@
 """Loss functions: decoupled PPO policy loss, clipped value loss, entropy/KL terms, DPO.
 
 Every loss takes per-token ``[B, T]`` tensors plus a ``[B, T]`` mask, returns ``(loss, stats)``:
-``loss`` a 0-dim tensor with grad, ``stats`` a dict of plain Python floats for logging. Per-token
+``loss`` a 0-dim tensor with grad, ``stats`` a dict of detached 0-dim tensors for logging (no
+device read here: ``ops.read_tensors`` reads a step's statistics at once). Per-token
 losses are reduced with ``ops.aggregate_loss`` (``token_mean`` | ``seq_mean_token_sum`` |
 ``seq_mean_token_mean``).
 """
@@ -17,8 +18,19 @@ from .masked import aggregate_loss, compute_dtype, masked_mean, masked_var
 __all__ = ["dpo_loss", "entropy_loss", "kl_loss", "ppo_policy_loss", "value_loss"]
 
 
-def _f(x: torch.Tensor) -> float:
-    return float(x.detach().item())
+def _f(x: torch.Tensor) -> torch.Tensor:
+    """A statistic: detached, left on the device (read later, with the others)."""
+    return x.detach()
+
+
+def _counted_min_max(x: torch.Tensor, keep: torch.Tensor, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of ``x`` over the counted positions (``empty`` when none), without the device
+    read that boolean indexing (``x[keep]``) would cost."""
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    has = keep.any()
+    low = torch.where(has, torch.where(keep, x, inf).amin(), torch.full_like(inf, empty))
+    high = torch.where(has, torch.where(keep, x, -inf).amax(), torch.full_like(inf, empty))
+    return low, high
 
 
 def _counted(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -37,7 +49,7 @@ def ppo_policy_loss(
     is_weights: torch.Tensor | None = None,
     agg: str = "token_mean",
     normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO clipped surrogate (docs/design.md §4) -> (loss, stats).
 
     r_t = exp(clamp(log π_θ − log π_prox, −20, 20))                                      [B, T]
@@ -81,15 +93,14 @@ def ppo_policy_loss(
 
     with torch.no_grad():
         r = ratio.detach()
-        r_counted = r[keep]
-        has = r_counted.numel() > 0
+        ratio_min, ratio_max = _counted_min_max(r, keep, 1.0)
         stats = {
             "clip_fraction": _f(masked_mean(clipped.to(cdt), keep)),
             "dual_clip_fraction": _f(masked_mean(dual_clipped.to(cdt), keep)),
             "approx_kl": _f(masked_mean((r - 1.0) - log_ratio.detach(), keep)),
             "ratio_mean": _f(masked_mean(r, keep)),
-            "ratio_min": _f(r_counted.min()) if has else 1.0,
-            "ratio_max": _f(r_counted.max()) if has else 1.0,
+            "ratio_min": ratio_min,
+            "ratio_max": ratio_max,
         }
     return loss, stats
 
@@ -102,7 +113,7 @@ def value_loss(
     clip: float | None = 0.2,
     agg: str = "token_mean",
     normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO2 / CleanRL ``ppo.py``; verl ``compute_value_loss``) -> (loss, stats).
 
     v_clip = V_old + clamp(V − V_old, −clip, clip);  l_t = ½ · max((V − R)², (v_clip − R)²)      [B, T]
@@ -126,20 +137,21 @@ def value_loss(
         clipped = err_clipped > err_unclipped
     loss = 0.5 * aggregate_loss(loss_mat, mask, agg, normalizer)
     with torch.no_grad():
-        var_r = _f(masked_var(returns, keep))
-        var_res = _f(masked_var(returns - values.detach(), keep))
+        # In float64, as Python computed it from the two variances read back (the same figure).
+        var_r = masked_var(returns, keep).double()
+        var_res = masked_var(returns - values.detach(), keep).double()
         stats = {
             "vf_clip_fraction": _f(masked_mean(clipped.to(cdt), keep)),
             "value_mean": _f(masked_mean(values.detach(), keep)),
             "value_error": _f(masked_mean(err_unclipped.detach(), keep)),
-            "explained_variance": 1.0 - var_res / var_r if var_r > 0 else 0.0,
+            "explained_variance": torch.where(var_r > 0, 1.0 - var_res / var_r, torch.zeros_like(var_r)),
         }
     return loss, stats
 
 
 def entropy_loss(
     entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean", normalizer: float | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregated entropy bonus term (verl ``agg_loss(entropy)``) -> (value, stats).
 
     Returns the aggregated *entropy* (≥ 0, with grad); the trainer subtracts ``coef · value`` from the
@@ -156,7 +168,7 @@ def kl_loss(
     kind: str = "k3",
     agg: str = "token_mean",
     normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL(π ‖ π_ref) penalty in the loss (GRPO, Shao et al. 2024: k3) -> (value, stats).
 
     value = aggregate(kl_estimate(logprobs, ref_logprobs, kind), mask, agg), with grad through
@@ -176,7 +188,7 @@ def dpo_loss(
     ref_rejected_logps: torch.Tensor,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Direct Preference Optimization (Rafailov et al. 2023) -> (loss, stats).
 
     Inputs are sequence log-probs [N] (sum of token log-probs of each completion).

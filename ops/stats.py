@@ -15,13 +15,61 @@ given the count ``n_k`` of tokens part k counted (``mask != 0`` of the mask the 
 
 Parts that counted nothing are left out (their stats are the empty defaults); when no part counted
 anything the first part's stats are returned as they are.
+
+The losses and ``ops.importance_weights`` return their statistics as 0-dim tensors, so that a
+trainer pays one device read for all of them (:func:`read_tensors`), not one per statistic and
+micro-batch: each such read waits for the device to finish everything queued before it.
+:func:`merge_stats` reads its parts first (once, if any tensor is left in them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["STAT_REDUCTIONS", "merge_stats"]
+import torch
+
+__all__ = ["STAT_REDUCTIONS", "merge_stats", "read_tensors"]
+
+
+def read_tensors(tree: Any) -> Any:
+    """``tree`` (dicts, lists and tuples of tensors and plain values) with every tensor replaced by
+    its value as a Python float (0-dim tensors only), read from the device in one transfer.
+
+    Exactly ``float(t)`` for each (float64 holds every float32, float16, bfloat16 and integer
+    count exactly), so statistics read this way equal those read one by one.
+    """
+    leaves: list[torch.Tensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            leaves.append(x)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(tree)
+    if not leaves:
+        return tree
+    device = leaves[0].device
+    values = iter(torch.stack([t.detach().reshape(()).to(device=device, dtype=torch.float64)
+                               for t in leaves]).tolist())
+
+    def rebuild(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return next(values)
+        if isinstance(x, Mapping):
+            return {k: rebuild(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [rebuild(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(rebuild(v) for v in x)
+        return x
+
+    return rebuild(tree)
 
 STAT_REDUCTIONS: dict[str, str] = {
     "ratio_max": "max",
@@ -42,6 +90,7 @@ def merge_stats(parts: Sequence[tuple[Mapping[str, float], float]]) -> dict[str,
     """
     if not parts:
         raise ValueError("merge_stats needs at least one part")
+    parts = read_tensors(list(parts))
     keys = list(parts[0][0])
     for stats, _ in parts:
         if list(stats) != keys:

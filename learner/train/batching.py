@@ -29,6 +29,11 @@ import protocol
 __all__ = ["BatchTensors", "collate", "plan_updates", "sampling_temperature", "take"]
 
 
+HOST_FIELDS = frozenset({"seq_lens", "temperatures"})
+"""Kept on the CPU by :meth:`BatchTensors.to`: a micro-batch's width and the update plan read
+``seq_lens``, the forward groups rows by ``temperatures`` (learner.models.logprobs)."""
+
+
 @dataclass
 class BatchTensors:
     input_ids: torch.Tensor          # (B, L) long, right-padded
@@ -38,8 +43,8 @@ class BatchTensors:
     behavior_logprobs: torch.Tensor  # (B, L-1) float32, 0 off the mask
     rewards: torch.Tensor            # (B,) float32
     lengths: torch.Tensor            # (B,) float32, completion tokens
-    seq_lens: torch.Tensor           # (B,) long, prompt + completion tokens
-    temperatures: torch.Tensor       # (B,) float32, the sampling temperature of each row
+    seq_lens: torch.Tensor           # (B,) long, prompt + completion tokens (kept on the CPU)
+    temperatures: torch.Tensor       # (B,) float32, the sampling temperature of each row (on the CPU)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -57,8 +62,11 @@ class BatchTensors:
             lengths=self.lengths[idx], seq_lens=self.seq_lens[idx], temperatures=self.temperatures[idx])
 
     def to(self, device: torch.device | str) -> BatchTensors:
-        """Every tensor on ``device`` (collated on the CPU, trained where the model is)."""
-        return BatchTensors(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+        """Every tensor on ``device`` (collated on the CPU, trained where the model is), except
+        those the host reads for every micro-batch (:data:`HOST_FIELDS`): a read from the device
+        would wait for all the work queued before it."""
+        return BatchTensors(**{f.name: getattr(self, f.name) if f.name in HOST_FIELDS else
+                               getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
     def rows(self, idx: torch.Tensor) -> BatchTensors:
         """The rows ``idx`` (1-D long), cut to their longest row."""

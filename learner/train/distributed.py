@@ -331,6 +331,7 @@ class DeepSpeedStrategy:
         self._dirty.add(which)
 
     def merge_minibatch(self, mb: MiniBatch) -> MiniBatch:
+        mb.pg_parts, mb.vf_parts = mb.read(mb.pg_parts, mb.vf_parts)   # plain numbers to gather
         merged = MiniBatch()
         for losses, pg, vf in self.group.gather((mb.losses, mb.pg_parts, mb.vf_parts)):
             for k, v in losses.items():
@@ -419,6 +420,7 @@ class DeepSpeedStrategy:
         shortcut's proximal log-probs and importance statistics, the sanity check."""
         if self.group.world == 1:
             return
+        log.read(s)                          # this rank's statistics, as plain numbers to gather
         shortcut = s.proximal is None
         mine = (log.entropy_sum, log.entropy_tokens, s.is_parts if shortcut else [],
                 (log.sanity.dev_sum, log.sanity.dev_max, log.sanity.kl_sum, log.sanity.tokens))

@@ -133,15 +133,19 @@ class DPOTrainer:
         N = self.n_pairs
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict.fromkeys(STATS, 0.0)
+        parts = []
         for idx in self.micro_batches:
             n = len(idx)
             seq = sequence_logprobs(self.forward, self.bt.rows(self._rows(idx)))     # (2n,)
             loss, stats = ops.dpo_loss(seq[:n], seq[n:], self.ref_chosen[idx], self.ref_rejected[idx],
                                        beta=self.beta, label_smoothing=self.label_smoothing)
             (loss * (n / N)).backward()                     # the micro-batches sum to the batch mean
-            for k, v in {"dpo_loss": float(loss.detach()), **stats}.items():
+            parts.append((n, {"dpo_loss": loss.detach(), **stats}))
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.optimizer.max_grad_norm)
+        parts, gn = ops.read_tensors((parts, norm))          # one device read for the step
+        for n, stats in parts:
+            for k, v in stats.items():
                 totals[k] += v * n / N
-        gn = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.optimizer.max_grad_norm))
         applied = math.isfinite(totals["dpo_loss"]) and math.isfinite(gn)
         if applied:
             self.optimizer.step()

@@ -1,5 +1,10 @@
 """The records of one policy step: what it decided and computed, phase by phase, and what its
-updates measured (:class:`learner.train.trainer.Trainer` fills them; its ``_stats`` reads them)."""
+updates measured (:class:`learner.train.trainer.Trainer` fills them; :func:`step_stats` reads them).
+
+Statistics stay on the device as 0-dim tensors until they are needed as numbers: once per update
+(:meth:`MiniBatch.read`: its losses, for the finite check, with the gradient norms) and once at the
+end of the step (:func:`step_stats`: everything else), each one transfer (``ops.read_tensors``).
+A read inside the micro-batch loop would wait for the device at every micro-batch."""
 
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ class StepData:
     bt: BatchTensors
     flagged: torch.Tensor                          # (B,) bool
     version: int
+    any_flagged: bool = False                      # flagged.any(), known on the host
     lr: float = 0.0
     critic_lr: float = 0.0
     train_policy: bool = True
@@ -92,23 +98,31 @@ class StepData:
 
 
 class _Sanity:
-    """The seeds' check on the first mini-batch: |ratio − 1| and KL(current ‖ proximal)."""
+    """The seeds' check on the first mini-batch: |ratio − 1| and KL(current ‖ proximal). Each
+    micro-batch adds its (tokens, Σ|r − 1|, max |r − 1|, Σ KL) as tensors; :meth:`read` sums them."""
 
     def __init__(self) -> None:
         self.dev_sum = self.dev_max = self.kl_sum = 0.0
         self.tokens = 0
+        self.parts: list[tuple[torch.Tensor, ...]] = []
 
     @torch.no_grad()
     def add(self, current: torch.Tensor, proximal: torch.Tensor, mask: torch.Tensor) -> None:
         keep = mask != 0
-        n = int(keep.sum())
-        if not n:
-            return
-        dev = (torch.exp(current - proximal) - 1.0).abs()[keep]
-        self.dev_sum += float(dev.sum())
-        self.dev_max = max(self.dev_max, float(dev.max()))
-        self.kl_sum += float(ops.masked_sum(ops.kl_estimate(current, proximal, "k3"), mask))
-        self.tokens += n
+        dev = torch.where(keep, (torch.exp(current - proximal) - 1.0).abs(), torch.zeros_like(current))
+        self.parts.append((keep.sum(), dev.sum(), dev.amax() if dev.numel() else dev.new_zeros(()),
+                           ops.masked_sum(ops.kl_estimate(current, proximal, "k3"), mask)))
+
+    def read(self, parts: list[tuple[float, ...]]) -> None:
+        """Sum the parts (read: plain numbers), in their order, as the check always added them."""
+        for n, dev_sum, dev_max, kl_sum in parts:
+            if not n:
+                continue
+            self.dev_sum += dev_sum
+            self.dev_max = max(self.dev_max, dev_max)
+            self.kl_sum += kl_sum
+            self.tokens += int(n)
+        self.parts = []
 
     def stats(self, ratio_tolerance: float, kl_tolerance: float) -> dict[str, float]:
         kl = self.kl_sum / self.tokens
@@ -119,14 +133,29 @@ class _Sanity:
 
 @dataclass
 class MiniBatch:
-    """What one mini-batch's micro-batches measured before its optimizer step."""
+    """What one mini-batch's micro-batches measured before its optimizer step: each loss term per
+    micro-batch (tensors until :meth:`read`), and the (stats, tokens) parts of the policy and
+    value losses (tensors until the step's end)."""
 
-    losses: dict[str, float] = field(default_factory=dict)
+    terms: dict[str, list] = field(default_factory=dict)
     pg_parts: list = field(default_factory=list)
     vf_parts: list = field(default_factory=list)
+    losses: dict[str, float] = field(default_factory=dict)
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        self.losses[name] = self.losses.get(name, 0.0) + float(value.detach())
+        self.terms.setdefault(name, []).append(value.detach())
+
+    def read(self, *more):
+        """Sum each loss term over the micro-batches into :attr:`losses` (plain floats, added in
+        order from 0.0) in one device read, together with ``more`` (returned read)."""
+        terms, more = ops.read_tensors((self.terms, more))
+        for name, values in terms.items():
+            total = 0.0
+            for v in values:
+                total += v
+            self.losses[name] = total
+        self.terms = {}
+        return more
 
 
 @dataclass
@@ -143,14 +172,30 @@ class UpdateLog:
     critic_grad_norms: list[float] = field(default_factory=list)
     entropy_sum: float = 0.0
     entropy_tokens: float = 0.0
+    entropy_parts: list = field(default_factory=list)   # (Σ entropy, tokens) per forward, tensors
     sanity: _Sanity = field(default_factory=_Sanity)
+
+    def read(self, s: StepData, *more):
+        """The step's statistics still on the device, read at once: the policy and value loss
+        parts, the importance parts, the entropy sums and the sanity check's, with ``more``
+        (returned read)."""
+        self.pg_parts, self.vf_parts, s.is_parts, entropy, sanity, more = ops.read_tensors(
+            (self.pg_parts, self.vf_parts, s.is_parts, self.entropy_parts, self.sanity.parts, more))
+        for total, tokens in entropy:
+            self.entropy_sum += total
+            self.entropy_tokens += tokens
+        self.entropy_parts = []
+        self.sanity.read(sanity)
+        return more
 
 
 def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, float] | None,
-               critic: bool) -> dict[str, float]:
+               critic: bool, read: dict[str, float]) -> dict[str, float]:
     """The statistics of one trained step (every value a Python float): what the service records
     and exports. ``ref_kl`` is (token mean, sequence mean) of KL to the reference when the step
-    used one; ``critic`` whether it trained a critic."""
+    used one; ``critic`` whether it trained a critic; ``read``: ``score_mean`` and
+    ``advantage_abs_mean``, read from the device with the rest (:meth:`UpdateLog.read`, called
+    before: every part of ``log`` is a plain number here)."""
     samples, B = batch.samples, len(batch.samples)
     raw = torch.tensor([x.reward for x in samples], dtype=torch.float32)
     lengths = torch.tensor([len(x.completion_token_ids) for x in samples], dtype=torch.float32)
@@ -164,8 +209,8 @@ def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, 
         "loss": mean("loss"),
         "reward_mean": float(raw.mean()),
         "reward_std": float(raw.std()) if B > 1 else 0.0,
-        "score_mean": float(s.scores.mean()),
-        "advantage_abs_mean": float(ops.masked_mean(s.adv.abs(), s.bt.mask)),
+        "score_mean": read["score_mean"],
+        "advantage_abs_mean": read["advantage_abs_mean"],
         "entropy": log.entropy_sum / max(1.0, log.entropy_tokens),
         "completion_tokens_mean": float(lengths.mean()),
         "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,

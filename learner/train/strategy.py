@@ -105,9 +105,9 @@ class TrainStrategy(Protocol):
         """What a mini-batch measured, over every process that trained part of it."""
         ...
 
-    def clip_grads(self, s: StepData) -> tuple[float, float]:
+    def clip_grads(self, s: StepData) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """(policy, critic) gradient norms before clipping, each model clipped once (0.0 where
-        not trained here)."""
+        not trained here); tensors are read by the caller with the update's losses."""
         ...
 
     def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
@@ -189,13 +189,15 @@ class PlainStrategy:
     def merge_minibatch(self, mb: MiniBatch) -> MiniBatch:
         return mb
 
-    def clip_grads(self, s: StepData) -> tuple[float, float]:
+    def clip_grads(self, s: StepData) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """Clip both models' gradients; their norms before clipping, as tensors (read by the
+        caller with the update's losses: one device read)."""
         tr = self.trainer
         gn = cn = 0.0
         if s.train_policy:
-            gn = float(torch.nn.utils.clip_grad_norm_(tr.trainable, tr.cfg.optimizer.max_grad_norm))
+            gn = torch.nn.utils.clip_grad_norm_(tr.trainable, tr.cfg.optimizer.max_grad_norm)
         if tr.critic is not None:
-            cn = float(torch.nn.utils.clip_grad_norm_(tr.critic.parameters(), tr.cfg.critic.max_grad_norm))
+            cn = torch.nn.utils.clip_grad_norm_(tr.critic.parameters(), tr.cfg.critic.max_grad_norm)
         return gn, cn
 
     def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:

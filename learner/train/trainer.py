@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -244,19 +245,21 @@ class Trainer:
             s.input_ids, s.attention_mask, s.targets, s.temperatures))
 
     def _importance(self, proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
-                    flagged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[dict, int]]]:
+                    flagged: torch.Tensor, any_flagged: bool) -> tuple[torch.Tensor, torch.Tensor, list[tuple[dict, Any]]]:
         """Behavior weights of some rows -> (weights (b, L-1), kept mask, [(is_stats, tokens), ...]).
 
         Rows flagged ``needs_correction`` under ``is_mode: none`` get ``FLAGGED_IS_MODE`` with
         ``is_cap``; every other row gets ``is_mode``. Each row is weighed once; every mode is
         row-local, so weighing the two sets of rows apart gives each row what the whole batch
-        would. Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` reject have weight 0.
+        would. Tokens that ``mis`` / ``seq_mis`` / ``geo_mis`` reject have weight 0. The statistics
+        and their token counts stay tensors (read with the step's, ``ops.read_tensors``);
+        ``any_flagged`` says whether ``flagged`` has a row (known on the host: no device read).
         """
         cfg = self.cfg
-        if cfg.algorithm.is_mode != "none" or not bool(flagged.any()):
+        if cfg.algorithm.is_mode != "none" or not any_flagged:
             w, keep, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.algorithm.is_mode,
                                                  cap=cfg.algorithm.is_cap, veto=cfg.algorithm.is_veto)
-            return w, keep, [(st, int((mask != 0).sum()))]
+            return w, keep, [(st, (mask != 0).sum())]
         weights = torch.zeros_like(proximal)                                       # (b, L-1)
         keep = torch.zeros_like(mask)
         parts = []
@@ -267,7 +270,7 @@ class Trainer:
                                               cap=cfg.algorithm.is_cap, veto=cfg.algorithm.is_veto)
             weights[rows] = w.to(weights.dtype)
             keep[rows] = k
-            parts.append((st, int((mask[rows] != 0).sum())))
+            parts.append((st, (mask[rows] != 0).sum()))
         return weights, keep, parts
 
     def _set_learning_rates(self, version: int) -> tuple[float, float]:
@@ -327,10 +330,14 @@ class Trainer:
         with phases("update"):
             log = self._update(s, start)
             self.strategy.merge_log(s, log)
-        if s.use_kl:
-            s.kl_next = self.kl_controller.update(self._reference_kl(s, log)[1], len(s.bt))
+        # The step's statistics still on the device, read at once (learner.train.step).
         ref_kl = self._reference_kl(s, log) if s.use_kl else None
-        stats = step_stats(self.cfg, batch, s, log, ref_kl=ref_kl, critic=self.critic is not None)
+        on_device = {"score_mean": s.scores.mean(), "advantage_abs_mean": ops.masked_mean(s.adv.abs(), s.bt.mask)}
+        on_device, ref_kl = log.read(s, on_device, ref_kl)
+        if s.use_kl:
+            s.kl_next = self.kl_controller.update(ref_kl[1], len(s.bt))
+        stats = step_stats(self.cfg, batch, s, log, ref_kl=ref_kl, critic=self.critic is not None,
+                           read=on_device)
         stats.update({f"time_{name}_s": sec for name, sec in phases.seconds.items()})
         stats["step_s"] = time.monotonic() - start
         return stats
@@ -351,7 +358,7 @@ class Trainer:
             raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
         bt = bt.to(self.device)
         s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool, device=self.device),
-                     version=int(batch.version))
+                     version=int(batch.version), any_flagged=any(flags))
         s.lr, s.critic_lr = self._set_learning_rates(s.version)
         s.train_policy = self.critic is None or s.version >= cfg.critic.warmup_steps
         s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
@@ -361,7 +368,7 @@ class Trainer:
         s.use_kl = self.reference is not None and s.beta > 0
         s.group_sizes = list(batch.group_sizes) or [cfg.batch.group_size] * (B // cfg.batch.group_size)
         # Rows whose proximal log-probs must be the current weights' (all, or the flagged ones).
-        s.current_rows = cfg.algorithm.recompute_logprobs or bool(s.flagged.any())
+        s.current_rows = cfg.algorithm.recompute_logprobs or s.any_flagged
         s.needed_early = (s.use_kl and cfg.kl.in_reward) or (
             self.critic is not None and cfg.critic.targets == "vtrace")
         s.separate = s.current_rows and (s.needed_early or (s.train_policy and (
@@ -444,7 +451,7 @@ class Trainer:
             if s.proximal is None or not s.train_policy:
                 return
             s.weights, kept, s.is_parts = self._importance(s.proximal, bt.behavior_logprobs, bt.mask,
-                                                           s.flagged)
+                                                           s.flagged, s.any_flagged)
             if cfg.algorithm.m2po_threshold is not None:
                 keep, s.m2po_stats = ops.m2po_mask(s.proximal, bt.behavior_logprobs, kept,
                                                    cfg.algorithm.m2po_threshold)
@@ -464,11 +471,13 @@ class Trainer:
                     self.strategy.zero_grad()
                     return log
                 where = f"update {log.applied + 1} of {s.n_updates}"
+                # The update's one device read: its loss terms and both gradient norms (the clip
+                # scales non-finite gradients too; a skip then restores and zeroes them anyway).
+                gn, cn = mb.read(*self.strategy.clip_grads(s))
                 bad = next((name for name in sorted(mb.losses, key=lambda n: n != "loss")
                             if not math.isfinite(mb.losses[name])), None)   # the total first
                 if bad is not None:
                     raise self._skip(s, snapshot, log, f"non-finite {bad} at {where}", start)
-                gn, cn = self.strategy.clip_grads(s)
                 for which, norm in (("policy", gn), ("critic", cn)):
                     if not math.isfinite(norm):
                         raise self._skip(s, snapshot, log, f"non-finite {which} gradient norm at {where}", start)
@@ -517,7 +526,7 @@ class Trainer:
             sub = bt.rows(rows)
             L = sub.input_ids.shape[1]
             mask = sub.mask
-            n_tok = int((mask != 0).sum())
+            n_tok = (mask != 0).sum()                    # a tensor, read with the step's statistics
             if s.train_policy:
                 self._policy_micro(s, log, mb, sub, rows, normalizer, n_tok, epoch, first)
             if self.critic is not None:
@@ -549,13 +558,12 @@ class Trainer:
         mask, behavior = sub.mask, sub.behavior_logprobs
         logprobs, entropy = self._logprobs(sub, "grad" if cfg.algorithm.entropy_coef > 0 else "stat")  # (b, L-1)
         if epoch == 0:
-            log.entropy_sum += float(ops.masked_sum(entropy.detach(), mask))
-            log.entropy_tokens += float(mask.sum())
+            log.entropy_parts.append((ops.masked_sum(entropy.detach(), mask), mask.sum()))
         current = logprobs.detach()
         if s.proximal is None:                                      # the single-step shortcut
             prox = current if cfg.algorithm.recompute_logprobs else torch.where(s.flagged[rows, None], current, behavior)
             log.filled[rows, :L - 1] = prox
-            w, _, parts = self._importance(prox, behavior, mask, s.flagged[rows])
+            w, _, parts = self._importance(prox, behavior, mask, s.flagged[rows], s.any_flagged)
             s.is_parts.extend(parts)
         else:
             prox, w = take(s.proximal, rows, L), take(s.weights, rows, L)
@@ -582,10 +590,11 @@ class Trainer:
         mb.add("loss", total)
         mb.pg_parts.append((pg_stats, n_tok))
 
-    def _reference_kl(self, s: StepData, log: UpdateLog) -> tuple[float, float]:
+    def _reference_kl(self, s: StepData, log: UpdateLog) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting
-        policy and the reference (behavior log-probs where neither a pass nor a forward ran)."""
+        policy and the reference (behavior log-probs where neither a pass nor a forward ran), as
+        0-dim tensors (read with the step's statistics)."""
         source = log.filled if (s.proximal is not None or s.train_policy) else s.bt.behavior_logprobs
         kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl.kind)                   # (B, L-1)
-        return float(ops.masked_mean(kl, s.bt.mask)), float(ops.masked_sum(kl, s.bt.mask, dim=-1).mean())
+        return ops.masked_mean(kl, s.bt.mask), ops.masked_sum(kl, s.bt.mask, dim=-1).mean()
 

@@ -54,7 +54,7 @@ def test_merged_parts_equal_the_whole_batch(B, T, seed, p, mode, sizes):
         merged = merge_stats(parts)
         assert merged.keys() == whole.keys()
         for k in whole:
-            assert merged[k] == pytest.approx(whole[k], abs=1e-6, rel=1e-5), k
+            assert merged[k] == pytest.approx(float(whole[k]), abs=1e-6, rel=1e-5), k
 
 
 def test_rules_and_empty_parts():

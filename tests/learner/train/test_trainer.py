@@ -308,3 +308,59 @@ def test_the_trainer_takes_its_sections_not_the_learner_config(tiny_model_dir):
     assert not hasattr(own, "network") and not hasattr(own, "staleness") and not hasattr(own, "data")
     own.optimizer.lr = 5e-4                              # its own copy: the learner's is untouched
     assert cfg.optimizer.lr == 1e-3
+
+
+DEVICE_READS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist", "numpy")
+# Reads of tensors the host holds by design, not the device's: a micro-batch's width and the rows'
+# temperatures (learner.train.batching.HOST_FIELDS stay on the CPU), and transformers' own check
+# of the attention mask in every forward (its code, not ours).
+HOST_SITES = (("learner/train/batching.py", "width"), ("learner/models/logprobs.py", "row_temperature_groups"),
+              ("transformers/masking_utils.py", None))
+
+
+def count_reads(monkeypatch, trainer: Trainer, batch: Batch) -> tuple[dict, int]:
+    """Run one step counting every read of a tensor's value by the host (Tensor.item, float(),
+    int(), bool(), tolist(), numpy()) outside :data:`HOST_SITES`: on a GPU each waits for the
+    device's queued work."""
+    reads = []
+    for name in DEVICE_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(t, *a, _original=original, _name=name, **k):
+            caller = sys._getframe(1)
+            site = (caller.f_code.co_filename, caller.f_code.co_name)
+            if not any(site[0].endswith(f) and fn in (None, site[1]) for f, fn in HOST_SITES):
+                reads.append((_name, site))
+            return _original(t, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    try:
+        stats = trainer.step(batch)
+    finally:
+        monkeypatch.undo()
+    return stats, len(reads)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                        # the demo's step: one update
+    dict(ppo_epochs=2, mini_batch_samples=4),                  # four updates, a proximal pass
+    dict(is_mode="geo_mis", kl_coef=0.05, kl_in_reward=False, entropy_coef=0.01),
+], ids=["one-update", "four-updates", "kl-entropy"])
+def test_a_step_reads_its_statistics_once_not_per_micro_batch(tiny_model_dir, monkeypatch, overrides):
+    """The step keeps its statistics on the device and reads them back together (issue 37 item 7):
+    per update its loss terms and gradient norms, at the end everything else. Eight micro-batches
+    cost no more reads than one (before: about ten a micro-batch), and the figures are the same."""
+    one = make_trainer(tiny_model_dir, micro_batch_samples=B, **overrides)
+    eight = make_trainer(tiny_model_dir, micro_batch_samples=1, **overrides)
+    s1, reads_one = count_reads(monkeypatch, one, make_batch(spread=0.3))
+    s8, reads_eight = count_reads(monkeypatch, eight, make_batch(spread=0.3))
+    print(overrides, {"reads, 1 micro-batch": reads_one, "reads, 8 micro-batches": reads_eight,
+                      "optimizer steps": s1["optimizer_steps"]})
+    assert reads_eight == reads_one, (reads_one, reads_eight)
+    # Per update: its one read (losses and norms), the finite-weights check and the mini-batch's
+    # loss normalizer; per step: the collate's token-range check (on the host), the final read
+    # and the reward figures of the host's samples.
+    assert reads_one <= 3 * s1["optimizer_steps"] + 8, reads_one
+    if s1["optimizer_steps"] == 1:      # (after a first update, rounding of the split compounds)
+        for k in s1:
+            if k != "step_s" and not k.startswith("time_"):
+                assert s8[k] == pytest.approx(s1[k], abs=1e-6, rel=1e-6), k
