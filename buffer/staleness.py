@@ -5,7 +5,7 @@ and how stale a trained sample may be (the buffer's sweep, drop or correct). It 
 :class:`StalenessLimit`, and every change goes through it:
 
 - ``ctl set staleness.max_staleness`` (learner.serve.control): :meth:`StalenessLimit.set`;
-- the adaptive controller after each step (learner.serve.records): :meth:`StalenessLimit.after_step`;
+- the adaptive controller after each step (learner.serve.step_records): :meth:`StalenessLimit.after_step`;
 - a resume (learner.state.learner_checkpoints): :meth:`StalenessLimit.set` with the η the run starts
   with; a checkpoint's own value is put back quietly by :meth:`StalenessLimit.restore` while the
   buffer is loaded (before anything may act on it).

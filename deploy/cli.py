@@ -1,6 +1,6 @@
 """The ``slipstream`` command: learner, rollout, run, ctl, config, keys, report, replay.
 
-Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config.ConfigError`
+Config and startup errors (:class:`protocol.StartupError`, which :class:`deploy.config_file.ConfigError`
 is one of) print one line saying what to fix on stderr and exit with code 2, no traceback. They
 are found before the model loads where they can be: the dataset, the learner endpoint, the run
 directory, the model directory's ``config.json``. Anything else is a bug or a runtime failure and
@@ -117,7 +117,7 @@ def _fail(message: str) -> int:
 
 
 def _resolve_model(name: str) -> str:
-    from deploy.builtin import resolve_model
+    from deploy.model_source import resolve_model
     from learner.models import check_model_dir
 
     path = resolve_model(name, log=lambda m: print(json.dumps({"proc": "setup", "event": m}), flush=True))
@@ -185,7 +185,7 @@ def _ctl(args) -> int:
 
 
 def _keys(args) -> int:
-    from deploy.keys import keys
+    from deploy.curve_keys import keys
 
     args.client = args.client if args.client is not None else ["rollout"]
     args.operator = args.operator if args.operator is not None else ["operator"]
@@ -193,7 +193,7 @@ def _keys(args) -> int:
 
 
 def _config(args) -> int:
-    from deploy.config import keys_markdown, load_config, resolved_yaml
+    from deploy.config_file import keys_markdown, load_config, resolved_yaml
 
     if args.keys:
         print(keys_markdown(), end="")
@@ -216,7 +216,7 @@ def _replay(args) -> int:
 
 
 def _run(args) -> int:
-    from deploy.config import load_config
+    from deploy.config_file import load_config
     from deploy.launcher import launch
 
     cfg = load_config(args.config, args.overrides)
@@ -225,7 +225,7 @@ def _run(args) -> int:
 
 
 def _learner(args) -> int:
-    from deploy.config import load_config
+    from deploy.config_file import load_config
     from learner.data.prompts import check_dataset
 
     cfg = load_config(args.config, args.overrides)
@@ -244,7 +244,7 @@ def _learner(args) -> int:
 
 
 def _rollout(args) -> int:
-    from deploy.config import load_config
+    from deploy.config_file import load_config
     from protocol.plumbing.sockets import check_endpoint
 
     cfg = load_config(args.config, args.overrides)

@@ -192,7 +192,7 @@ def ctl(args) -> int:
     secret_key = getattr(args, "secret_key", None) or os.environ.get(SECRET_KEY_ENV)
     if not secret_key and learner_public and not args.endpoint:
         # `slipstream run`'s own keys (launcher.secure)
-        from deploy.keys import run_operator_key
+        from deploy.curve_keys import run_operator_key
 
         found = run_operator_key(args.run_dir)
         secret_key = str(found) if found is not None else None

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy.config import SlipstreamConfig
+from deploy.config_file import SlipstreamConfig
 from deploy.cores import allowed_cpus, available_cores, pin, plan_affinity, share_cores
 from deploy.live import LiveView, cell
 
@@ -220,7 +220,7 @@ def _server_metrics_port(cfg: SlipstreamConfig, index: int) -> int:
 
 def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
            resume: str | None = None) -> int:
-    from deploy.builtin import resolve_model
+    from deploy.model_source import resolve_model
     from learner.data.prompts import check_dataset
 
     verbose = bool(os.environ.get("SLIPSTREAM_VERBOSE"))
@@ -235,7 +235,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
     resolved["learner"]["threads"] = learner_threads
     resolved["rollout"]["threads"] = rollout_threads
     if cfg.launcher.secure and not cfg.learner.security.curve:
-        from deploy.keys import run_keys
+        from deploy.curve_keys import run_keys
 
         resolved["learner"]["security"], resolved["rollout"]["security"] = run_keys(run_dir)
     cfg_file = run_dir / "config.yaml"

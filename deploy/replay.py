@@ -229,12 +229,12 @@ def replay(args) -> int:
     print(json.dumps(st, default=str) if args.json else format_stats(st), flush=True)
     if not (args.train or args.dpo):
         return 0
-    from deploy.config import load_config
+    from deploy.config_file import load_config
 
     cfg = load_config(args.config, args.overrides)
     model_path = args.model
     if model_path is None:
-        from deploy.builtin import resolve_model
+        from deploy.model_source import resolve_model
 
         model_path = resolve_model(cfg.model, log=lambda m: None)
     if args.train:

@@ -218,7 +218,7 @@ class JsonlLog:
     line, and the next row was appended to it (one merged line, not JSON). So a record is built
     as one line first and handed to the kernel in one ``write`` on an unbuffered ``O_APPEND``
     file; a write that fails or stops short (``ENOSPC``) is cut back to the size before it and
-    raised, for the caller to decide (learner.serve.records: an event, then go on or stop). The
+    raised, for the caller to decide (learner.serve.step_records: an event, then go on or stop). The
     torn last line an earlier life left (not a JSON object: a crash mid-write, zeros after a power
     loss) is cut off at open, so it never ends up in the middle: :attr:`torn` holds its bytes.
     :meth:`read` skips a torn last line the same way and refuses a bad line anywhere else.

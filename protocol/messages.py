@@ -384,7 +384,7 @@ class WeightsAvailable(Message):
     total_bytes: int = wire(_NAT)
     chunk_bytes: int = wire(Int(1))
     num_chunks: int = wire(_NAT)
-    checksum: str = wire(_STR)  # over the chunk checksums, see protocol.weights
+    checksum: str = wire(_STR)  # over the chunk checksums, see protocol.chunks
     chunk_checksums: list[str] = wire(StrList(), default_factory=list)
     metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
     # The adapter of a "lora" publish (protocol 3.3; None from an older learner, or for "full").

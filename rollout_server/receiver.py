@@ -50,12 +50,12 @@ from typing import Protocol
 import zmq
 
 import protocol
+from protocol.chunks import chunk_checksum, combine_checksums
 from protocol.codec import MAX_FRAME_BYTES
 from protocol.plumbing.curve import CurveClient
 from protocol.plumbing.process import trace, wait_event
 from protocol.plumbing.sockets import make_socket
 from protocol.plumbing.unfinished import FOLLOW_UP_S, Cut, UnfinishedGuard
-from protocol.weights import chunk_checksum, combine_checksums
 from rollout_server.engine import WeightUpdate
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.weights import unflatten_chunks

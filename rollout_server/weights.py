@@ -1,5 +1,5 @@
 """One flat byte buffer in the publish layout -> named tensor views (the learner's side is
-:mod:`learner.train.weights`; the layout is :func:`protocol.weights.tensor_layout`)."""
+:mod:`learner.train.weights`; the layout is :func:`protocol.chunks.tensor_layout`)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def test_every_path_named_in_the_docs_exists():
 
 def config_keys() -> set[str]:
     """Every config key by dotted path, and every section on the way to one."""
-    from deploy.config import SlipstreamConfig
+    from deploy.config_file import SlipstreamConfig
     from learner.config.keys import field_paths
 
     keys = set()

@@ -357,3 +357,25 @@ def test_the_private_attribute_check_catches_a_planted_one(tmp_path):
     path = tmp_path / "planted.py"
     path.write_text(planted)
     assert private_reaches(path) == ["planted.py:3: admission._send", "planted.py:5: self.owner._state"]
+
+
+# -- File names ------------------------------------------------------------------------------------
+# Files are cut along concepts (issue 37 item 5): two source files share a name only when they do
+# the same job for the two sides (the learner's and the rollout server's).
+TWO_SIDES = {
+    "metrics.py": {"learner/metrics.py", "rollout_server/metrics.py"},
+    "service.py": {"learner/serve/service.py", "rollout_server/service.py"},
+    "weights.py": {"learner/train/weights.py", "rollout_server/weights.py"},   # publish layout in / out
+}
+
+
+def test_no_two_source_files_share_a_name_unless_they_are_two_sides_of_one_job():
+    by_name: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for f in package_files(package):
+            if f.name != "__init__.py":
+                by_name.setdefault(f.name, set()).add(f.relative_to(ROOT).as_posix())
+    assert len(by_name) > 100
+    shared = {name: sorted(paths) for name, paths in by_name.items()
+              if len(paths) > 1 and TWO_SIDES.get(name) != paths}
+    assert not shared, f"source files that share a name: {shared}"

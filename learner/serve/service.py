@@ -24,7 +24,7 @@ Components, each unit-tested without sockets or a model:
     WeightsServer  versions published, chunks served (learner.serve.weights_server)
     Control        ctl commands and their validation (learner.serve.control)
     ResultIngress  results in bursts and their Acks (learner.serve.ingress)
-    StepRecords    metrics.jsonl, trained_ids.jsonl, sinks, step gauges (learner.serve.records)
+    StepRecords    metrics.jsonl, trained_ids.jsonl, sinks, step gauges (learner.serve.step_records)
     RunState       run id, version, assignment counter (learner.state.run_state)
 
 Delivery, the argument in one place (docs/design.md §3, §6): work goes out only as leases from the
@@ -63,10 +63,10 @@ from learner.serve.admission import Admission
 from learner.serve.control import Control, control_error_reply
 from learner.serve.ingress import ResultIngress
 from learner.serve.intake import Intake
-from learner.serve.records import StepRecords
 from learner.serve.router import RouterSocket
 from learner.serve.sample_watch import EXIT_NO_VALID_SAMPLES, SampleWatch
 from learner.serve.security import LearnerCurve
+from learner.serve.step_records import StepRecords
 from learner.serve.waiting import LearnerWaiting
 from learner.serve.weights_server import Publisher, WeightsServer
 from learner.state.checkpoint import EXIT_CHECKPOINT_FAILED, warm_save_imports

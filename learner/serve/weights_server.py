@@ -3,7 +3,7 @@
 Publishing a version (docs/design.md §5) copies the tensors into one flat host buffer in the layout of
 :func:`learner.train.weights.layout` — a snapshot, so the next policy step may change the parameters
 while servers are still fetching — and cuts it into ``chunk_bytes`` chunks with a checksum each
-(:mod:`protocol.weights`). Chunks go out as zero-copy views of the snapshot; every server fetching
+(:mod:`protocol.chunks`). Chunks go out as zero-copy views of the snapshot; every server fetching
 a version reads the same snapshot, so N servers cost one copy, not N.
 
 Off the train loop's critical path, in three steps:
@@ -47,8 +47,8 @@ import torch
 
 import protocol
 from learner.train.weights import copy_into, layout
+from protocol.chunks import chunk_checksum, combine_checksums, split_chunks
 from protocol.plumbing.process import trace
-from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
 
 class HostBuffers:

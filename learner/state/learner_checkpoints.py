@@ -240,7 +240,7 @@ class LearnerCheckpoints:
             self.stopping.set()
 
     def write_failed(self, e: OSError) -> str:
-        """A run-directory record could not be written (learner.serve.records: ``on_write_failure``):
+        """A run-directory record could not be written (learner.serve.step_records: ``on_write_failure``):
         the same rule as a failed checkpoint, ``checkpoint_failure`` (a full disk fails both).
         ``stop``: the learner stops cleanly, exit :data:`EXIT_CHECKPOINT_FAILED`, without a final
         checkpoint (the disk is full); ``continue``: training goes on. Returns what happens, for

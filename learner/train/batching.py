@@ -7,7 +7,7 @@ real tokens keep their positions whatever the width, so a sub-batch may be cut t
 row (``BatchTensors.rows``) and computes exactly what it would at full width.
 
 Temperatures. Each row keeps the sampling temperature its completion was drawn at
-(``temperatures``); the log-prob passes use it row by row (learner.models.logprobs).
+(``temperatures``); the log-prob passes use it row by row (learner.models.forward).
 
 Updates. ``ppo_epochs`` passes over the batch; each pass is a fresh shuffle cut into mini-batches
 of ``mini_batch_samples`` rows (one optimizer step each), each cut into micro-batches of
@@ -31,7 +31,7 @@ __all__ = ["BatchTensors", "collate", "plan_updates", "sampling_temperature", "t
 
 HOST_FIELDS = frozenset({"seq_lens", "temperatures"})
 """Kept on the CPU by :meth:`BatchTensors.to`: a micro-batch's width and the update plan read
-``seq_lens``, the forward groups rows by ``temperatures`` (learner.models.logprobs)."""
+``seq_lens``, the forward groups rows by ``temperatures`` (learner.models.forward)."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ through one function:
   autocast, attention, dropout off, gradient checkpointing; ``learner.lora``: PEFT, only the adapter
   trained and saved), :func:`~learner.train.policy_io.adamw` with ``optimizer.weight_decay``,
   gradients clipped to ``optimizer.max_grad_norm``;
-- token log-probs: :class:`learner.models.logprobs.LogprobForward` over
+- token log-probs: :class:`learner.models.forward.LogprobForward` over
   :func:`~learner.train.batching.collate`'s right-padded rows (no ``[B, T, V]`` logits);
 - micro-batches: :func:`~learner.train.batching.plan_updates` over pairs. ``batch.micro_batch_samples``
   and ``batch.micro_batch_tokens`` count rows, two per pair: a pair's rows share a micro-batch,
@@ -38,7 +38,7 @@ import torch
 
 import ops
 from learner.config import TrainerConfig
-from learner.models.logprobs import LogprobForward
+from learner.models.forward import LogprobForward
 from learner.train.batching import BatchTensors, collate, plan_updates
 from learner.train.devices import resolve_runtime
 from learner.train.policy_io import adamw, load_policy

@@ -2,7 +2,7 @@
 
 KL(π_θ ‖ π_ref) keeps the trained policy near where it started. Its log-probs use the sampling
 temperature, as the policy's do, so both are log-probs of the same kind of distribution; they go
-through :class:`learner.models.logprobs.LogprobForward` (no ``[B, T, V]`` logits).
+through :class:`learner.models.forward.LogprobForward` (no ``[B, T, V]`` logits).
 
 Two kinds:
 
@@ -24,7 +24,7 @@ import copy
 
 import torch
 
-from learner.models.logprobs import LogprobForward
+from learner.models.forward import LogprobForward
 
 __all__ = ["ReferencePolicy"]
 
@@ -40,7 +40,7 @@ class ReferencePolicy:
     def copy_of(cls, policy: torch.nn.Module, device: torch.device | str | None = None,
                 autocast: torch.dtype | None = None) -> ReferencePolicy:
         """A frozen deep copy of ``policy`` (on ``device`` when given); ``autocast``: the
-        policy's mixed precision (learner.models.logprobs)."""
+        policy's mixed precision (learner.models.forward)."""
         model = copy.deepcopy(policy)
         if device is not None:
             model.to(device)

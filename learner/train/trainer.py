@@ -34,7 +34,7 @@ import torch
 import ops
 from buffer import Batch
 from learner.config import TrainerConfig
-from learner.models.logprobs import LogprobForward
+from learner.models.forward import LogprobForward
 from learner.train.batching import BatchTensors, collate, plan_updates, take
 from learner.train.critic import Critic
 from learner.train.devices import resolve_runtime
@@ -207,7 +207,7 @@ class Trainer:
     # ---- passes ----------------------------------------------------------------------------
     def _logprobs(self, sub: BatchTensors, entropy: str = "none") -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log π (b, L-1), entropy (b, L-1) or None) of the policy; the same function in every
-        pass (learner.models.logprobs), so a no-grad pass and a gradient forward agree bit for bit."""
+        pass (learner.models.forward), so a no-grad pass and a gradient forward agree bit for bit."""
         return self.forward(sub.input_ids, sub.attention_mask, sub.targets, sub.temperatures,
                             entropy=entropy)
 

@@ -1,4 +1,4 @@
-"""Named tensors -> one flat byte buffer in the publish layout of :func:`protocol.weights.tensor_layout`.
+"""Named tensors -> one flat byte buffer in the publish layout of :func:`protocol.chunks.tensor_layout`.
 
 Tensors are laid end to end in the given order; the manifest's ``TensorSpec`` list records name,
 dtype, shape, byte offset and byte size. Works for any dtype, bf16 included (bytes are
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 import protocol
-from protocol.weights import tensor_layout
+from protocol.chunks import tensor_layout
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -65,7 +65,7 @@ def _model_dir(name: str, workdir: Path) -> str:
         build_model(tok).save_pretrained(path)
         tok.save_pretrained(path)
         return str(path)
-    from deploy.builtin import resolve_model
+    from deploy.model_source import resolve_model
     return resolve_model(name, log=lambda m: print(f"[setup] {m}", file=sys.stderr))
 
 

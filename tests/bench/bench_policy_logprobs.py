@@ -1,6 +1,6 @@
 """The learner's per-token log-probs of a whole model, forward and backward: through the logits
 (``model(...).logits`` -> ``ops.token_logprobs``) against through the decoder's hidden state
-(:class:`learner.models.logprobs.LogprobForward` -> ``ops.token_logprobs_from_hidden``, what the
+(:class:`learner.models.forward.LogprobForward` -> ``ops.token_logprobs_from_hidden``, what the
 trainer uses). A script, not a test:
 
     .venv/bin/python tests/bench/bench_policy_logprobs.py [--out bench_results/bench_policy_logprobs.json]
@@ -38,7 +38,7 @@ def child(spec: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import ops
-    from learner.models.logprobs import LogprobForward
+    from learner.models.forward import LogprobForward
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

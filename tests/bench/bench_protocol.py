@@ -60,9 +60,9 @@ from bench_machine import machine, machine_line  # noqa: E402
 
 import protocol  # noqa: E402
 from protocol import RolloutResult, Sample, WeightChunk, decode, encode  # noqa: E402
+from protocol.chunks import chunk_checksum  # noqa: E402
 from protocol.codec import _pack, _unpackb, decode_header  # noqa: E402
 from protocol.messages import _samples_fast  # noqa: E402
-from protocol.weights import chunk_checksum  # noqa: E402
 
 PROMPT_TOKENS = 128
 COMPLETION_TOKENS = 1024

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from deploy.cli import main
-from deploy.config import ConfigError, load_config
+from deploy.config_file import ConfigError, load_config
 
 
 def test_default_config_loads():

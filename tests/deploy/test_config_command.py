@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy.config import SlipstreamConfig, keys_markdown, load_config
+from deploy.config_file import SlipstreamConfig, keys_markdown, load_config
 from learner.config import LIVE_KEYS, LearnerConfig, field_paths, model_of
 
 REPO = Path(__file__).resolve().parents[2]

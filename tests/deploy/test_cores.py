@@ -115,7 +115,7 @@ def test_pin_sets_a_real_child_and_the_threads_it_starts(tmp_path):
 
 def test_the_launcher_pins_only_where_the_split_fits(monkeypatch, capsys):
     from deploy import launcher
-    from deploy.config import SlipstreamConfig
+    from deploy.config_file import SlipstreamConfig
 
     monkeypatch.setattr(launcher, "available_cores", lambda: 2)
     monkeypatch.setattr(launcher, "allowed_cpus", lambda: [0, 1])

@@ -13,7 +13,7 @@ import yaml
 from external_tools import DEPLOY
 
 from deploy.cli import build_parser
-from deploy.config import SlipstreamConfig, apply_override
+from deploy.config_file import SlipstreamConfig, apply_override
 
 K8S = DEPLOY / "k8s"
 BUILTIN_KINDS = {"ConfigMap", "Secret", "Service", "StatefulSet", "Deployment"}

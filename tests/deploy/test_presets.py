@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import require_smollm2
 
-from deploy.config import load_config
+from deploy.config_file import load_config
 from learner.data.tasks import get_task
 from protocol.errors import StartupError
 from protocol.plumbing.sockets import advertised_host

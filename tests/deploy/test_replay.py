@@ -14,7 +14,7 @@ import torch
 import protocol
 from deploy.cli import main
 from deploy.replay import dpo_offline, dpo_pairs, read_samples
-from learner.models.logprobs import LogprobForward
+from learner.models.forward import LogprobForward
 from learner.state.rollout_log import LIFE, RESULT, LogReader, RolloutLogWriter
 from learner.train.batching import collate
 from learner.train.dpo import sequence_logprobs

@@ -159,7 +159,7 @@ def test_unknown_reward_is_one_line(tmp_path, tiny_model_dir, capsys):
 
 
 def test_launcher_gives_a_server_a_free_metrics_port_when_the_default_is_taken(taken_port, capsys):
-    from deploy.config import load_config
+    from deploy.config_file import load_config
 
     cfg = load_config(None, [])
     cfg.rollout.__dict__["metrics_port"] = taken_port          # as the default, not set by the user

@@ -32,8 +32,8 @@ import numpy as np
 
 import protocol
 from protocol import PROTOCOL_VERSION, encode
+from protocol.chunks import chunk_checksum, combine_checksums, tensor_layout
 from protocol.schema import wire_field_names
-from protocol.weights import chunk_checksum, combine_checksums, tensor_layout
 
 MAJOR, MINOR = PROTOCOL_VERSION
 F = {name: i for i, name in enumerate(wire_field_names(protocol.Sample))}

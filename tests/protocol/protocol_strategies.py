@@ -35,8 +35,8 @@ from protocol import (
     Welcome,
     WorkRequest,
 )
+from protocol.chunks import DTYPE_BYTES, chunk_checksum, combine_checksums
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
-from protocol.weights import DTYPE_BYTES, chunk_checksum, combine_checksums
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MAX = 2**63 - 1

@@ -11,9 +11,9 @@ import pytest
 
 import protocol
 from protocol import PROTOCOL_VERSION, ProtocolError, RolloutResult, Sample, decode, encode
+from protocol.chunks import chunk_checksum, combine_checksums, split_chunks
 from protocol.messages import _samples_fast
 from protocol.schema import wire_field_names
-from protocol.weights import chunk_checksum, combine_checksums, split_chunks
 
 
 def make_sample() -> Sample:

@@ -16,7 +16,7 @@ import zmq.asyncio
 
 import protocol
 from learner.train.weights import flatten
-from protocol.weights import chunk_checksum, combine_checksums, split_chunks
+from protocol.chunks import chunk_checksum, combine_checksums, split_chunks
 
 QUIET = (protocol.Heartbeat, protocol.WorkRequest, protocol.WeightsApplied)
 

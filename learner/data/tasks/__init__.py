@@ -3,7 +3,7 @@
 A task is one module of this package that defines ``TASK = Task(...)``; the module's name is the
 task's name, and ``learner.data.dataset: builtin:<name>`` selects it. Nothing else needs to change: the
 prompt stream (:class:`learner.data.prompts.PromptSource`), the built-in model's supervised warm-up
-(:mod:`learner.models.builtin`) and the reward the rollout servers use (``deploy/config.py`` fills
+(:mod:`learner.models.builtin`) and the reward the rollout servers use (``deploy/config_file.py`` fills
 ``rollout.reward`` from :attr:`Task.reward` unless the config sets it) all read the task from here.
 
 Only the standard library is imported, so a config can name a task without loading torch.

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import learner.data.tasks
-from deploy.config import load_config
+from deploy.config_file import load_config
 from learner.data.prompts import PromptSource
 from learner.data.tasks import get_task, names
 from learner.data.tasks.arith import MAX_OPERAND

@@ -25,8 +25,8 @@ from learner_testkit import (
 from zmtp_kit import frame, rss_bytes, send_as_dealer, send_huge_frame, send_unfinished, zmtp_dealer
 
 import protocol
-from learner.serve.records import StepRecords
 from learner.serve.service import LearnerService
+from learner.serve.step_records import StepRecords
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ from learner_testkit import learner_config, metric, wait_until
 from zmq.utils.monitor import parse_monitor_message
 
 import protocol
-from deploy.config import SlipstreamConfig
-from deploy.keys import generate
+from deploy.config_file import SlipstreamConfig
+from deploy.curve_keys import generate
 from learner.config import LearnerConfig
 from learner.serve.service import LearnerService
 from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key

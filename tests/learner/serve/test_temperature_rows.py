@@ -14,7 +14,7 @@ from test_trainer import B, assert_close_dicts, grads, make_batch, make_trainer,
 import protocol
 from buffer import RolloutBuffer
 from learner.metrics import LearnerMetrics
-from learner.models.logprobs import row_temperature_groups
+from learner.models.forward import row_temperature_groups
 from learner.serve.intake import Intake
 from learner.train.batching import collate, sampling_temperature
 

@@ -10,7 +10,7 @@ import torch
 
 import protocol
 from learner.serve.weights_server import WeightsServer
-from protocol.weights import chunk_checksum, combine_checksums
+from protocol.chunks import chunk_checksum, combine_checksums
 
 
 def named(v: float, n: int = 1000):

@@ -20,7 +20,7 @@ from disk_kit import fill, small_disk
 
 from buffer import Batch, StalenessLimit
 from learner.metrics import JsonlLog, LearnerMetrics
-from learner.serve.records import StepRecords
+from learner.serve.step_records import StepRecords
 from learner.state.checkpoint import Checkpointer, effective_trained_ids
 from learner.state.learner_checkpoints import LearnerCheckpoints
 from protocol import Sample

@@ -19,7 +19,7 @@ from test_trainer import make_samples  # noqa: E402
 
 import ops  # noqa: E402
 from learner.config import LearnerConfig, TrainerConfig  # noqa: E402
-from learner.models.logprobs import LogprobForward  # noqa: E402
+from learner.models.forward import LogprobForward  # noqa: E402
 from learner.train.batching import collate  # noqa: E402
 from learner.train.dpo import DPOTrainer, best_and_worst  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402

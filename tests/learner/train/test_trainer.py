@@ -314,7 +314,7 @@ DEVICE_READS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist
 # Reads of tensors the host holds by design, not the device's: a micro-batch's width and the rows'
 # temperatures (learner.train.batching.HOST_FIELDS stay on the CPU), and transformers' own check
 # of the attention mask in every forward (its code, not ours).
-HOST_SITES = (("learner/train/batching.py", "width"), ("learner/models/logprobs.py", "row_temperature_groups"),
+HOST_SITES = (("learner/train/batching.py", "width"), ("learner/models/forward.py", "row_temperature_groups"),
               ("transformers/masking_utils.py", None))
 
 
