@@ -157,10 +157,10 @@ class LeaseTable:
         """Drop ``holder``'s delivery record (it left; a new server of that id starts afresh)."""
         self._deliveries.pop(holder, None)
 
-    def _delivered(self, lease: Lease, completed: bool) -> None:
+    def _delivered(self, lease: Lease, completed: bool, by: str | None = None) -> None:
         holder = lease.holder
-        if not holder or lease.state is not LeaseState.ACTIVE:
-            return
+        if not holder or lease.state is not LeaseState.ACTIVE or (by is not None and by != holder):
+            return                           # a late copy from an earlier holder: not the holder's work
         d = self._deliveries.get(holder)
         if d is None:
             d = self._deliveries[holder] = Delivery()
@@ -185,21 +185,24 @@ class LeaseTable:
         self._hold(lease, +1)
         return lease
 
-    def extend(self, assignment_id: str) -> bool:
-        """A result arrived: push the deadline of an ACTIVE lease out by a full timeout."""
+    def extend(self, assignment_id: str, by: str | None = None) -> bool:
+        """A result arrived (from server ``by``, when known): push the deadline of an ACTIVE lease
+        out by a full timeout. It counts as the holder's delivery only when ``by`` is the holder
+        (or unknown)."""
         lease = self._leases.get(assignment_id)
         if lease is None or lease.state is not LeaseState.ACTIVE:
             return False
         lease.deadline_s = self.clock() + self.timeout_s
-        self._delivered(lease, completed=False)
+        self._delivered(lease, completed=False, by=by)
         return True
 
-    def complete(self, assignment_id: str) -> Lease | None:
-        """The assignment is finished (or given up): forget its lease (an ACTIVE one counts as
-        delivered by its holder)."""
+    def complete(self, assignment_id: str, by: str | None = None) -> Lease | None:
+        """The assignment is finished (or given up): forget its lease. An ACTIVE one counts as
+        delivered by its holder, unless the result that finished it came from another server
+        (``by``: a pre-empted holder's late copy), which is not the holder's work."""
         lease = self._leases.pop(assignment_id, None)
         if lease is not None and lease.state is LeaseState.ACTIVE:
-            self._delivered(lease, completed=True)
+            self._delivered(lease, completed=True, by=by)
             self._hold(lease, -1)
         return lease
 

@@ -334,29 +334,32 @@ class RolloutBuffer:
 
     # -- results ----------------------------------------------------------------------------------
 
-    async def put(self, sample: Sample, version: int) -> AckStatus:
+    async def put(self, sample: Sample, version: int, sender: str | None = None) -> AckStatus:
         """Take one result at learner version ``version``; the returned status is final.
 
         A token tagged with a version newer than ``version`` makes the sample ``invalid``: the
-        learner must advance its version before it publishes the new weights.
+        learner must advance its version before it publishes the new weights. ``sender``: the
+        server it came from, when known; only the lease's holder is credited with its delivery
+        (:meth:`buffer.leases.LeaseTable.complete`).
         """
-        status, completed = self._put(sample, version)
+        status, completed = self._put(sample, version, sender=sender)
         if completed:
             await self.wake()
         return status
 
-    def put_nowait(self, sample: Sample, version: int,
-                   min_version: int | None = None) -> tuple[AckStatus, bool]:
+    def put_nowait(self, sample: Sample, version: int, min_version: int | None = None,
+                   sender: str | None = None) -> tuple[AckStatus, bool]:
         """:meth:`put` without waking the batch waiters: ``(status, completed)``, ``completed``
         when the sample completed its group. A caller that puts several samples in a row (one
         result's) awaits :meth:`wake` once after them if any completed a group; until it does, a
         waiting ``next_batch`` does not see the new group. ``min_version``: the sample's oldest
         token version, when the caller has computed it (exactly ``token_versions.min()``; one
-        pass over a result's samples instead of one a sample, learner.serve.intake)."""
-        return self._put(sample, version, min_version)
+        pass over a result's samples instead of one a sample, learner.serve.intake); ``sender``
+        as for :meth:`put`."""
+        return self._put(sample, version, min_version, sender)
 
     def put_group_nowait(self, samples: list[Sample], version: int,
-                         min_versions: list[int]) -> bool:
+                         min_versions: list[int], sender: str | None = None) -> bool:
         """All the samples of one group at once, when that is what they are: every slot of an
         open group, still empty, filled by ``samples`` (one each, in any order), none seen, none
         failed, no token newer than ``version`` and the group within the staleness limit;
@@ -398,7 +401,7 @@ class RolloutBuffer:
         self._pending += size
         self.gate.on_accepted(size)
         self._n["accepted"] += size
-        self.leases.complete(aid)
+        self.leases.complete(aid, by=sender)
         self._set_ready(g)
         return True
 
@@ -416,7 +419,8 @@ class RolloutBuffer:
         self._n["invalid"] += 1
         return _INVALID
 
-    def _put(self, s: Sample, version: int, mv: int | None = None) -> tuple[AckStatus, bool]:
+    def _put(self, s: Sample, version: int, mv: int | None = None,
+             sender: str | None = None) -> tuple[AckStatus, bool]:
         if version != self._version or not self._started:
             self._observe(version)
         n = self._n
@@ -477,9 +481,9 @@ class RolloutBuffer:
         self.gate.on_accepted(1)
         n["accepted"] += 1
         if g.filled < g.size:
-            self.leases.extend(aid)
+            self.leases.extend(aid, by=sender)
             return _ACCEPTED, False
-        self.leases.complete(aid)
+        self.leases.complete(aid, by=sender)
         self._set_ready(g)
         return _ACCEPTED, True
 

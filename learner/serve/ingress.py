@@ -42,7 +42,10 @@ class ResultIngress:
 
     async def result(self, identity: bytes, srv, msg: protocol.RolloutResult) -> None:
         """One RolloutResult from a known server: held when it is part of a group, else received
-        (after what is held, in arrival order)."""
+        (after what is held, in arrival order). It is the connection's server's, whatever
+        ``server_id`` it claims: the intake credits and releases leases by that id."""
+        if msg.server_id != srv.server_id:
+            msg = protocol.RolloutResult(server_id=srv.server_id, samples=msg.samples)
         if self.hold() and len(msg.samples) < self.group_size():
             self.held.append((identity, srv, msg))      # part of a group: merged
             return

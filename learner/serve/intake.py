@@ -171,7 +171,7 @@ class Intake:
         for start, end in _runs(samples, self.group_size):
             run = samples[start:end]
             mins = _arrays_pass(run, vocab, version) if end - start > 1 else None
-            st, rf, done = put_each(run, version, mins)
+            st, rf, done = put_each(run, version, mins, msg.server_id)
             statuses += st
             refused += rf
             completed |= done
@@ -198,16 +198,17 @@ class Intake:
             self.watch.observe(self._valid, failed, invalid, error)
         return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
 
-    def _put_each(self, samples: list[protocol.Sample], version: int, mins: list[int] | None = None
-                  ) -> tuple[list[str], list[tuple[str, str, str]], bool]:
+    def _put_each(self, samples: list[protocol.Sample], version: int, mins: list[int] | None = None,
+                  sender: str | None = None) -> tuple[list[str], list[tuple[str, str, str]], bool]:
         """Sample by sample into the buffer: the statuses, the refusals ``(sample_id, reason,
         message)``, and whether a group was completed. ``mins`` None (a one-sample result, or
         arrays that failed :func:`_arrays_pass`): each sample through :meth:`check`, the
         reference. ``mins`` given (the arrays passed; each sample's oldest version): a sample of
         an open lease is checked here for what :meth:`check` checks besides the arrays; any
-        other, or one that fails, still goes through :meth:`check`."""
+        other, or one that fails, still goes through :meth:`check`. ``sender``: the server the
+        result came from (only a lease's holder is credited with delivering it)."""
         if mins is not None and len(samples) == self.group_size:
-            whole = self._put_group(samples, version, mins)
+            whole = self._put_group(samples, version, mins, sender)
             if whole is not None:
                 return whole
         statuses: list[str] = []
@@ -239,7 +240,7 @@ class Intake:
                 problem = self.check(sample, version, assignment)
             if problem is None:
                 self.stamp(sample, assignment)
-                status, done = put(sample, version, oldest)
+                status, done = put(sample, version, oldest, sender)
                 completed |= done
                 if sample.failed is not None:         # reported failed (later members: duplicates)
                     self._failed.append(sample.failed)
@@ -252,7 +253,7 @@ class Intake:
         return statuses, refused, completed
 
     def _put_group(self, samples: list[protocol.Sample], version: int,
-                   mins: list[int]) -> tuple[list[str], list, bool] | None:
+                   mins: list[int], sender: str | None = None) -> tuple[list[str], list, bool] | None:
         """A whole group of one open lease in one result (what a rollout server sends): every
         sample passes :meth:`check` (their arrays passed, ``mins``) and the buffer takes them at
         once (``RolloutBuffer.put_group_nowait``). None, with nothing changed, when any of that
@@ -279,7 +280,7 @@ class Intake:
                     return None
                 same = prompt
         if not (self._prompt_in_range(assignment)
-                and self.buffer.put_group_nowait(samples, version, mins)):
+                and self.buffer.put_group_nowait(samples, version, mins, sender)):
             return None
         for s in samples:
             self.stamp(s, assignment)

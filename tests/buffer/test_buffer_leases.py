@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from buffer_testkit import FakeClock
@@ -114,6 +115,28 @@ def test_deliveries_and_held_samples_follow_the_leases():
     assert table.delivery("s1").completed == 0 and table.delivery("s1").mean_s != table.delivery("s1").mean_s
     table.forget("s0")
     assert table.delivery("s0").completed == 0
+
+
+def test_a_late_copy_from_an_earlier_holder_credits_no_one():
+    """A pre-empted server's late result finishes the lease re-issued to another: the new holder
+    did not deliver it (else identities that never return work would look proven, learner.serve.
+    admission: Trials); the sender, no longer the holder, is not credited either."""
+    clock = FakeClock(0.0)
+    table = LeaseTable(timeout_s=100.0, max_attempts=3, clock=clock)
+    lease = table.issue("a", "slow", 4)
+    table.preempt_holder("slow")
+    table.reissue(lease, "hoarder")
+    clock.advance(3.0)
+    assert table.extend("a", by="slow") and table.delivery("hoarder").last_s == float("-inf")
+    table.complete("a", by="slow")
+    assert table.delivery("hoarder").completed == 0 and table.delivery("slow").completed == 0
+    assert table.held_samples("hoarder") == 0 and math.isnan(table.mean_completion_s)
+    # From the holder itself (or a caller that does not know the sender): its delivery.
+    table.issue("b", "hoarder", 4)
+    table.complete("b", by="hoarder")
+    table.issue("c", "hoarder", 4)
+    table.complete("c")
+    assert table.delivery("hoarder").completed == 2
 
 
 def test_preemption_uses_no_attempt_the_first_max_attempts_times():

@@ -344,3 +344,45 @@ async def test_an_unproven_holder_shares_its_silence_threshold_with_the_idle_ser
     # Re-issued to the idle servers, one group each round-robin (H0, H1 are on probation).
     assert sorted(i for i, _ in h.assigned()[4:]) == [b"W0", b"W0", b"W1", b"W1"]
     assert all(h.adm.outstanding(w) == 4 for w in idle)
+
+
+async def test_a_late_copy_does_not_prove_the_server_that_holds_the_lease_now():
+    """An honest server pre-empted while slow finishes its group late, after the lease went to
+    an identity that never returns work: that identity is not proven by it (it would escape the
+    trial budget), and the sample still counts (the first copy wins)."""
+    h = Harness(g=2, batch_prompts=2, eta=1, server_timeout_s=1e9, lease_timeout_s=600.0,
+                silent_min_s=1.0, silent_factor=2.0)                 # gate 8 = 4 groups
+    await h.join("A", max_concurrency=4, credits=4)                  # alone: 2 groups
+    await h.join("H", max_concurrency=4, credits=4)                  # 2 more: the gate is full
+    hoarder = await h.join("W", max_concurrency=4, credits=2)        # waits for work
+    first = h.of_type(protocol.Assignment, b"A")[0]
+    h.now += 2.1                                                     # past every threshold
+    await h.adm.tick()
+    assert first.assignment_id in [aid for i, aid in h.assigned() if i == b"W"]
+    for s in samples_for(first, version=h.version):                  # A's late copy
+        assert await h.buffer.put(s, h.version, sender="A") == "accepted"
+    assert not h.adm.proven(hoarder) and h.buffer.leases.get(first.assignment_id) is None
+
+
+async def test_a_result_is_its_connections_servers_whatever_it_claims():
+    """The intake credits and releases leases by a result's server_id: ResultIngress sets it to
+    the connection's server, so a peer cannot act in another server's name."""
+    from types import SimpleNamespace
+
+    from learner.serve.ingress import ResultIngress
+
+    got = []
+
+    async def receive(msg):
+        got.append(msg)
+        return protocol.Ack(sample_ids=[], statuses=[])
+
+    async def nothing(*_):
+        return True
+
+    ingress = ResultIngress(receive=receive, evaluation=lambda: None, group_size=lambda: 2,
+                            hold=lambda: False, send=nothing, lose=lambda srv: None,
+                            after=lambda: None, dispatch=nothing)
+    await ingress.result(b"conn", SimpleNamespace(server_id="real"),
+                         protocol.RolloutResult(server_id="someone-else", samples=[]))
+    assert [m.server_id for m in got] == ["real"]
