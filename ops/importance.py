@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .kl import LOG_RATIO_CLAMP, kl_estimate
-from .masked import compute_dtype, masked_mean, masked_sum
+from .masked import compute_dtype, masked_mean, masked_min_max, masked_sum
 from .names import IS_MODES
 
 __all__ = ["IS_MODES", "behavior_anchored_weights", "importance_weights"]
@@ -103,12 +103,11 @@ def importance_weights(
     sum_w2 = masked_sum(raw.square(), keep)
     with torch.no_grad():
         ess = torch.where(n > 0, sum_w.square() / (n * sum_w2), torch.ones_like(sum_w))
-        inf = torch.full_like(sum_w, float("inf"))
-        has = n > 0
+        w_min, w_max = masked_min_max(raw, keep, 0.0)
         stats = {
             "is_weight_mean": masked_mean(raw, keep),
-            "is_weight_max": torch.where(has, torch.where(keep, raw, -inf).amax(), torch.zeros_like(sum_w)),
-            "is_weight_min": torch.where(has, torch.where(keep, raw, inf).amin(), torch.zeros_like(sum_w)),
+            "is_weight_max": w_max,
+            "is_weight_min": w_min,
             "is_ess_ratio": ess,
             "is_masked_fraction": masked_mean((keep & ~new_keep).to(cdt), keep),
             "is_truncated_fraction": masked_mean(truncated.to(cdt), keep),

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .kl import LOG_RATIO_CLAMP, kl_estimate
-from .masked import aggregate_loss, compute_dtype, masked_mean, masked_var
+from .masked import aggregate_loss, compute_dtype, masked_mean, masked_min_max, masked_var
 
 __all__ = ["dpo_loss", "entropy_loss", "kl_loss", "ppo_policy_loss", "value_loss"]
 
@@ -21,16 +21,6 @@ __all__ = ["dpo_loss", "entropy_loss", "kl_loss", "ppo_policy_loss", "value_loss
 def _f(x: torch.Tensor) -> torch.Tensor:
     """A statistic: detached, left on the device (read later, with the others)."""
     return x.detach()
-
-
-def _counted_min_max(x: torch.Tensor, keep: torch.Tensor, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of ``x`` over the counted positions (``empty`` when none), without the device
-    read that boolean indexing (``x[keep]``) would cost."""
-    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    has = keep.any()
-    low = torch.where(has, torch.where(keep, x, inf).amin(), torch.full_like(inf, empty))
-    high = torch.where(has, torch.where(keep, x, -inf).amax(), torch.full_like(inf, empty))
-    return low, high
 
 
 def _counted(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -93,7 +83,7 @@ def ppo_policy_loss(
 
     with torch.no_grad():
         r = ratio.detach()
-        ratio_min, ratio_max = _counted_min_max(r, keep, 1.0)
+        ratio_min, ratio_max = masked_min_max(r, keep, 1.0)
         stats = {
             "clip_fraction": _f(masked_mean(clipped.to(cdt), keep)),
             "dual_clip_fraction": _f(masked_mean(dual_clipped.to(cdt), keep)),

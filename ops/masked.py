@@ -24,6 +24,7 @@ __all__ = [
     "compute_dtype",
     "loss_normalizer",
     "masked_mean",
+    "masked_min_max",
     "masked_sum",
     "masked_var",
     "masked_whiten",
@@ -72,6 +73,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] 
     if dim is None:
         return _safe_div(xm.sum(), m.sum())
     return _safe_div(xm.sum(dim=dim), m.sum(dim=dim))
+
+
+def masked_min_max(x: torch.Tensor, keep: torch.Tensor, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of ``x`` over the positions ``keep`` (bool, the shape of ``x``) as 0-dim tensors,
+    ``empty`` when none is kept; without the device read that boolean indexing (``x[keep]``)
+    would cost."""
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    has = keep.any()
+    low = torch.where(has, torch.where(keep, x, inf).amin(), torch.full_like(inf, empty))
+    high = torch.where(has, torch.where(keep, x, -inf).amax(), torch.full_like(inf, empty))
+    return low, high
 
 
 def masked_var(
