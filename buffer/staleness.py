@@ -37,6 +37,7 @@ from dataclasses import dataclass
 class StalenessDecision:
     eta: int                 # the new η
     reason: str              # "ess_low", "mismatch_kl_high", "recovered"
+    previous: int | None = None   # η before (set by StalenessLimit.after_step)
 
 
 class StalenessController:
@@ -128,5 +129,6 @@ class StalenessLimit:
         decision = self.controller.update(self._eta, bound, stats)
         if decision is None or decision.eta == self._eta:
             return None
+        decision.previous = self._eta
         self.set(decision.eta, decision.reason)
         return decision

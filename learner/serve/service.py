@@ -1,4 +1,4 @@
-"""The learner process: the socket loops and the train loop; the work lives in components.
+"""The learner process: its sockets, its loops and its components (the train loop: learner.loop).
 
 Sockets (all ROUTER, docs/design.md §6), each served by one :class:`learner.serve.router.RouterSocket` loop:
 
@@ -54,10 +54,11 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from buffer import Batch, RolloutBuffer, StalenessController, StalenessLimit
+from buffer import RolloutBuffer, StalenessController, StalenessLimit
 from learner.config import LearnerConfig, TrainerConfig
 from learner.data.evaluation import Evaluation
 from learner.data.prompts import PromptSource
+from learner.loop import Batches, TrainLoop, TrainThread
 from learner.metrics import SERVER_ERROR_CODES, LearnerMetrics
 from learner.serve.admission import Admission
 from learner.serve.control import Control, control_error_reply
@@ -75,7 +76,6 @@ from learner.state.rollout_log import LearnerRolloutLog, RolloutLogFailed
 from learner.state.run_dir import claim
 from learner.state.run_state import RunState
 from learner.train.distributed import make_trainer
-from learner.train.trainer import BrokenWeights, SkippedStep
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, trace, wait_event
 from protocol.plumbing.sockets import advertised_host, bind, make_socket
@@ -130,6 +130,7 @@ class LearnerService:
         # event loop's thread) slowed every step at learner.threads 2 to 2.2x (0.181 against
         # 0.083 s at eta 0 on 2 cores). At one thread there is no pool and no difference.
         self.train_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-train")
+        self.thread = TrainThread(self.train_thread)
         # η's one owner (buffer.staleness): ctl, the adaptive controller and a resume set it there.
         self.staleness = StalenessLimit(cfg.staleness.max_staleness, controller=None if (
             cfg.staleness.controller == "fixed") else StalenessController(
@@ -148,7 +149,8 @@ class LearnerService:
         self.metrics.inflight.set_function(lambda: self.buffer.inflight_samples)
         self.prompts: PromptSource | None = None      # built in _load: it needs the tokenizer
         self.evaluation: Evaluation | None = None     # eval_every > 0 (learner.data.evaluation)
-        self.data_done = asyncio.Event()              # a finite dataset is used up (next_batch)
+        self.batches: Batches | None = None           # the train loop's batches (built in _load)
+        self.loop: TrainLoop | None = None            # the policy steps (learner.loop), once loaded
         self.weights = WeightsServer(cfg.weights.chunk_bytes)
         self.publisher = Publisher(   # checksums, install and announcement beside the next step
             self.weights, lambda m: self.admission.announce(m), stopped=lambda: self.stopping.is_set(),
@@ -159,10 +161,9 @@ class LearnerService:
         """Where and in what precision the trainer computes, and why (learner.train.devices.Runtime)."""
         self.intake: Intake | None = None
         self.assignment_counter = 0
-        self.train_busy = False               # a step (and its publish) is running
         self.stopping = asyncio.Event()
         self.checkpoints = LearnerCheckpoints(
-            cfg.checkpoint, cfg.run_dir, run=self.state, buffer=self.buffer, metrics=self.metrics,
+            cfg.checkpoint, cfg.run_dir, run=self.state, metrics=self.metrics,
             log=lambda event, **fields: self.log(event, **fields), stopping=self.stopping,
             executor=self.train_thread,
             before_stop=lambda: self.control.resumed.set())   # a paused train loop must see a stop
@@ -192,7 +193,6 @@ class LearnerService:
         self.diverged: str | None = None
         """Why the model stopped training (max_consecutive_skips skips in a row, or an update that
         broke the weights with no copy to roll back to): the run stops, exit EXIT_DIVERGED."""
-        self.skip_streak = 0                  # steps skipped in a row
         self.sample_watch = SampleWatch(
             metrics=self.metrics, log=self.log, on_stop=self._no_valid_samples,
             timeout_s=lambda: self.cfg.servers.no_valid_sample_timeout_s,
@@ -207,8 +207,7 @@ class LearnerService:
             after=lambda: self.update_gauges(), dispatch=lambda: self.admission.dispatch())
         self.records = StepRecords(
             run=self.state, metrics=self.metrics, log=self.log, buffer=self.buffer,
-            admission=self.admission, staleness=self.staleness, max_staleness=lambda: self.cfg.staleness.max_staleness,
-            sanity_tolerances=lambda: (self.cfg.algorithm.sanity_ratio_tolerance, self.cfg.algorithm.sanity_kl_tolerance),
+            admission=self.admission, sanity_tolerances=lambda: (self.cfg.algorithm.sanity_ratio_tolerance, self.cfg.algorithm.sanity_kl_tolerance),
             clock=time.time, on_write_failure=lambda e: self.checkpoints.write_failed(e))
         self.control = Control(cfg, self.buffer, staleness=self.staleness, metrics=self.metrics, status=self.status,
                                stop=self.stopping.set, after_set=self.admission.dispatch,
@@ -241,7 +240,8 @@ class LearnerService:
             self._open()                      # ports first: a taken port fails before the model loads
             # On the train thread, like every step: the process's torch work on one thread (see
             # train_thread).
-            await self.on_train_thread(self._load)
+            await self.thread.run(self._load)
+            self.loop = self._train_loop()
             # Version 0 is published too: a server still holding another run's weights (this
             # learner started without --resume) must find something to fetch (learner.serve.admission).
             await self.publish()
@@ -251,7 +251,7 @@ class LearnerService:
                 await self.rollout_log.open()
             (self.run_dir / "learner.json").write_text(json.dumps(self.endpoint_file()))
             rollout, weights, control = (self.sockets[n] for n in ("rollout", "weights", "control"))
-            train = asyncio.create_task(self.train_loop(), name="train")
+            train = asyncio.create_task(self.train(), name="train")
             tasks = [train,
                      asyncio.create_task(rollout.serve(self.on_rollout, idle=self.ingress.flush),
                                          name="rollout"),
@@ -372,10 +372,6 @@ class LearnerService:
     version = _run_state("version")
     assignment_counter = _run_state("assignment_counter")
 
-    async def on_train_thread(self, fn, *args):
-        """``fn(*args)`` on :attr:`train_thread`, where all of this process's torch work runs."""
-        return await asyncio.get_running_loop().run_in_executor(self.train_thread, fn, *args)
-
     def _load(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.checkpoints.resume(self.resume) if self.resume else None   # verified first
@@ -404,7 +400,8 @@ class LearnerService:
             "buffer": BufferState(self.buffer, lambda: (staleness.max_staleness, staleness.stale_policy))})
         warm_save_imports()
         if resumed is not None:
-            self.checkpoints.apply(resumed)
+            self.checkpoints.apply(resumed, buffered_samples=self.buffer.pending_samples,
+                                   leases=len(self.buffer.leases))
 
     def _load_prompts(self) -> None:
         """The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
@@ -421,6 +418,7 @@ class LearnerService:
                 version=self.state.current_version, metrics=self.metrics, record=self.records.eval_round,
                 log=self.log)
             self.admission.side_work = self.evaluation
+        self.batches = Batches(self.buffer, self.prompts, cfg.batch)
         if self.prompts.finite:
             self.log("prompts", **self.prompts.status())
 
@@ -462,7 +460,7 @@ class LearnerService:
         await self.checkpoints.at_end()
         self.admission.close()
         out = self.run_dir / "final"
-        await self.on_train_thread(self.trainer.save_policy, out)   # the model, or the PEFT adapter
+        await self.thread.run(self.trainer.save_policy, out)   # the model, or the PEFT adapter
         deadline = time.monotonic() + self.cfg.servers.final_sync_s
         while not self.admission.all_at(self.version) and time.monotonic() < deadline:
             self.admission.versions_changed.clear()
@@ -478,90 +476,26 @@ class LearnerService:
                  inflight_samples=self.buffer.inflight_samples, gate=self.buffer.gate.state_dict())
 
     # ---- training --------------------------------------------------------------------------
-    async def train_loop(self) -> None:
-        self.maybe_evaluate()
-        while self.version < self.cfg.total_steps:
-            self.train_busy = False                  # waiting for a batch (or paused), not stepping
-            self.waiting.enter("batch")
-            cycle_start = time.monotonic()
-            batch = await self.next_batch()
-            if batch is None:
-                self.log("data_exhausted", steps=self.version, prompts=self.prompts.status(),
-                         pending_samples=self.buffer.pending_samples)
-                break
-            trace("learner.batch")
-            await self.control.resumed.wait()        # ctl pause: no step until resume
-            self.control.before_step(self.trainer)   # ctl set of step settings lands here
-            self.train_busy = True
-            self.waiting.enter("step")
-            idle_s = time.monotonic() - cycle_start  # waiting for samples (or paused)
-            try:
-                stats = await self.on_train_thread(self.trainer.step, batch)
-            except SkippedStep as skip:
-                self.records.skipped(batch, skip.reason)
-                self.skip_streak += 1
-                limit = self.cfg.algorithm.max_consecutive_skips
-                if limit and self.skip_streak >= limit:
-                    return self._diverge(f"{self.skip_streak} steps in a row skipped (the last: "
-                                         f"{skip.reason}); check the learning rate and the rewards, "
-                                         "then --resume from the last checkpoint")
-                self.watchdog.progress("skipped step")
-                await self.admission.dispatch()
-                continue
-            except BrokenWeights as broken:
-                self.records.skipped(batch, str(broken))
-                self.checkpoints.unsafe = str(broken)      # nothing of this model is saved
-                return self._diverge(f"{broken}; --resume goes on from the last checkpoint")
-            self.skip_streak = 0
-            trace("learner.step_end")
-            stats.update(self.records.batch_versions(batch))
-            self.records.trained(batch)
-            if self.rollout_log is not None:
-                self.waiting.enter("rollout_log")
-                await self.rollout_log.after_step()    # fsync: step
-            self.version += 1                 # before the publish: tokens of v+1 must be acceptable
-            self.waiting.enter("publish")
-            stats["publish_wait_s"] = await self.publish()      # the loop's wait on the snapshot
-            self.watchdog.progress("step")
-            trace("learner.published")
-            stats.update(self.records.idle_stats(idle_s, time.monotonic() - cycle_start))
-            self.records.step(stats)
-            self.update_gauges()
-            self.maybe_evaluate()
-            await self.admission.dispatch()
-            trace("learner.dispatched")
-        await self.publisher.drain()          # the last version is announced before finish waits
+    def _train_loop(self) -> TrainLoop:
+        """The policy steps (learner.loop), once the trainer and the prompts exist."""
+        return TrainLoop(self.cfg, run=self.state, trainer=self.trainer, thread=self.thread,
+                         batches=self.batches, checkpoints=self.checkpoints, control=self.control,
+                         publisher=self.publisher, staleness=self.staleness, records=self.records,
+                         admission=self.admission, rollout_log=self.rollout_log,
+                         evaluation=self.evaluation, waiting=self.waiting, watchdog=self.watchdog,
+                         log=self.log)
 
-    async def next_batch(self) -> Batch | None:
-        """The next batch (checkpoints happen between steps); None once a finite dataset is used
-        up: every prompt drawn, nothing in flight, less than a batch ready (``data_done``, set by
-        :meth:`update_gauges`)."""
-        if not self.prompts.finite:
-            return await self.checkpoints.next_batch()
-        self.update_gauges()
-        get = asyncio.ensure_future(self.checkpoints.next_batch())
-        done = asyncio.ensure_future(self.data_done.wait())
-        try:
-            await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():                # cancel it only where it waits in the buffer (no save)
-                await self.checkpoints.idle.wait()
-        finally:
-            done.cancel()
-            get.cancel()                      # next_batch is cancellation-safe: it takes nothing
-        return get.result() if get.done() and not get.cancelled() else None
-
-    def maybe_evaluate(self) -> None:
-        if self.evaluation is not None and self.evaluation.maybe_start(self.version):
-            self.update_gauges()
+    async def train(self) -> None:
+        """The train task: the loop's steps; a model that diverged stops the run."""
+        reason = await self.loop.run_steps()
+        if reason is not None:
+            self._diverge(reason)
 
     async def publish(self) -> float:
-        """Publish the current version; returns the seconds the caller waited: the snapshot copy
-        only (learner.serve.weights_server.Publisher: checksums, install and the announcement run
-        beside the next step). The process's first version is awaited until announced, so a
-        server that connects finds something to fetch."""
+        """Publish the current version (the process's first): awaited until announced, so a
+        server that connects finds something to fetch; the train loop publishes the rest."""
         wait = await self.publisher.publish(self.version, self.trainer.named_tensors)
-        if self.weights.latest is None:
-            await self.publisher.drain()
+        await self.publisher.drain()
         return wait
 
     def _superseded(self, version: int, by: int) -> None:
@@ -570,10 +504,9 @@ class LearnerService:
                  hint="steps finish faster than a publish is prepared; servers get the newer one")
 
     def update_gauges(self) -> None:
-        p = self.prompts
-        if (p is not None and p.exhausted and not self.buffer.inflight_samples
-                and self.buffer.ready_samples < self.cfg.batch.batch_samples):
-            self.data_done.set()
+        """The buffer changed: is a finite dataset used up (learner.loop.Batches)?"""
+        if self.batches is not None:
+            self.batches.check()
 
     # ---- admission plumbing ----------------------------------------------------------------
     async def _send_rollout(self, identity: bytes, message: protocol.Message) -> bool:
@@ -683,7 +616,7 @@ class LearnerService:
     def status(self) -> dict:
         watchdog = self.watchdog.status()
         return {"run_id": self.run_id, "version": self.version, "total_steps": self.cfg.total_steps,
-                "training": self.train_busy, "runtime": self.runtime,
+                "training": self.loop is not None and self.loop.busy, "runtime": self.runtime,
                 "buffered_samples": self.buffer.pending_samples,
                 "inflight_samples": self.buffer.inflight_samples,
                 "servers": self.admission.status(),

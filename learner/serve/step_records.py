@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from buffer import Batch, RolloutBuffer, StalenessLimit
+from buffer import Batch, RolloutBuffer, StalenessDecision
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.serve.sinks import open_sinks
 from learner.state.run_state import RunState
@@ -28,14 +28,10 @@ from learner.state.run_state import RunState
 
 class StepRecords:
     def __init__(self, *, run: RunState, metrics: LearnerMetrics, log, buffer: RolloutBuffer,
-                 admission, staleness: StalenessLimit, max_staleness: Callable[[], int],
-                 sanity_tolerances: Callable[[], tuple[float, float]], clock: Callable[[], float],
+                 admission, sanity_tolerances: Callable[[], tuple[float, float]], clock: Callable[[], float],
                  on_write_failure: Callable[[OSError], str] | None = None):
         self.run, self.metrics, self.log, self.buffer, self.admission = run, metrics, log, buffer, admission
-        self.staleness = staleness
-        """η's owner (buffer.staleness): its adaptive controller, if any, may move η after each step."""
-        self.bound, self.sanity_tolerances, self.clock = max_staleness, sanity_tolerances, clock
-        """The operator's bound on η (``staleness.max_staleness``; the adaptive controller stays under it)."""
+        self.sanity_tolerances, self.clock = sanity_tolerances, clock
         self.jsonl: JsonlLog | None = None
         self.trained_ids: JsonlLog | None = None
         self.sinks: list = []
@@ -138,7 +134,7 @@ class StepRecords:
                 "token_version_max": float(every.max(initial=0))}
 
     def step(self, stats: dict[str, float]) -> None:
-        """A trained step: its gauges, the sanity check, η's controller, the rows and the event."""
+        """A trained step: its gauges, the sanity check, the rows and the event."""
         m, version = self.metrics, self.run.version
         m.policy_version.set(version)
         m.step_seconds.observe(stats["step_s"])
@@ -151,7 +147,6 @@ class StepRecords:
                 child = children[k] = m.step_stats.labels(name=k)
             child.set(v)
         self.sanity(stats)
-        self.adapt_staleness(stats)
         record = {"run_id": self.run.run_id, "step": version, "version": version,
                   "time": self.clock(), **stats,
                   "server_versions": {s.server_id: s.version for s in self.admission.servers.values()}}
@@ -161,19 +156,17 @@ class StepRecords:
         self.log("step", **{k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
                             if k not in ("version", "time")})
 
-    def adapt_staleness(self, stats: dict[str, float]) -> None:
-        """``staleness.controller: adaptive`` (buffer.staleness): the step's importance statistics
-        may move η (its owner applies it: the gate and the buffer at once), with an event and a
-        metric."""
-        eta, bound = self.staleness.eta, self.bound()
-        decision = self.staleness.after_step(bound, stats)
+    def staleness_changed(self, decision: StalenessDecision | None, stats: dict[str, float],
+                          bound: int) -> None:
+        """η's adaptive controller moved η after a step (``staleness.controller: adaptive``,
+        buffer.staleness; ``bound``: the operator's max_staleness): an event and a metric."""
         if decision is None:
             return
         self.metrics.staleness_limit.set(decision.eta)
         self.metrics.staleness_changes.labels(reason=decision.reason).inc()
-        self.log("staleness_changed", previous=eta, value=decision.eta, reason=decision.reason,
-                 is_ess_ratio=stats.get("is_ess_ratio"), mismatch_kl=stats.get("mismatch_kl"),
-                 bound=bound)
+        self.log("staleness_changed", previous=decision.previous, value=decision.eta,
+                 reason=decision.reason, is_ess_ratio=stats.get("is_ess_ratio"),
+                 mismatch_kl=stats.get("mismatch_kl"), bound=bound)
 
     def sanity(self, stats: dict[str, float]) -> None:
         """The seeds' sanity check (learner.train.trainer): gauges (NaN when not applicable this

@@ -40,7 +40,8 @@ class LearnerWaiting:
         self.admission, self.buffer, self.watch, self.checkpoints = admission, buffer, sample_watch, checkpoints
         self.batch_samples, self.endpoint, self.expected, self.clock = batch_samples, endpoint, expected, clock
         self.ranks = ranks
-        self.phase = "batch"                  # batch (waiting for samples), step, publish, rollout_log
+        self.phase = "batch"                  # batch (waiting for samples), step, publish, rollout_log,
+        #                                       checkpoint (the step's end: learner.loop)
         self.since = clock()
         self.ever_connected = False
 
@@ -59,7 +60,7 @@ class LearnerWaiting:
             return Waiting("rank", f"waiting on DeepSpeed rank {r['rank']} (pid {r['pid']} on "
                                    f"{r['host']}): no heartbeat for {r['age_s']:.0f} s, its last "
                                    f"command {r['command']}{more}")
-        if self.phase != "batch":
+        if self.phase not in ("batch", "checkpoint"):
             what = {"step": "a policy step", "publish": "publishing the new weights",
                     "rollout_log": "the rollout log's fsync after a step"}.get(self.phase, self.phase)
             return Waiting("publish" if self.phase == "publish" else "step",

@@ -56,8 +56,9 @@ class LearnerCheckpoints:
 
     When: every ``save_every`` versions, on a stop (SIGTERM / SIGINT / ``ctl stop``) when a step
     was trained since the last one, at the end of training, and on ``ctl checkpoint``. Always
-    between steps: the train loop takes its batches through :meth:`next_batch`, which saves when
-    one is due and, once the learner is stopping, takes no batch any more, so a stop waits for a
+    between steps: the train loop ends each step with :meth:`save` (which decides whether one is
+    due) and waits for its next batch inside :meth:`between_steps`, where a ``ctl checkpoint``
+    may save and where, once the learner is stopping, it parks for good; so a stop waits for a
     running step to finish (:meth:`on_stop`) and then saves what it trained.
 
     Two phases, both in threads (the sockets keep being served): the state is captured on the loop,
@@ -68,14 +69,13 @@ class LearnerCheckpoints:
     do a stop and the end of training before they exit.
     """
 
-    def __init__(self, settings: Any, run_dir: str | Path, *, run: Any, buffer: Any, metrics: Any,
+    def __init__(self, settings: Any, run_dir: str | Path, *, run: Any, metrics: Any,
                  log: Callable[..., None], stopping: asyncio.Event, executor: Executor | None = None,
                  before_stop: Callable[[], None] = lambda: None):
         """``settings``: the ``learner.checkpoint`` section (read at use time: save_every,
-        failure); ``buffer``: where the train loop's batches come from (:meth:`next_batch`);
-        ``executor``: the thread the trainer's tensors are copied on (the steps' own);
+        failure); ``executor``: the thread the trainer's tensors are copied on (the steps' own);
         ``before_stop``: called when the learner stops (a paused train loop must see it)."""
-        self.settings, self.run, self.buffer, self.log, self.stopping = settings, run, buffer, log, stopping
+        self.settings, self.run, self.log, self.stopping = settings, run, log, stopping
         self.executor, self.before_stop = executor, before_stop
         self.trainer: Any = None
         self.parts: dict[str, Stateful] = {}
@@ -125,9 +125,10 @@ class LearnerCheckpoints:
         except (ValueError, KeyError, TypeError) as e:
             raise checkpoint_error(ckpt.path, f"state.json does not fit this learner: {str(e)[:300]}") from None
 
-    def apply(self, ckpt: Checkpoint) -> None:
+    def apply(self, ckpt: Checkpoint, **describe) -> None:
         """Into the service (after its trainer is built and :meth:`load_run_state`): everything
-        else :meth:`capture` saved."""
+        else :meth:`capture` saved; ``describe``: more fields for the ``resumed`` event (what the
+        restored parts hold)."""
         st, run = ckpt.state, self.run
         start = time.monotonic()
         self.store.restore_trainer(ckpt, self.trainer)
@@ -145,8 +146,7 @@ class LearnerCheckpoints:
         data = self.parts.get("data")
         self.log("resumed", checkpoint=str(ckpt.path), resumed_version=run.version,
                  data_position=data.state_dict().get("position") if data is not None else None,
-                 assignment_counter=run.assignment_counter, buffered_samples=self.buffer.pending_samples,
-                 leases=len(self.buffer.leases), load_s=round(seconds, 3))
+                 assignment_counter=run.assignment_counter, **describe, load_s=round(seconds, 3))
 
     def mark_resumed(self, trained_ids: Any) -> None:
         """A ``resumed_at_version`` line in trained_ids.jsonl: steps of an earlier life at or past
@@ -166,7 +166,7 @@ class LearnerCheckpoints:
         return {"format": FORMAT, **self.run.state_dict(),
                 **{name: part.state_dict() for name, part in self.parts.items()}, "saved_at": time.time()}
 
-    async def save(self, reason: str, wait: bool = True) -> dict | None:
+    async def write(self, reason: str, wait: bool = True) -> dict | None:
         """Checkpoint the current version (the caller makes sure no step runs). Returns what was
         written once it is complete (``wait``), or once the trainer was read (not ``wait``: the
         write goes on, :attr:`pending`); None when it failed (logged, counted, and under
@@ -260,7 +260,7 @@ class LearnerCheckpoints:
             await self._wait_idle()
             if self.lock.locked():
                 await self.settled()
-        info = await self.save("ctl")
+        info = await self.write("ctl")
         if info is None:
             raise RuntimeError("the checkpoint could not be written (see the checkpoint_failed event)")
         return info
@@ -276,30 +276,45 @@ class LearnerCheckpoints:
         if self.idle.is_set():
             await asyncio.sleep(0)            # let a lock holder finish its turn
 
-    async def next_batch(self):
-        """The train loop's batch: saves first when one is due; once stopping, parks for good (the
-        stop cancels it there, where no batch is held)."""
-        version, every = self.run.version, self.settings.save_every
-        if every and version % every == 0 and version > self.saved_version and not self.stopping.is_set():
-            await self.save("periodic", wait=False)
+    async def save(self, version: int, last: bool = False) -> None:
+        """The end of a train-loop step that made ``version``: a checkpoint when one is due (every
+        ``save_every`` versions; the write goes on beside the next steps), or the final one
+        (``last``, waited for); none once the learner is stopping (:meth:`on_stop` saves then)."""
         if self.stopping.is_set():
-            self.idle.set()
-            await asyncio.Future()            # cancelled by the stop
+            return
+        if last:
+            await self.at_end()
+            return
+        every = self.settings.save_every
+        if every and version % every == 0 and version > self.saved_version:
+            await self.write("periodic", wait=False)
+
+    def forbid(self, reason: str) -> None:
+        """The model in memory must never be saved (an update broke the weights): no checkpoint
+        from now on, the stop's included."""
+        self.unsafe = reason
+
+    @contextlib.asynccontextmanager
+    async def between_steps(self):
+        """The train loop waits for its next batch inside: a ``ctl checkpoint`` may save meanwhile
+        (:attr:`idle`), and no step starts while one reads the trainer. Once the learner is
+        stopping, the loop parks here for good (the stop cancels it where it holds no batch)."""
         self.idle.set()
+        if self.stopping.is_set():
+            await asyncio.Future()            # cancelled by the stop
         try:
-            batch = await self.buffer.next_batch(self.run.version)
+            yield
         finally:
             self.idle.clear()
         if self.capturing.locked():           # a ctl checkpoint reads the trainer: no step yet
             async with self.capturing:
                 pass
-        return batch
 
     async def at_end(self) -> None:
         """After the last step (a checkpoint still being written is waited for)."""
         await self.settled()
-        if self.run.version > self.saved_version and not self.failed_stop:
-            await self.save("end")
+        if self.run.version > self.saved_version and not self.failed_stop and self.unsafe is None:
+            await self.write("end")
 
     async def on_stop(self, train: asyncio.Task) -> int:
         """The learner is stopping: let a running step finish (it is recorded and published), stop
@@ -317,5 +332,5 @@ class LearnerCheckpoints:
         await self.settled()
         if (not self.failed_stop and self.unsafe is None and self.run.version > self.saved_version
                 and self.trainer is not None):
-            await self.save("stop")
+            await self.write("stop")
         return EXIT_CHECKPOINT_FAILED if self.failed_stop else 0

@@ -38,7 +38,7 @@ async def test_live_settings_and_pause(tmp_path, tiny_model_dir):
             assert reply.ok and reply.result["paused"]
             # Quiescent: what was issued before the pause has come back (the server keeps asking).
             # and the step that was running when the pause came has finished.
-            await wait_until(lambda: svc.buffer.inflight_samples == 0 and not svc.train_busy, 60,
+            await wait_until(lambda: svc.buffer.inflight_samples == 0 and not svc.loop.busy, 60,
                              "in-flight work back, no step running")
             assert (await ctl(svc.endpoints["control"], "status")).result["training"] is False
             held, issued = svc.version, svc.buffer.counters["issued"]

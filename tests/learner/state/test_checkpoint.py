@@ -354,10 +354,10 @@ async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path
     restored = {}
     apply = again.checkpoints.apply
 
-    def apply_and_look(ckpt):
+    def apply_and_look(ckpt, **describe):
         # The buffer as the resume left it, before the train task (started with the service) can
         # take a restored full batch or the first server re-send work.
-        apply(ckpt)
+        apply(ckpt, **describe)
         restored["buffer"] = again.buffer.state_dict(binary=False)
         restored["counter"] = again.assignment_counter
         restored["version"] = again.version

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from disk_kit import fill, small_disk
 
-from buffer import Batch, StalenessLimit
+from buffer import Batch
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.serve.step_records import StepRecords
 from learner.state.checkpoint import Checkpointer, effective_trained_ids
@@ -108,7 +108,7 @@ def test_a_full_disk_leaves_no_torn_line_and_writing_resumes_when_freed():
 def _records(events: list, on_write_failure=None) -> StepRecords:
     return StepRecords(run=SimpleNamespace(run_id="r", version=3), metrics=LearnerMetrics(),
                        log=lambda e, **f: events.append((e, f)), buffer=None, admission=None,
-                       staleness=StalenessLimit(1), max_staleness=lambda: 1, sanity_tolerances=lambda: (1.0, 1.0),
+                       sanity_tolerances=lambda: (1.0, 1.0),
                        clock=lambda: 0.0, on_write_failure=on_write_failure)
 
 
@@ -141,7 +141,7 @@ def test_a_record_failure_under_checkpoint_failure_stop_stops_cleanly(tmp_path):
     """The hook the service passes (LearnerCheckpoints.write_failed): the checkpoint rule."""
     def checkpoints(failure: str) -> LearnerCheckpoints:
         settings = SimpleNamespace(dir=None, keep_last=2, failure=failure, save_every=0)
-        return LearnerCheckpoints(settings, tmp_path, run=None, buffer=None, metrics=LearnerMetrics(),
+        return LearnerCheckpoints(settings, tmp_path, run=None, metrics=LearnerMetrics(),
                                   log=lambda *a, **k: None, stopping=asyncio.Event())
     go_on = checkpoints("continue")
     assert "goes on" in go_on.write_failed(OSError(errno.ENOSPC, "No space left on device"))
@@ -181,7 +181,7 @@ def three(tmp_path_factory, tiny_model_dir):
 def _resume(root: Path, spec=None):
     events: list = []
     settings = SimpleNamespace(dir=root, keep_last=5, failure="continue", save_every=0)
-    lc = LearnerCheckpoints(settings, root.parent, run=None, buffer=None, metrics=LearnerMetrics(),
+    lc = LearnerCheckpoints(settings, root.parent, run=None, metrics=LearnerMetrics(),
                             log=lambda e, **f: events.append((e, f)), stopping=asyncio.Event())
     return lc.resume(spec), [f for e, f in events if e == "checkpoint_skipped"]
 
@@ -231,7 +231,7 @@ def test_resume_latest_when_no_checkpoint_verifies_is_one_line(tmp_path, three):
 def test_mark_resumed_on_a_full_disk_is_one_line(tmp_path):
     """The resume's rollback line cannot be written: a startup error (exit 2), not a traceback."""
     settings = SimpleNamespace(dir=None, keep_last=2, failure="continue", save_every=0)
-    lc = LearnerCheckpoints(settings, tmp_path, run=SimpleNamespace(run_id="r", version=2), buffer=None,
+    lc = LearnerCheckpoints(settings, tmp_path, run=SimpleNamespace(run_id="r", version=2),
                             metrics=LearnerMetrics(), log=lambda *a, **k: None, stopping=asyncio.Event())
     lc.resumed_from = tmp_path / "step-2"
     with small_disk("64k") as disk:
