@@ -201,6 +201,25 @@ class LearnerMetrics:
             for values in itertools.product(*labels.values()):
                 counter.labels(**dict(zip(labels, values, strict=True)))
 
+    # What components are handed to count with (bound methods, so no one passes a lambda).
+    def watch_buffer(self, buffer) -> None:
+        """The buffered and in-flight gauges read ``buffer`` at each scrape (setting them after
+        every result would take two locks per message)."""
+        self.buffered.set_function(lambda: buffer.pending_samples)
+        self.inflight.set_function(lambda: buffer.inflight_samples)
+
+    def http_error(self, status: int) -> None:
+        """A malformed request on the /metrics + /healthz endpoint."""
+        self.protocol_errors.labels(socket="http").inc()
+
+    def denied(self, socket: str) -> None:
+        """A client key CURVE refused on ``socket``."""
+        self.auth_denied.labels(socket=socket).inc()
+
+    def prompt_skipped(self, reason: str, n: int) -> None:
+        """``n`` prompts left out of the stream (learner.data.prompts)."""
+        self.prompts_skipped.labels(reason=reason).inc(n)
+
     def render(self) -> tuple[bytes, str]:
         """The Prometheus exposition of this registry (what ``/metrics`` answers)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

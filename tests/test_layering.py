@@ -24,11 +24,12 @@ itself and the two shared modules ``learner.config`` and ``learner.metrics``:
 | wing            | may not import                         |
 |-----------------|----------------------------------------|
 | learner.serve   | - (it ties the others together)        |
-| learner.loop    | learner.serve (the train loop: learner/loop.py) |
-| learner.train   | learner.serve, learner.loop            |
-| learner.state   | learner.serve, learner.loop, learner.train |
-| learner.data    | learner.serve, learner.loop, learner.train, learner.state |
-| learner.models  | learner.serve, learner.loop, learner.train, learner.state |
+| learner.loop    | learner.serve, learner.app (the train loop: learner/loop.py) |
+| learner.app     | - (the composition root: learner/app.py; only learner.serve.service imports it) |
+| learner.train   | learner.serve, learner.app, learner.loop |
+| learner.state   | learner.serve, learner.app, learner.loop, learner.train |
+| learner.data    | learner.serve, learner.app, learner.loop, learner.train, learner.state |
+| learner.models  | learner.serve, learner.app, learner.loop, learner.train, learner.state |
 | config (package), metrics | any wing                     |
 """
 
@@ -107,21 +108,22 @@ def violations(package: str, path: Path, rule: Rule) -> list[str]:
 WINGS = ("serve", "train", "state", "data", "models")
 WING_BANS = {
     "serve": frozenset(),
-    "loop": frozenset({"serve"}),        # learner/loop.py: the train loop, called by the service
-    "train": frozenset({"serve", "loop"}),
-    "state": frozenset({"serve", "loop", "train"}),
-    "data": frozenset({"serve", "loop", "train", "state"}),
-    "models": frozenset({"serve", "loop", "train", "state"}),
-    "config": frozenset({*WINGS, "loop"}),   # learner/config/: the settings every wing reads
-    "shared": frozenset({*WINGS, "loop"}),   # learner/metrics.py, learner/__init__.py
+    "app": frozenset(),                  # learner/app.py: the composition root, builds every wing's parts
+    "loop": frozenset({"serve", "app"}),  # learner/loop.py: the train loop, called by the service
+    "train": frozenset({"serve", "app", "loop"}),
+    "state": frozenset({"serve", "app", "loop", "train"}),
+    "data": frozenset({"serve", "app", "loop", "train", "state"}),
+    "models": frozenset({"serve", "app", "loop", "train", "state"}),
+    "config": frozenset({*WINGS, "app", "loop"}),   # learner/config/: the settings every wing reads
+    "shared": frozenset({*WINGS, "app", "loop"}),   # learner/metrics.py, learner/__init__.py
 }
 
 
 def wing_of(path: Path) -> str:
     """The wing of a file under learner/ ("shared" for the package's top-level modules)."""
     parts = path.relative_to(ROOT / "learner").parts
-    if parts == ("loop.py",):
-        return "loop"
+    if parts in (("loop.py",), ("app.py",)):
+        return parts[0][:-3]
     return parts[0] if len(parts) > 1 else "shared"
 
 
@@ -193,12 +195,12 @@ def test_protocol_may_not_import_torch_even_inside_a_function(tmp_path):
 
 def test_every_learner_file_is_in_a_wing_or_shared():
     top = sorted(p.name for p in (ROOT / "learner").glob("*.py"))
-    assert top == ["__init__.py", "loop.py", "metrics.py"], top
+    assert top == ["__init__.py", "app.py", "loop.py", "metrics.py"], top
     wings = sorted(p.name for p in (ROOT / "learner").iterdir() if (p / "__init__.py").exists())
     assert wings == sorted([*WINGS, "config"]), "a new learner wing needs a row in WING_BANS (and docs/design.md §8)"
 
 
-@pytest.mark.parametrize("wing", [*WINGS, "loop", "config", "shared"])
+@pytest.mark.parametrize("wing", [*WINGS, "app", "loop", "config", "shared"])
 def test_learner_wings_keep_their_import_rules(wing):
     files = [f for f in package_files("learner") if wing_of(f) == wing]
     assert files, f"no .py files in learner wing {wing}"

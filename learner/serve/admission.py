@@ -132,15 +132,15 @@ import dataclasses
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import protocol
 from buffer import Lease, LeaseState, RolloutBuffer
+from learner.config import ServersSettings
 from learner.metrics import LearnerMetrics
 
-Send = Callable[[bytes, protocol.Message], Awaitable[bool]]
 KEEP_CHECKSUMS = 8        # checksums of recent versions kept to check WeightsApplied against
 REFUSAL_LOG_EVERY_S = 1.0  # at most one server_refused event a second (a Hello flood), the rest counted
 
@@ -169,6 +169,27 @@ class ServerState:
 
 def _served(srv: ServerState) -> int:
     return srv.served
+
+
+class Sender(Protocol):
+    """Where messages to rollout servers go (the rollout socket: learner.serve.router.RolloutLink)."""
+
+    async def send(self, identity: bytes, message: protocol.Message) -> bool:
+        """Queue ``message`` to the server at ``identity``; False if it could not be queued."""
+        ...
+
+
+class Offers(Protocol):
+    """What the learner hands rollout servers (learner.serve.offers.LearnerOffers)."""
+
+    def welcome(self) -> protocol.Welcome:
+        """The ``Welcome`` that answers a Hello."""
+        ...
+
+    def next_assignment(self) -> protocol.Assignment | None:
+        """The next fresh assignment (next prompt, new id, current version); None when the
+        prompts are used up."""
+        ...
 
 
 class SideWork(Protocol):
@@ -200,36 +221,26 @@ class Admission:
 
     Args:
         buffer: the run's RolloutBuffer (the gate, the leases).
-        send: ``await send(identity, message)`` -> False if the message could not be queued.
-        new_assignment: returns the next fresh ``Assignment`` (next prompt, new id, current version),
-            or None when the prompts are used up.
+        link: the :class:`Sender` port (the rollout socket).
+        offers: the :class:`Offers` port (the Welcome, fresh assignments).
         version: the learner's policy version now.
-        welcome: the ``Welcome`` to answer a Hello with.
-        server_timeout_s: silence after which a server is lost.
-        reannounce_s: see the module docstring.
-        max_servers: servers known at once; another identity's Hello is refused.
-        initial_allowance: samples a server may hold before it returned any (0: no allowance).
-        silent_factor, silent_min_s: when a server holding work counts as silent.
-        trial_share: share of the gate the unproven servers hold at most (see Trials).
+        servers: the ``learner.servers`` section (learner.config.sections.ServersSettings): read
+            at use time, so ``ctl set servers.max_inflight_per_server`` applies at the next
+            dispatch. Among its keys: ``server_timeout_s`` (silence after which a server is
+            lost), ``reannounce_s`` (see the module docstring), ``max_servers`` (servers known at
+            once; another identity's Hello is refused), ``initial_allowance`` (samples a server
+            may hold before it returned any; 0: no allowance), ``silent_factor`` and
+            ``silent_min_s`` (when a server holding work counts as silent), ``trial_share``
+            (share of the gate the unproven servers hold at most, see Trials).
         clock: monotonic seconds (tests pass a fake one; give the buffer the same one).
     """
 
-    def __init__(self, buffer: RolloutBuffer, send: Send, new_assignment: Callable[[], protocol.Assignment | None],
-                 *, version: Callable[[], int], welcome: Callable[[], protocol.Welcome],
-                 metrics: LearnerMetrics, log: Callable[..., None] = lambda event, **fields: None,
-                 server_timeout_s: float = 30.0, reannounce_s: float = 10.0,
-                 weights_failure_limit: int = 3, max_inflight: Callable[[], int] = lambda: 0,
-                 max_servers: int = 256, initial_allowance: int = 16, silent_factor: float = 4.0,
-                 silent_min_s: float = 5.0, trial_share: float = 0.25,
+    def __init__(self, buffer: RolloutBuffer, link: Sender, offers: Offers, *, version: Callable[[], int],
+                 servers: ServersSettings, metrics: LearnerMetrics,
+                 log: Callable[..., None] = lambda event, **fields: None,
                  clock: Callable[[], float] = time.monotonic):
-        self.buffer, self.send, self.new_assignment = buffer, send, new_assignment
-        self.version, self.welcome, self.metrics, self.log = version, welcome, metrics, log
-        self.server_timeout_s, self.reannounce_s, self.clock = server_timeout_s, reannounce_s, clock
-        self.weights_failure_limit = weights_failure_limit
-        self.max_inflight = max_inflight          # the operator's cap on a server's samples (0 = none)
-        self.max_servers, self.initial_allowance = max_servers, initial_allowance
-        self.silent_factor, self.silent_min_s = silent_factor, silent_min_s
-        self.trial_share = trial_share
+        self.buffer, self.link, self.offers, self.settings = buffer, link, offers, servers
+        self.version, self.metrics, self.log, self.clock = version, metrics, log, clock
         self._refusal_logged, self._refusals_suppressed = float("-inf"), 0
         self.paused = False                       # ctl pause: no new or re-issued work until resume
         self.servers: dict[bytes, ServerState] = {}
@@ -243,6 +254,10 @@ class Admission:
         # it takes server credits, so it is counted in outstanding() and dispatched first.
         self.side_work: SideWork | None = None
 
+    def pause(self, paused: bool) -> None:
+        """``ctl pause`` / ``resume``: no new or re-issued work while paused."""
+        self.paused = paused
+
     # -- queries ----------------------------------------------------------------------------------
 
     def outstanding(self, srv: ServerState) -> int:
@@ -252,11 +267,11 @@ class Admission:
 
     def allowance(self, srv: ServerState) -> int:
         """Samples ``srv`` may hold unreturned (see the module docstring: Allowance)."""
-        if not self.initial_allowance or len(self.servers) <= 1:
+        if not self.settings.initial_allowance or len(self.servers) <= 1:
             return srv.max_concurrency        # a lone server starves no one (and runs repeat)
         g = self.buffer.group_size
         completed = self.buffer.leases.delivery(srv.server_id).completed - srv.completed_mark
-        return min(srv.max_concurrency, max(g, self.initial_allowance) + g * max(0, completed))
+        return min(srv.max_concurrency, max(g, self.settings.initial_allowance) + g * max(0, completed))
 
     def proven(self, srv: ServerState) -> bool:
         """``srv`` completed a lease since its last pre-emption (see the module docstring: Trials)."""
@@ -268,12 +283,12 @@ class Admission:
         size = (gate.max_staleness + 1) * gate.batch_samples
         if gate.max_inflight is not None:
             size = min(size, gate.max_inflight)
-        return max(g, int(self.trial_share * size) // g * g)
+        return max(g, int(self.settings.trial_share * size) // g * g)
 
     def _trials_open(self) -> bool:
         """An unproven server may get another group now (the trial budget has room for one, or
         there is no budget: the allowance is off, or no server is proven yet)."""
-        if not self.initial_allowance or len(self.servers) <= 1:
+        if not self.settings.initial_allowance or len(self.servers) <= 1:
             return True
         unproven = [s for s in self.servers.values() if not self.proven(s)]
         if len(unproven) == len(self.servers):
@@ -300,9 +315,9 @@ class Admission:
             return False                          # on probation after a pre-emption
         # The operator's cap, and the allowance where it binds (below what the server declared:
         # its credits bound it there, and a server declaring less than a group still gets side work).
-        limits = [n for n in (self.max_inflight(), self.allowance(srv)) if 0 < n < srv.max_concurrency]
-        if self.max_inflight():
-            limits.append(self.max_inflight())
+        limits = [n for n in (self.settings.max_inflight_per_server, self.allowance(srv)) if 0 < n < srv.max_concurrency]
+        if self.settings.max_inflight_per_server:
+            limits.append(self.settings.max_inflight_per_server)
         return not limits or self.outstanding(srv) + self.buffer.group_size <= min(limits)
 
     def touch(self, identity: bytes) -> ServerState | None:
@@ -345,9 +360,9 @@ class Admission:
         if srv is not None and session and srv.session and session != srv.session:
             self.lose(srv, "restarted")           # its leases are re-issued now, not at expiry
             srv = None
-        if srv is None and len(self.servers) >= self.max_servers:
+        if srv is None and len(self.servers) >= self.settings.max_servers:
             await self._refuse(identity, msg, "too_many_servers",
-                               f"this learner serves at most {self.max_servers} rollout servers "
+                               f"this learner serves at most {self.settings.max_servers} rollout servers "
                                "(learner.servers.max_servers)")
             return
         if srv is None:
@@ -375,7 +390,7 @@ class Admission:
                      server_version=msg.version, learner_version=self.version(),
                      hint="the server holds weights of another run, or of steps after the checkpoint "
                           "this learner resumed from: no work until it applies this run's weights")
-        if not await self._send(srv, self.welcome()):
+        if not await self._send(srv, self.offers.welcome()):
             return
         if self.latest is not None and self.latest.version != srv.version:
             if not await self._announce_to(srv, self.latest):
@@ -393,7 +408,7 @@ class Admission:
             self._refusal_logged, self._refusals_suppressed = now, 0
         else:
             self._refusals_suppressed += 1
-        await self.send(identity, protocol.Error(code=code, message=message))
+        await self.link.send(identity, protocol.Error(code=code, message=message))
 
     async def work_request(self, srv: ServerState, msg: protocol.WorkRequest) -> None:
         room = max(0, srv.max_concurrency - self.outstanding(srv) - srv.credits)
@@ -408,7 +423,7 @@ class Admission:
         changed = self._set_version(srv, msg.version)
         latest = self.latest
         if (latest is not None and srv.version != latest.version
-                and (srv.announced < latest.version or self.clock() - srv.announced_at >= self.reannounce_s)):
+                and (srv.announced < latest.version or self.clock() - srv.announced_at >= self.settings.reannounce_s)):
             if not await self._announce_to(srv, latest):
                 return
         if changed:
@@ -433,7 +448,7 @@ class Admission:
     async def weights_failed(self, srv: ServerState, message: str) -> None:
         """``srv`` could not fetch or apply announced weights; the circuit breaker counts it."""
         srv.weights_failures += 1
-        if srv.weights_failures >= self.weights_failure_limit and not srv.dropped:
+        if srv.weights_failures >= self.settings.weights_failure_limit and not srv.dropped:
             srv.dropped = True
             self.metrics.servers_dropped.inc()
             self.log("server_dropped", level="warning", server=srv.server_id, reason="weights",
@@ -562,7 +577,7 @@ class Admission:
             return dataclasses.replace(lease.payload, version=self.version(), attempt=lease.attempt)
         if self.buffer.capacity(self.version()) < self.buffer.group_size:
             return None
-        assignment = self.new_assignment()
+        assignment = self.offers.next_assignment()
         if assignment is None:
             return None                          # the prompts are used up (a finite dataset)
         self.buffer.issue(assignment.assignment_id, srv.server_id, self.buffer.group_size,
@@ -582,7 +597,7 @@ class Admission:
         """Lose silent servers, expire overdue leases, and hand out what that freed."""
         now = self.clock()
         for srv in list(self.servers.values()):
-            if now - srv.last_seen > self.server_timeout_s:
+            if now - srv.last_seen > self.settings.server_timeout_s:
                 self.lose(srv, "timeout")
         self.reissue.extend(self.buffer.expire())
         if self.side_work is not None:
@@ -602,8 +617,8 @@ class Admission:
         d = leases.delivery(srv.server_id)
         expected = d.mean_s if not math.isnan(d.mean_s) else leases.mean_completion_s
         if math.isnan(expected):              # nothing completed anywhere yet (a run's start)
-            expected = self.silent_min_s
-        threshold = max(self.silent_min_s, self.silent_factor * expected * share)
+            expected = self.settings.silent_min_s
+        threshold = max(self.settings.silent_min_s, self.settings.silent_factor * expected * share)
         return now - max(d.last_s, oldest_issue), threshold
 
     def _preempt_silent(self, now: float) -> bool:
@@ -675,7 +690,7 @@ class Admission:
                  released_assignments=len(released))
 
     async def _send(self, srv: ServerState, message: protocol.Message) -> bool:
-        if await self.send(srv.identity, message):
+        if await self.link.send(srv.identity, message):
             return True
         self.lose(srv, "unreachable")
         return False

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
@@ -66,38 +66,57 @@ def describe(path: str) -> str:
     return describe_field(field_paths(LearnerConfig)[path])
 
 
+class ControlledProcess(Protocol):
+    """What ``ctl`` asks of the learner process itself (learner.serve.service.LearnerService)."""
+
+    def status(self) -> dict:
+        """The status dict (version, servers, counters, ...)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop the learner (as SIGTERM)."""
+        ...
+
+    def dump_stacks(self) -> dict:
+        """Write the process's thread and task stacks; where (protocol.plumbing.stacks)."""
+        ...
+
+    def has_reference(self) -> bool:
+        """Whether the run has a reference policy (``kl.coef`` > 0 needs one: it is loaded at
+        start, so a run started without cannot get one live)."""
+        ...
+
+
+class Dispatch(Protocol):
+    """Admission as ``ctl`` sees it (learner.serve.admission.Admission)."""
+
+    def pause(self, paused: bool) -> None: ...
+
+    async def dispatch(self) -> None: ...
+
+
 class Control:
     """Answers ``ControlRequest``s (see the module docstring).
 
     Args:
         cfg: the learner's config object; ``set`` changes it.
-        buffer: where max_staleness and stale_policy take effect.
-        status: the status dict (version, servers, counters, ...).
-        stop: asks the learner to stop.
-        after_set: awaited after a successful ``set`` or ``resume`` (admission re-dispatches: η
-            may have grown).
-        pause: called with True / False on ``pause`` / ``resume`` (admission stops dispatching).
-        checkpoint: awaited by ``checkpoint``; returns what was written (None: not available).
-        has_reference: whether the run has a reference policy (kl_coef > 0 needs one: it is loaded
-            at start, so a run started without cannot get one live).
+        buffer: where stale_policy takes effect (``staleness``: η's owner, where max_staleness does).
+        process: the :class:`ControlledProcess` port (status, stop, stacks, reference policy).
+        admission: the :class:`Dispatch` port: paused and resumed; dispatches after a successful
+            ``set`` or ``resume`` (η may have grown). None: neither.
+        checkpoints: its ``request()`` is awaited by ``checkpoint`` and returns what was written
+            (learner.state.learner_checkpoints.LearnerCheckpoints; None: not available).
+        records: a ``set`` is also a metrics.jsonl row there (``control(change)``; None: not).
     """
 
     def __init__(self, cfg: LearnerConfig, buffer: RolloutBuffer, *, metrics: LearnerMetrics,
-                 staleness: StalenessLimit | None = None,
-                 status: Callable[[], dict], stop: Callable[[], None],
-                 after_set: Callable[[], Awaitable[None]] | None = None,
-                 pause: Callable[[bool], None] = lambda paused: None,
-                 checkpoint: Callable[[], Awaitable[dict]] | None = None,
-                 stacks: Callable[[], dict] | None = None,
-                 has_reference: Callable[[], bool] = lambda: True,
+                 process: ControlledProcess, staleness: StalenessLimit | None = None,
+                 admission: Dispatch | None = None, checkpoints: Any = None, records: Any = None,
                  log: Callable[..., None] = lambda event, **fields: None):
         self.cfg, self.buffer, self.metrics, self.log = cfg, buffer, metrics, log
         self.staleness = staleness or buffer.staleness
         """η's owner (buffer.staleness): ``set staleness.max_staleness`` goes there."""
-        self.stacks = stacks
-        """``ctl stacks``: write the learner's thread and task stacks; where (protocol.plumbing.stacks)."""
-        self.status, self.stop, self.after_set = status, stop, after_set
-        self._pause, self.checkpoint, self.has_reference = pause, checkpoint, has_reference
+        self.process, self.admission, self.checkpoints, self.records = process, admission, checkpoints, records
         self.resumed = asyncio.Event()            # clear while paused: the train loop waits on it
         self.resumed.set()
         self._pending: dict[str, Any] = {}        # step settings not yet applied to the trainer
@@ -109,6 +128,10 @@ class Control:
         }
         for key in self.settable:
             self._export(key, get_path(cfg, key))
+
+    def release(self) -> None:
+        """The learner stops: a paused train loop must see it (it waits on :attr:`resumed`)."""
+        self.resumed.set()
 
     @property
     def settable(self) -> list[str]:
@@ -122,7 +145,7 @@ class Control:
         self.staleness.set(value, "ctl")
 
     def _check_kl_coef(self, value: float) -> None:
-        if value > 0 and not self.has_reference():
+        if value > 0 and not self.process.has_reference():
             raise ValueError("this run has no reference policy (it started with kl_coef 0); "
                              "restart with kl.coef > 0 to use a KL term")
 
@@ -161,23 +184,21 @@ class Control:
         if req.command in ("pause", "resume"):
             return await self._pause_resume(req.command == "pause")
         if req.command == "checkpoint":
-            if self.checkpoint is None:
+            if self.checkpoints is None:
                 return self._error("checkpoints are not available in this learner")
             try:
-                return self._ok(await self.checkpoint())
+                return self._ok(await self.checkpoints.request())
             except (OSError, ValueError, RuntimeError) as e:
                 return self._error(f"checkpoint failed: {e}")
         if req.command == "stacks":
-            if self.stacks is None:
-                return self._error("stacks are not available in this learner")
             try:
-                return self._ok(self.stacks())
+                return self._ok(self.process.dump_stacks())
             except OSError as e:
                 return self._error(f"cannot write the stacks: {e}")
         if req.command == "stop":
             self.log("control_stop")
-            self.stop()
-            self.resumed.set()                    # a paused train loop must see the stop
+            self.process.stop()
+            self.release()                        # a paused train loop must see the stop
             return self._ok({"stopping": True})
         return self._error(f"unknown command {req.command!r}; commands: {', '.join(COMMANDS)}")
 
@@ -187,15 +208,16 @@ class Control:
                 self.resumed.clear()
             else:
                 self.resumed.set()
-            self._pause(pause)
+            if self.admission is not None:
+                self.admission.pause(pause)
             self.metrics.paused.set(int(pause))
             self.log("control_pause" if pause else "control_resume")
-            if not pause and self.after_set is not None:
-                await self.after_set()
+            if not pause and self.admission is not None:
+                await self.admission.dispatch()
         return self._ok(self.full_status())
 
     def full_status(self) -> dict:
-        return {**self.status(), "paused": self.paused, "settable": self.settable,
+        return {**self.process.status(), "paused": self.paused, "settable": self.settable,
                 **{k: get_path(self.cfg, k) for k in self.settable},
                 "pending": dict(self._pending)}
 
@@ -209,7 +231,7 @@ class Control:
             try:
                 key = resolve_key(key)
             except KeyError as e:
-                status = self.status()                # what status shows, get shows: version, ...
+                status = self.process.status()                # what status shows, get shows: version, ...
                 if key in status:
                     return self._ok({key: status[key]})
                 msg = e.args[0]
@@ -257,12 +279,13 @@ class Control:
             self._pending[key] = new
         self._export(key, new)
         self.metrics.control_changes.labels(key=key).inc()
-        self.log("control_set", key=key, value=new, previous=old,
-                 takes_effect="next step" if key in STEP_SETTINGS else "now")
-        if self.after_set is not None:
-            await self.after_set()
         changed = {"key": key, "value": new, "previous": old,
                    "takes_effect": "next step" if key in STEP_SETTINGS else "now"}
+        self.log("control_set", **changed)
+        if self.records is not None:          # a metrics.jsonl row (the report marks it at its step)
+            self.records.control(changed)
+        if self.admission is not None:
+            await self.admission.dispatch()
         return self._ok({**self.full_status(), "changed": changed})
 
     @staticmethod

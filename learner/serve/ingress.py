@@ -8,31 +8,54 @@ receives what is held and sends the Acks, one per server (learner.serve.router.P
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import protocol
+from learner.serve.admission import Sender
 from learner.serve.router import PendingAcks
 from learner.state.rollout_log import RolloutLogFailed
+from protocol.plumbing.process import trace
 
 MERGE_SAMPLES = 256
 """Held results of one server are merged into one of at most this many samples."""
 
 
-class ResultIngress:
-    """``receive(msg) -> Ack`` is the service's intake path (the rollout log included; it raises
-    RolloutLogFailed when the result could not be written); ``evaluation()`` the evaluation, if
-    any, that takes its own results first; ``hold()`` whether partial results may be held (not
-    with a rollout log: there each result is written and acknowledged as it arrives);
-    ``send(identity, ack)`` queues an Ack (False: the server is unreachable and ``lose(srv)``
-    is called); ``after()`` runs after each reception (the service's gauges) and ``dispatch()``
-    once Acks went out."""
+class ResultReceiver(Protocol):
+    """Where a result goes into the run (:class:`IntakePath`)."""
 
-    def __init__(self, *, receive: Callable[[protocol.RolloutResult], Awaitable[protocol.Ack]],
-                 evaluation: Callable[[], object], group_size: Callable[[], int], hold: Callable[[], bool],
-                 send: Callable[[bytes, protocol.Message], Awaitable[bool]], lose: Callable[[object], None],
-                 after: Callable[[], None], dispatch: Callable[[], Awaitable[None]]):
-        self.receive_result, self.evaluation, self.group_size, self.hold = receive, evaluation, group_size, hold
-        self.send, self.lose, self.after, self.dispatch = send, lose, after, dispatch
+    async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack: ...
+
+
+class IntakePath:
+    """A result into the run: the intake's checks and the buffer (learner.serve.intake.Intake),
+    then, with a rollout log, the accepted samples on disk before the Ack may leave;
+    RolloutLogFailed when that write failed."""
+
+    def __init__(self, intake: Any, rollout_log: Any = None):
+        self.intake, self.rollout_log = intake, rollout_log
+
+    async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack:
+        trace("learner.result")
+        ack = await self.intake.receive(msg)
+        if self.rollout_log is not None and not await self.rollout_log.receive(msg, ack):
+            raise RolloutLogFailed(msg.server_id)
+        return ack
+
+
+class ResultIngress:
+    """``receiver``: the intake path (:class:`ResultReceiver`: the rollout log included; it raises
+    RolloutLogFailed when the result could not be written); ``evaluation``: the evaluation, if
+    any, that takes its own results first; ``hold``: whether partial results may be held (not
+    with a rollout log: there each result is written and acknowledged as it arrives);
+    ``link``: where the Acks go (:class:`learner.serve.admission.Sender`); ``admission``: loses a
+    server whose Ack cannot be queued and dispatches once Acks went out; ``batches``: told after
+    each reception (a finite dataset may be used up, learner.loop.Batches.check); ``batch``: the
+    ``learner.batch`` section (``group_size``)."""
+
+    def __init__(self, *, receiver: ResultReceiver, link: Sender, admission: Any, batches: Any,
+                 batch: Any, evaluation: Any = None, hold: bool = True):
+        self.receiver, self.link, self.admission, self.batches = receiver, link, admission, batches
+        self.batch, self.evaluation, self.hold = batch, evaluation, hold
         self.pending_acks = PendingAcks()     # a burst's Acks, sent when the loop stops reading
         self.held: list[tuple[bytes, object, protocol.RolloutResult]] = []
 
@@ -46,21 +69,20 @@ class ResultIngress:
         ``server_id`` it claims: the intake credits and releases leases by that id."""
         if msg.server_id != srv.server_id:
             msg = protocol.RolloutResult(server_id=srv.server_id, samples=msg.samples)
-        if self.hold() and len(msg.samples) < self.group_size():
+        if self.hold and len(msg.samples) < self.batch.group_size:
             self.held.append((identity, srv, msg))      # part of a group: merged
             return
         if self.held:
             await self.receive_held()
         await self._receive(identity, srv, msg)
-        self.after()
+        self.batches.check()
 
     async def _receive(self, identity: bytes, srv, msg: protocol.RolloutResult) -> None:
         """Intake (and evaluation) of one result; its Ack held for the burst (none when the
         rollout log could not write it: the server keeps the result)."""
-        evaluation = self.evaluation()
+        evaluation, receive = self.evaluation, self.receiver.receive
         try:
-            ack = await (evaluation.receive(msg, self.receive_result) if evaluation
-                         else self.receive_result(msg))
+            ack = await (evaluation.receive(msg, receive) if evaluation else receive(msg))
         except RolloutLogFailed:
             return
         self.pending_acks.add(identity, srv, ack)
@@ -90,7 +112,7 @@ class ResultIngress:
                                              samples=[x for h in held[i:j] for x in h[2].samples])
             await self._receive(identity, srv, msg)
             i = j
-        self.after()
+        self.batches.check()
 
     async def flush(self) -> None:
         """Receive the held results; send the held Acks, one per server; a server whose Ack
@@ -101,9 +123,9 @@ class ResultIngress:
             return
         sent = False
         for identity, srv, ack in self.pending_acks.take():
-            if await self.send(identity, ack):
+            if await self.link.send(identity, ack):
                 sent = True
             else:
-                self.lose(srv)
+                self.admission.lose(srv, "unreachable")
         if sent:
-            await self.dispatch()
+            await self.admission.dispatch()

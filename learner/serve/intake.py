@@ -56,23 +56,23 @@ class Intake:
     Args:
         buffer: the run's RolloutBuffer.
         vocab_size: rows of the model's input embedding; every token id must be below it.
-        max_new_tokens: the completion limit when the assignment is not known any more.
+        sampling: the ``learner.sampling`` section: its ``max_new_tokens`` is the completion
+            limit when the assignment is not known any more (read at use).
+        servers: the ``learner.servers`` section (``max_abs_reward``, read at use).
         version: the learner's policy version now.
         release: ``release(server_id, assignment_id)`` gives the lease of a refused sample back
             for re-issue (None: it waits for its deadline).
         watch: gets every result's outcome (a :class:`learner.serve.sample_watch.SampleWatch`).
     """
 
-    def __init__(self, buffer: RolloutBuffer, *, vocab_size: int, max_new_tokens: Callable[[], int],
-                 version: Callable[[], int], metrics: LearnerMetrics,
-                 max_abs_reward: Callable[[], float] = lambda: 1e6,
+    def __init__(self, buffer: RolloutBuffer, *, vocab_size: int, sampling: Any,
+                 version: Callable[[], int], metrics: LearnerMetrics, servers: Any = None,
                  log: Callable[..., None] = lambda event, **fields: None,
                  release: Callable[[str, str], object] | None = None, watch: Any = None):
         self.buffer = buffer
         self.vocab_size = int(vocab_size)
-        self.max_new_tokens = max_new_tokens
+        self.sampling, self.servers = sampling, servers
         self.version = version
-        self.max_abs_reward = max_abs_reward
         self.metrics = metrics
         self.log = log
         self.invalid = Counter()          # reason -> samples refused here
@@ -82,6 +82,11 @@ class Intake:
         self.release, self.watch = release, watch
         self._failed: list[str] = []      # Sample.failed of the failed samples of this result
         self._valid = 0                   # its samples accepted and not failed
+
+    @property
+    def max_abs_reward(self) -> float:
+        """``learner.servers.max_abs_reward``, read at use (1e6 without a servers section)."""
+        return 1e6 if self.servers is None else self.servers.max_abs_reward
 
     def check(self, s: protocol.Sample, version: int,
               assignment: protocol.Assignment | None | bool = False) -> tuple[str, str] | None:
@@ -95,7 +100,7 @@ class Intake:
         if assignment is False:
             assignment = self.assignment(s.assignment_id)
         limit = (assignment.sampling.max_new_tokens if assignment is not None
-                 else self.max_new_tokens())
+                 else self.sampling.max_new_tokens)
         completion = s.completion_token_ids
         n = len(completion)
         if n > limit:
@@ -116,7 +121,7 @@ class Intake:
             newest = int(tv.item(tv.argmax())) if tv.ndim == 1 else int(np.max(tv))
             if newest > version:
                 return "version", f"token version {newest} is newer than the learner's {version}"
-        limit = self.max_abs_reward()
+        limit = self.max_abs_reward
         if not abs(s.reward) <= limit:
             return "reward", f"reward {s.reward!r} is beyond ±{limit:g} (learner.servers.max_abs_reward)"
         if assignment is not None and not same_prompt:
@@ -217,7 +222,7 @@ class Intake:
         put = self.buffer.put_nowait
         assignment_of = self.assignment
         group_size = self.group_size
-        reward_limit = self.max_abs_reward()
+        reward_limit = self.max_abs_reward
         same = None                 # (assignment, prompt) last found equal, for the group's next
         for i, sample in enumerate(samples):
             # Per sample (a put that completes a group ends its lease), once for check and stamp.
@@ -265,7 +270,7 @@ class Intake:
         if assignment is None:
             return None
         limit = assignment.sampling.max_new_tokens
-        reward_limit = self.max_abs_reward()
+        reward_limit = self.max_abs_reward
         group_size = self.group_size
         issued = assignment.prompt_token_ids
         same = None                             # the prompt array last found equal to issued

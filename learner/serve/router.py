@@ -217,6 +217,22 @@ class RouterSocket:
         self.sock.close(linger_ms)
 
 
+class RolloutLink:
+    """The learner's side of the rollout socket as a port (learner.serve.admission.Sender): what
+    admission and the ingress send goes through :meth:`send`; the socket is attached when it is
+    bound (``LearnerService._open``). Tests put their spies on :meth:`send`."""
+
+    def __init__(self):
+        self.socket: RouterSocket | None = None
+
+    async def send(self, identity: bytes, message: protocol.Message) -> bool:
+        """Queue ``message`` for ``identity``; False if it could not be queued (no socket yet,
+        a full queue, a peer that is gone)."""
+        if self.socket is None:
+            return False
+        return await self.socket.send(identity, message)
+
+
 class PendingAcks:
     """The Acks of one burst of results, held and then sent as one Ack per server.
 

@@ -54,15 +54,15 @@ def failure_reason(failed: str) -> str:
 
 
 class SampleWatch:
-    """See the module docstring. ``timeout_s()``, ``max_share()`` and ``window()`` are read at use
-    (the config's ``learner.servers`` keys); ``on_stop(reason)`` is called once."""
+    """See the module docstring. ``servers``: the ``learner.servers`` section, whose
+    ``no_valid_sample_timeout_s``, ``max_refused_share`` and ``refused_share_window`` are read at
+    use; ``on_stop(reason)`` is called once."""
 
     def __init__(self, *, metrics: LearnerMetrics, on_stop: Callable[[str], None],
-                 timeout_s: Callable[[], float], max_share: Callable[[], float],
-                 window: Callable[[], int], log: Callable[..., None] = lambda event, **fields: None,
+                 servers: Any, log: Callable[..., None] = lambda event, **fields: None,
                  clock: Callable[[], float] = time.monotonic):
         self.metrics, self.on_stop, self.log, self.clock = metrics, on_stop, log, clock
-        self.timeout_s, self.max_share, self.window = timeout_s, max_share, window
+        self.settings = servers
         self.failed: Counter[str] = Counter()          # reason -> samples reported failed
         self.invalid = 0                               # samples acked invalid
         self.valid = 0
@@ -70,7 +70,7 @@ class SampleWatch:
         self.bad_since: float | None = None            # first bad sample after the last valid one
         self.bad_streak = 0                            # bad samples since the last valid one
         self.last_error = ""
-        # The last window() outcomes as runs [bad, count], their length and bad count.
+        # The last refused_share_window outcomes as runs [bad, count], their length and bad count.
         self._runs: deque[list] = deque()
         self._recent = self._recent_bad = 0
         self._reported = float("-inf")
@@ -112,7 +112,7 @@ class SampleWatch:
         self._check(now)
 
     def _window(self, valid: int, bad: int) -> None:
-        """Keep the last ``window()`` outcomes (as runs) and their bad count."""
+        """Keep the last ``refused_share_window`` outcomes (as runs) and their bad count."""
         runs = self._runs
         for flag, n in ((False, valid), (True, bad)):
             if n:
@@ -122,7 +122,7 @@ class SampleWatch:
                     runs.append([flag, n])
                 self._recent += n
                 self._recent_bad += n if flag else 0
-        excess = self._recent - max(1, int(self.window()))
+        excess = self._recent - max(1, int(self.settings.refused_share_window))
         while excess > 0:
             head = runs[0]
             take = min(excess, head[1])
@@ -148,13 +148,13 @@ class SampleWatch:
     def _check(self, now: float) -> None:
         if self.stopped is not None:
             return
-        timeout, reason = self.timeout_s(), None
+        timeout, reason = self.settings.no_valid_sample_timeout_s, None
         if timeout and self.bad_since is not None and now - self.bad_since >= timeout:
             reason = (f"no valid sample for {now - self.bad_since:.0f} s "
                       f"(learner.servers.no_valid_sample_timeout_s {timeout:g}): "
                       f"{self.bad_streak} failed or refused since")
         else:
-            limit, size = self.max_share(), max(1, int(self.window()))
+            limit, size = self.settings.max_refused_share, max(1, int(self.settings.refused_share_window))
             if limit < 1 and self._recent >= size and self.share() > limit:
                 reason = (f"{self.share():.0%} of the last {size} samples failed or were refused "
                           f"(learner.servers.max_refused_share {limit:g})")

@@ -3,7 +3,7 @@ rounds), ``trained_ids.jsonl``, the other metric sinks (learner.serve.sinks), th
 the seeds' sanity check and the adaptive staleness controller's decision.
 
 :class:`StepRecords` is handed the parts it reads (metrics, event log, run state, buffer,
-admission) and the live settings it needs as callables read at use time, never the config.
+admission) and the ``algorithm`` section (read at use time), never the whole config.
 
 Every row is written whole or not at all (:class:`learner.metrics.JsonlLog`). A row that cannot be
 written (a full run-directory disk, ``ENOSPC``) never ends the train loop: the first of a streak
@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,10 +29,11 @@ from learner.state.run_state import RunState
 
 class StepRecords:
     def __init__(self, *, run: RunState, metrics: LearnerMetrics, log, buffer: RolloutBuffer,
-                 admission, sanity_tolerances: Callable[[], tuple[float, float]], clock: Callable[[], float],
+                 admission, algorithm: Any, clock: Callable[[], float],
                  on_write_failure: Callable[[OSError], str] | None = None):
         self.run, self.metrics, self.log, self.buffer, self.admission = run, metrics, log, buffer, admission
-        self.sanity_tolerances, self.clock = sanity_tolerances, clock
+        self.algorithm, self.clock = algorithm, clock
+        """The ``learner.algorithm`` section: the sanity check's tolerances, read at use."""
         self.jsonl: JsonlLog | None = None
         self.trained_ids: JsonlLog | None = None
         self.sinks: list = []
@@ -89,7 +91,10 @@ class StepRecords:
 
     def control(self, change: dict) -> None:
         """A metrics.jsonl row per live setting changed with ``ctl set`` (the report marks it at
-        its step): ``kind: control``, the key, the new and the previous value."""
+        its step): ``kind: control``, the key, the new and the previous value (none before
+        :meth:`open`)."""
+        if self.jsonl is None:
+            return
         self._append(self.jsonl, {"run_id": self.run.run_id, "kind": "control", "step": self.run.version,
                                   "version": self.run.version, "time": self.clock(),
                                   **{k: change.get(k) for k in ("key", "value", "previous", "takes_effect")}})
@@ -179,7 +184,8 @@ class StepRecords:
         m.sanity_kl.set(stats["sanity_kl"] if applicable else nan)
         if applicable and stats.get("sanity_failed"):
             m.sanity_failures.inc()
-            ratio_tolerance, kl_tolerance = self.sanity_tolerances()
+            ratio_tolerance = self.algorithm.sanity_ratio_tolerance
+            kl_tolerance = self.algorithm.sanity_kl_tolerance
             self.log("sanity_check_failed", level="warning",
                      ratio_dev_max=stats["sanity_ratio_dev_max"],
                      ratio_dev_mean=stats["sanity_ratio_dev_mean"], kl=stats["sanity_kl"],

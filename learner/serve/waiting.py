@@ -14,15 +14,16 @@ Read from the learner's own state, in this order:
   valid sample, failed and refused samples by reason with the last error (the sample watch), and
   per server what it holds and when it last said anything.
 
-Only the phase the train loop is in is needed from the service (:attr:`phase`: set by the train
-loop with :meth:`enter`); everything else is read from the components that own it.
+Only the phase the train loop is in (:attr:`phase`: set by the train loop with :meth:`enter`) and
+what the process itself knows (the :class:`WaitingProcess` port: an expected wait, stale DeepSpeed
+ranks) come from outside; everything else is read from the components that own it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from protocol.plumbing.watchdog import Waiting
 
@@ -30,16 +31,28 @@ SERVERS_SHOWN = 4
 """Servers named in a line (those holding the most work first; the rest are counted)."""
 
 
+class WaitingProcess(Protocol):
+    """What the process itself knows about a wait (learner.serve.service.LearnerService)."""
+
+    def expected_wait(self) -> str | None:
+        """Why no step is due now (stopping, finished, paused: not a stall), or None."""
+        ...
+
+    def stale_ranks(self) -> list[dict]:
+        """DeepSpeed worker ranks that stopped beating (learner.train.ds_group.stale_ranks)."""
+        ...
+
+
 class LearnerWaiting:
-    """``diagnose(idle_s)`` for the learner's watchdog; the train loop calls :meth:`enter`."""
+    """``diagnose(idle_s)`` for the learner's watchdog; the train loop calls :meth:`enter`.
+    ``batch``: the ``learner.batch`` section (``batch_samples``, read at use); ``endpoints``: the
+    process's endpoints (the rollout socket's, once bound)."""
 
     def __init__(self, *, admission: Any, buffer: Any, sample_watch: Any, checkpoints: Any,
-                 batch_samples: Callable[[], int], endpoint: Callable[[], str],
-                 expected: Callable[[], str | None], ranks: Callable[[], list[dict]] = list,
+                 batch: Any, endpoints: dict[str, str], process: WaitingProcess,
                  clock: Callable[[], float] = time.monotonic):
         self.admission, self.buffer, self.watch, self.checkpoints = admission, buffer, sample_watch, checkpoints
-        self.batch_samples, self.endpoint, self.expected, self.clock = batch_samples, endpoint, expected, clock
-        self.ranks = ranks
+        self.batch, self.endpoints, self.process, self.clock = batch, endpoints, process, clock
         self.phase = "batch"                  # batch (waiting for samples), step, publish, rollout_log,
         #                                       checkpoint (the step's end: learner.loop)
         self.since = clock()
@@ -49,11 +62,11 @@ class LearnerWaiting:
         self.phase, self.since = phase, self.clock()
 
     def __call__(self, idle_s: float) -> Waiting:
-        why = self.expected()
+        why = self.process.expected_wait()
         if why:
             return Waiting("other", why, expected=True)
         now = self.clock()
-        stale = self.ranks()
+        stale = self.process.stale_ranks()
         if stale:
             r = stale[0]
             more = f"; and {len(stale) - 1} more ranks" if len(stale) > 1 else ""
@@ -74,11 +87,12 @@ class LearnerWaiting:
 
     def samples(self, idle_s: float, now: float) -> Waiting:
         servers = list(self.admission.servers.values())
-        have = f"the buffer holds {self.buffer.ready_samples} of the {self.batch_samples()} samples a step needs"
+        have = (f"the buffer holds {self.buffer.ready_samples} of the {self.batch.batch_samples} samples "
+                "a step needs")
         if not servers:
             never = "" if self.ever_connected else " (none has since the start)"
             return Waiting("no_servers", f"waiting for samples: no rollout server is connected to "
-                                         f"{self.endpoint()}{never}; {have}")
+                                         f"{self.endpoints.get('rollout', '?')}{never}; {have}")
         self.ever_connected = True
         watch = self.watch
         age = watch.valid_age()

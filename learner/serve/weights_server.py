@@ -244,24 +244,21 @@ class Publisher:
 
     ``announce(manifest)`` is awaited once per installed version; once ``stopped()`` (the process
     is shutting down, its sockets closing) nothing more is installed or announced.
-    ``observe_wait(s)`` and
-    ``observe_latency(s)`` receive the train loop's wait and the seconds from the snapshot to the
-    announcement; ``on_superseded(version, by)`` hears of a version dropped unannounced. A failure
+    ``metrics`` (learner.metrics.LearnerMetrics, optional) observes the train loop's wait and the
+    seconds from the snapshot to the announcement, and counts the versions dropped unannounced,
+    each also a ``weights_superseded`` event in ``log``. A failure
     of the background task (a prepare that raised) is raised by the next ``publish`` or
     ``drain``, so it stops the train loop as it did when publishing ran inside it.
     """
 
     def __init__(self, weights: WeightsServer,
                  announce: Callable[[protocol.WeightsAvailable], Awaitable[None]], *,
-                 stopped: Callable[[], bool] = lambda: False,
-                 observe_wait: Callable[[float], None] = lambda s: None,
-                 observe_latency: Callable[[float], None] = lambda s: None,
-                 on_superseded: Callable[[int, int], None] = lambda v, by: None):
+                 stopped: Callable[[], bool] = lambda: False, metrics: Any = None,
+                 log: Callable[..., None] = lambda event, **fields: None):
         self.weights = weights
         self.announce = announce
         self.stopped = stopped
-        self.observe_wait, self.observe_latency = observe_wait, observe_latency
-        self.on_superseded = on_superseded
+        self.metrics, self.log = metrics, log
         self.superseded = 0
         self.preparing: int | None = None          # the version being prepared, if any
         self._waiting: Snapshot | None = None
@@ -272,6 +269,12 @@ class Publisher:
     def waiting(self) -> int | None:
         """The version waiting for the background task, if any."""
         return self._waiting.version if self._waiting is not None else None
+
+    def _superseded(self, version: int, by: int) -> None:
+        if self.metrics is not None:
+            self.metrics.publish_superseded.inc()
+        self.log("weights_superseded", weights_version=version, by=by,
+                 hint="steps finish faster than a publish is prepared; servers get the newer one")
 
     async def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
                       | Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> float:
@@ -288,11 +291,12 @@ class Publisher:
             snap = await asyncio.to_thread(self.weights.snapshot, version, named_tensors)
         snap.started = start
         wait = time.monotonic() - start
-        self.observe_wait(wait)
+        if self.metrics is not None:
+            self.metrics.publish_wait_seconds.observe(wait)
         old, self._waiting = self._waiting, snap
         if old is not None:
             self.superseded += 1
-            self.on_superseded(old.version, version)
+            self._superseded(old.version, version)
             del old                                 # its buffer goes back to the pool
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="publish")
@@ -332,7 +336,8 @@ class Publisher:
                 return
             finally:
                 self.preparing = None
-            self.observe_latency(time.monotonic() - snap.started)
+            if self.metrics is not None:
+                self.metrics.publish_seconds.observe(time.monotonic() - snap.started)
             del snap
             await self.announce(manifest)
             trace("learner.announced")

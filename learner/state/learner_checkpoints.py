@@ -32,21 +32,20 @@ class Stateful(Protocol):
 
 
 class BufferState:
-    """The rollout buffer as a checkpoint part: its state as JSON-able data; after a load,
-    ``runtime()`` gives the (η, stale policy) the run starts with now, which win over the saved
-    ones (the config given at the resume)."""
+    """The rollout buffer as a checkpoint part: its state as JSON-able data; after a load, η and
+    the stale policy of ``staleness`` (the ``learner.staleness`` section: the config given at the
+    resume) win over the saved ones."""
 
-    def __init__(self, buffer: Any, runtime: Callable[[], tuple[int, str]]):
-        self.buffer, self.runtime = buffer, runtime
+    def __init__(self, buffer: Any, staleness: Any):
+        self.buffer, self.staleness = buffer, staleness
 
     def state_dict(self) -> dict:
         return self.buffer.state_dict(binary=False)
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state)
-        eta, policy = self.runtime()
-        self.buffer.staleness.set(eta, "resume")        # η's owner (buffer.staleness)
-        self.buffer.set_stale_policy(policy)
+        self.buffer.staleness.set(self.staleness.max_staleness, "resume")   # η's owner (buffer.staleness)
+        self.buffer.set_stale_policy(self.staleness.stale_policy)
 
 
 class LearnerCheckpoints:
@@ -70,13 +69,11 @@ class LearnerCheckpoints:
     """
 
     def __init__(self, settings: Any, run_dir: str | Path, *, run: Any, metrics: Any,
-                 log: Callable[..., None], stopping: asyncio.Event, executor: Executor | None = None,
-                 before_stop: Callable[[], None] = lambda: None):
+                 log: Callable[..., None], stopping: asyncio.Event, executor: Executor | None = None):
         """``settings``: the ``learner.checkpoint`` section (read at use time: save_every,
-        failure); ``executor``: the thread the trainer's tensors are copied on (the steps' own);
-        ``before_stop``: called when the learner stops (a paused train loop must see it)."""
+        failure); ``executor``: the thread the trainer's tensors are copied on (the steps' own)."""
         self.settings, self.run, self.log, self.stopping = settings, run, log, stopping
-        self.executor, self.before_stop = executor, before_stop
+        self.executor = executor
         self.trainer: Any = None
         self.parts: dict[str, Stateful] = {}
         self.store = Checkpointer(settings.dir or Path(run_dir) / "checkpoints", settings.keep_last)
@@ -181,7 +178,7 @@ class LearnerCheckpoints:
                 self.writing = ("copying the tensors", version, start)
                 try:
                     # (the tensor copies on the train thread, where the steps run: see
-                    # LearnerService.train_thread; the writing beside the next step, _commit)
+                    # learner.app, the train thread; the writing beside the next step, _commit)
                     pending = await asyncio.get_running_loop().run_in_executor(
                         self.executor, self.store.prepare, version, state, self.trainer)
                 except Exception as e:  # noqa: BLE001 -- any failure to write is reported the same way
@@ -320,8 +317,7 @@ class LearnerCheckpoints:
         """The learner is stopping: let a running step finish (it is recorded and published), stop
         the train loop where it holds no batch, and save if a step was trained since the last
         checkpoint. Returns the exit code (:data:`EXIT_CHECKPOINT_FAILED` when a failed checkpoint
-        stopped the run)."""
-        self.before_stop()                    # a paused train loop (ctl pause) must see the stop
+        stopped the run). A paused train loop must have been released first (``Control.release``)."""
         while not train.done() and not self.idle.is_set():
             done = asyncio.ensure_future(self.idle.wait())
             await asyncio.wait([done, train], return_when=asyncio.FIRST_COMPLETED)

@@ -401,18 +401,17 @@ async def restore_groups(buffer: Any, groups: dict[str, list], version: int) -> 
 # ---- the learner's side ------------------------------------------------------------------------
 
 class RolloutLogFailed(Exception):
-    """A result could not be logged: its Ack must not be sent (learner.serve.service.LearnerService.receive_result)."""
+    """A result could not be logged: its Ack must not be sent (learner.serve.ingress.IntakePath)."""
 
 
 class LearnerRolloutLog:
     """The learner's rollout log: handed the run state (run id, version), the buffer samples come
-    back into, the metrics, the event log and where the resume's checkpoint is (``resumed_from()``;
-    None without a resume). Opened at start, after a resume's checkpoint was applied
-    (:meth:`open`); every accepted result goes through :meth:`receive`."""
+    back into, the metrics and the event log. Opened at start, after a resume's checkpoint was
+    applied (:meth:`open`, told where it is); every accepted result goes through :meth:`receive`."""
 
     def __init__(self, settings: RolloutLogSettings, run_dir: str | Path, *, run: Any, buffer: Any,
-                 metrics: Any, log: Callable[..., None], resumed_from: Callable[[], Path | None]):
-        self.settings, self.run, self.buffer, self.log, self.resumed_from = settings, run, buffer, log, resumed_from
+                 metrics: Any, log: Callable[..., None]):
+        self.settings, self.run, self.buffer, self.log = settings, run, buffer, log
         self.run_dir = Path(run_dir)
         self.root = Path(settings.path) if settings.path else self.run_dir / "rollout_log"
         self.writer: RolloutLogWriter | None = None
@@ -422,9 +421,10 @@ class LearnerRolloutLog:
         self.m_failures = m.rollout_log_failures
         self.m_restored = m.rollout_log_restored
 
-    async def open(self) -> None:
-        """A new life; after a resume, the untrained samples of the last life back into the buffer."""
-        ckpt = self.resumed_from()
+    async def open(self, resumed_from: Path | None) -> None:
+        """A new life; after a resume (from the checkpoint ``resumed_from``), the untrained samples
+        of the last life back into the buffer."""
+        ckpt = resumed_from
         plan = None
         if ckpt is not None:
             import json

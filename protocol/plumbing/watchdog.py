@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.plumbing.stacks import dump_stacks
+
 __all__ = ["EXIT_STALLED", "REASONS", "Waiting", "Watchdog", "frame_of"]
 
 EXIT_STALLED = 7
@@ -98,18 +100,28 @@ def frame_of(thread_id: int | None) -> str:
 class Watchdog:
     """See the module docstring. ``start(loop)`` from inside the running loop; ``stop()`` at exit.
     ``noun`` names the progress in the line (``no step for 95 s``); settings are read at each
-    tick, so ``ctl set watchdog.stall_s`` applies at once."""
+    tick, so ``ctl set watchdog.stall_s`` applies at once: the three callables, or ``settings``
+    (a watchdog section with ``stall_s``, ``dump_after_s``, ``abort_after_s``). ``dump`` writes
+    the stacks, or ``stacks`` names the directory :func:`protocol.plumbing.stacks.dump_stacks`
+    writes them to."""
 
     def __init__(self, proc: str, *, diagnose: Callable[[float], Waiting], log: Callable[..., None],
                  noun: str = "progress", stall_s: Callable[[], float] = lambda: 0.0,
                  dump_after_s: Callable[[], float] = lambda: 0.0,
                  abort_after_s: Callable[[], float] = lambda: 0.0,
-                 dump: Callable[[], Path] | None = None,
+                 dump: Callable[[], Path] | None = None, settings: Any = None,
+                 stacks: Path | None = None,
                  on_state: Callable[[str | None], None] = lambda reason: None,
                  abort: Callable[[int], None] = os._exit,
                  min_stall_s: float = 60.0, factor: float = 10.0, tick_s: float = 1.0,
                  loop_grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
         self.proc, self.noun, self.log, self.diagnose = proc, noun, log, diagnose
+        if settings is not None:              # a watchdog section, read at each tick
+            stall_s = lambda: settings.stall_s                  # noqa: E731
+            dump_after_s = lambda: settings.dump_after_s        # noqa: E731
+            abort_after_s = lambda: settings.abort_after_s      # noqa: E731
+        if stacks is not None and dump is None:   # where the stack dump goes
+            dump = lambda: dump_stacks(stacks, proc, self.loop)  # noqa: E731
         self.stall_s, self.dump_after_s, self.abort_after_s = stall_s, dump_after_s, abort_after_s
         self.dump, self.on_state, self.abort = dump, on_state, abort
         self.min_stall_s, self.factor, self.tick_s = min_stall_s, factor, tick_s

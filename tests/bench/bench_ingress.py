@@ -255,6 +255,7 @@ class Ingress:
 
     def __init__(self, run_dir: Path, tokens: int):
         from learner.config import LearnerConfig
+        from learner.app import assemble_results
         from learner.serve.intake import Intake
         from learner.serve.service import LearnerService
 
@@ -264,10 +265,14 @@ class Ingress:
                             max_new_tokens=tokens))
         svc = self.svc = LearnerService(cfg, "unused: the model is not loaded")
         svc._open()
-        svc.intake = Intake(svc.buffer, vocab_size=32_000, max_new_tokens=lambda: cfg.sampling.max_new_tokens,
-                            max_abs_reward=lambda: cfg.servers.max_abs_reward, version=lambda: svc.version,
+        # What the model's load would build (learner.app.assemble_model), without a model: the
+        # intake at a 32k vocabulary, prompts of fixed tokens, the ingress between them.
+        svc.intake = Intake(svc.buffer, vocab_size=32_000, sampling=cfg.sampling,
+                            servers=cfg.servers, version=lambda: svc.version,
                             metrics=svc.metrics, log=svc.log)
-        svc.prompts = Prompts()
+        svc.prompts = svc.offers.prompts = Prompts()
+        svc.batches, svc.ingress = assemble_results(svc.parts, cfg, intake=svc.intake, prompts=svc.prompts,
+                                                    evaluation=None)
         self.endpoint = svc.endpoints["rollout"]
         self.expected = 0
         self.seen = 0

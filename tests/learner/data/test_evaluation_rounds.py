@@ -11,7 +11,7 @@ from learner_testkit import samples_for
 
 import protocol
 from buffer import RolloutBuffer
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, ServersSettings
 from learner.data.evaluation import Evaluation
 from learner.metrics import LearnerMetrics
 from learner.models.builtin import build_tokenizer
@@ -30,9 +30,7 @@ class Harness:
         self.log: list[tuple[str, dict]] = []
         self.n = 0
         log = lambda event, **f: self.log.append((event, f))      # noqa: E731
-        self.adm = Admission(self.buffer, self.send, self.new_assignment, version=lambda: self.version,
-                             welcome=lambda: protocol.Welcome(learner_id="L", run_id="run", version=self.version,
-                                                              weights_endpoint="tcp://127.0.0.1:1"),
+        self.adm = Admission(self.buffer, self, self, version=lambda: self.version, servers=ServersSettings(),
                              metrics=self.metrics, log=log, clock=self.clock)
         items = [{"prompt_id": f"e{i}", "prompt": f"q{i}", "answer": str(i), "metadata": {"k": i},
                   "prompt_token_ids": np.array([1, 5 + i], np.int32)} for i in range(prompts)]
@@ -42,11 +40,15 @@ class Harness:
                              lease_timeout_s=lease_timeout_s, clock=self.clock)
         self.adm.side_work = self.ev
 
+    def welcome(self) -> protocol.Welcome:
+        return protocol.Welcome(learner_id="L", run_id="run", version=self.version,
+                                weights_endpoint="tcp://127.0.0.1:1")
+
     async def send(self, identity: bytes, msg: protocol.Message) -> bool:
         self.sent.append((identity, msg))
         return True
 
-    def new_assignment(self) -> protocol.Assignment:
+    def next_assignment(self) -> protocol.Assignment:
         self.n += 1
         return protocol.Assignment(assignment_id=f"run-a{self.n}", prompt_id=f"p{self.n}",
                                    prompt_token_ids=np.array([1, 2], np.int32), group_size=2, version=0)

@@ -14,6 +14,7 @@ from learner_testkit import samples_for
 
 import protocol
 from buffer import RolloutBuffer
+from learner.config import ServersSettings
 from learner.metrics import LearnerMetrics
 from learner.serve.admission import Admission
 
@@ -32,11 +33,11 @@ class Harness:
         self.attempts: list[bytes] = []    # every send tried, queued or not
         self.log: list[tuple[str, dict]] = []
         self.n = 0
-        self.adm = Admission(self.buffer, self.send, self.new_assignment, version=lambda: self.version,
-                             welcome=self.welcome, metrics=self.metrics,
-                             log=lambda event, **f: self.log.append((event, f)),
-                             server_timeout_s=server_timeout_s, reannounce_s=reannounce_s,
-                             clock=self.clock, **guards)
+        # The harness is both ports: the Sender (send) and the Offers (welcome, next_assignment).
+        self.servers = ServersSettings(server_timeout_s=server_timeout_s, reannounce_s=reannounce_s, **guards)
+        self.adm = Admission(self.buffer, self, self, version=lambda: self.version, servers=self.servers,
+                             metrics=self.metrics, log=lambda event, **f: self.log.append((event, f)),
+                             clock=self.clock)
 
     async def send(self, identity: bytes, msg: protocol.Message) -> bool:
         self.attempts.append(identity)
@@ -45,7 +46,7 @@ class Harness:
         self.sent.append((identity, msg))
         return True
 
-    def new_assignment(self) -> protocol.Assignment:
+    def next_assignment(self) -> protocol.Assignment:
         self.n += 1
         return protocol.Assignment(assignment_id=f"a{self.n}", prompt_id=f"p{self.n}",
                                    prompt_token_ids=np.array([1, self.n], dtype=np.int32),
@@ -275,18 +276,17 @@ async def test_credits_below_a_group_get_no_work(max_concurrency):
 
 async def test_max_inflight_per_server_caps_and_pause_stops_dispatch():
     h = Harness(g=2, batch_prompts=4, eta=1)           # B = 8: the gate (16) is not the limit here
-    cap = {"n": 2}
-    h.adm.max_inflight = lambda: cap["n"]
+    h.servers.max_inflight_per_server = 2                 # read at each dispatch
     a = await h.join("A", max_concurrency=8, credits=8)
     assert h.assigned() == [(b"A", "a1")]               # 2 outstanding: one group under a cap of 2
-    cap["n"] = 4                                        # ctl set max_inflight_per_server 4
+    h.servers.max_inflight_per_server = 4               # ctl set max_inflight_per_server 4
     await h.adm.dispatch()
     assert [aid for _, aid in h.assigned()] == ["a1", "a2"]
-    h.adm.paused = True                                 # ctl pause: nothing new, credits kept
-    cap["n"] = 0
+    h.adm.pause(True)                                   # ctl pause: nothing new, credits kept
+    h.servers.max_inflight_per_server = 0
     await h.adm.dispatch()
     assert len(h.assigned()) == 2 and a.credits == 4
-    h.adm.paused = False
+    h.adm.pause(False)
     await h.adm.dispatch()
     assert [aid for _, aid in h.assigned()] == ["a1", "a2", "a3", "a4"] and a.credits == 0
 
@@ -380,9 +380,10 @@ async def test_a_result_is_its_connections_servers_whatever_it_claims():
     async def nothing(*_):
         return True
 
-    ingress = ResultIngress(receive=receive, evaluation=lambda: None, group_size=lambda: 2,
-                            hold=lambda: False, send=nothing, lose=lambda srv: None,
-                            after=lambda: None, dispatch=nothing)
+    ingress = ResultIngress(receiver=SimpleNamespace(receive=receive), link=SimpleNamespace(send=nothing),
+                            admission=SimpleNamespace(lose=lambda srv, why: None, dispatch=nothing),
+                            batches=SimpleNamespace(check=lambda: False),
+                            batch=SimpleNamespace(group_size=2), hold=False)
     await ingress.result(b"conn", SimpleNamespace(server_id="real"),
                          protocol.RolloutResult(server_id="someone-else", samples=[]))
     assert [m.server_id for m in got] == ["real"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from config_kit import nested
 
@@ -18,11 +20,13 @@ def ctl():
     buf = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=2, max_staleness=2)
     state = {"stopped": 0, "after_set": 0}
 
-    async def after_set():
+    async def dispatch():
         state["after_set"] += 1
 
-    c = Control(cfg, buf, metrics=LearnerMetrics(), status=lambda: {"version": 7},
-                stop=lambda: state.__setitem__("stopped", state["stopped"] + 1), after_set=after_set)
+    process = SimpleNamespace(status=lambda: {"version": 7}, dump_stacks=dict, has_reference=lambda: True,
+                              stop=lambda: state.__setitem__("stopped", state["stopped"] + 1))
+    c = Control(cfg, buf, metrics=LearnerMetrics(), process=process,
+                admission=SimpleNamespace(pause=lambda paused: None, dispatch=dispatch))
     c.state = state
     return c
 
@@ -166,8 +170,8 @@ async def test_clip_anchor_is_a_step_setting_and_refused_beside_target_kl(ctl):
 async def test_kl_coef_needs_a_reference_loaded_at_start():
     cfg = LearnerConfig(**nested(group_size=2, batch_prompts=2))
     buf = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=2)
-    c = Control(cfg, buf, metrics=LearnerMetrics(), status=dict, stop=lambda: None,
-                has_reference=lambda: False)
+    c = Control(cfg, buf, metrics=LearnerMetrics(),
+                process=SimpleNamespace(status=dict, stop=lambda: None, has_reference=lambda: False))
     reply = await run(c, "set", key="kl.coef", value=0.1)
     assert not reply.ok and "no reference policy" in reply.error and cfg.kl.coef == 0
     assert (await run(c, "set", key="kl.coef", value=0)).ok         # 0 stays allowed
@@ -176,7 +180,7 @@ async def test_kl_coef_needs_a_reference_loaded_at_start():
 
 async def test_pause_resume_and_checkpoint(ctl):
     calls = []
-    ctl._pause = calls.append
+    ctl.admission.pause = calls.append
     assert not ctl.paused and ctl.resumed.is_set()
     reply = await run(ctl, "pause")
     assert reply.ok and reply.result["paused"] is True and not ctl.resumed.is_set()
@@ -191,12 +195,12 @@ async def test_pause_resume_and_checkpoint(ctl):
 
     async def checkpoint():
         return {"path": "/x/step-3"}
-    ctl.checkpoint = checkpoint
+    ctl.checkpoints = SimpleNamespace(request=checkpoint)
     assert (await run(ctl, "checkpoint")).result == {"path": "/x/step-3"}
 
     async def full_disk():
         raise OSError(28, "No space left on device")
-    ctl.checkpoint = full_disk
+    ctl.checkpoints = SimpleNamespace(request=full_disk)
     bad = await run(ctl, "checkpoint")
     assert not bad.ok and "No space left" in bad.error
 

@@ -177,7 +177,7 @@ async def test_temperature_changes_live_and_samples_are_recomputed_at_theirs(tmp
 OBSERVERS = {
     "staleness.max_staleness": (lambda svc: svc.buffer.max_staleness, 3),
     "staleness.stale_policy": (lambda svc: svc.buffer.stale_policy, "correct"),
-    "servers.max_inflight_per_server": (lambda svc: svc.admission.max_inflight(), 4),
+    "servers.max_inflight_per_server": (lambda svc: svc.admission.settings.max_inflight_per_server, 4),
     "sampling.temperature": (lambda svc: svc.sampling().temperature, 0.5),
     "algorithm.is_mode": (lambda svc: svc.trainer.cfg.algorithm.is_mode, "mis"),
     "algorithm.is_cap": (lambda svc: svc.trainer.cfg.algorithm.is_cap, 3.0),

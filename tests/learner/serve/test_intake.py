@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from learner_testkit import samples_for
@@ -20,7 +22,7 @@ def setup(version: int = 1, max_new_tokens: int = 4):
                             group_size=2, version=0,
                             sampling=protocol.SamplingParams(max_new_tokens=max_new_tokens))
     buf.issue("a1", "s", 2, payload=a)
-    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: version,
+    intake = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: version,
                     metrics=LearnerMetrics())
     return buf, a, intake
 
@@ -112,7 +114,7 @@ async def test_a_prompt_equal_to_the_assignments_is_range_checked_through_the_as
                               prompt_token_ids=np.array([1, VOCAB, 9], np.int32))
     buf.issue("a1", "s", 2, payload=good)
     buf.issue("a2", "s", 2, payload=bad)
-    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: 1,
+    intake = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 1,
                     metrics=LearnerMetrics())
     g0, g1 = samples_for(good, version=0)
     assert intake.check(g0, 1) is None and intake._in_range_assignment is good

@@ -8,6 +8,8 @@ and the same buffer, for a hostile sample anywhere in a group of 8, decoded from
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from learner_testkit import samples_for
@@ -27,7 +29,7 @@ def setup():
     a = protocol.Assignment(assignment_id="a1", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
                             group_size=G, version=0, sampling=protocol.SamplingParams(max_new_tokens=12))
     buf.issue("a1", "s", G, payload=a)
-    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: 2,
+    intake = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 2,
                     metrics=LearnerMetrics())
     return buf, a, intake
 
@@ -232,7 +234,7 @@ async def test_whole_group_of_an_issued_prompt_outside_the_vocabulary(monkeypatc
                                 prompt_token_ids=np.array([1, VOCAB + 1, 9], np.int32),
                                 sampling=protocol.SamplingParams(max_new_tokens=12))
         buf.issue("a1", "s", G, payload=a)
-        return buf, a, Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16,
+        return buf, a, Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16),
                               version=lambda: 2, metrics=LearnerMetrics())
 
     batch, reference = await receive_both(
@@ -252,7 +254,7 @@ def setup_three():
                                 sampling=protocol.SamplingParams(max_new_tokens=12))
         buf.issue(a.assignment_id, "s", G, payload=a)
         assignments.append(a)
-    intake = Intake(buf, vocab_size=VOCAB, max_new_tokens=lambda: 16, version=lambda: 2,
+    intake = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 2,
                     metrics=LearnerMetrics())
     return buf, assignments, intake
 

@@ -4,6 +4,8 @@ its limit. A slow learner or an idle fleet is waiting, not failing: only a bad a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from learner.metrics import LearnerMetrics
 from learner.serve.sample_watch import SampleWatch, failure_reason
 
@@ -19,8 +21,9 @@ class Clock:
 def make(timeout_s=10.0, share=1.0, window=10):
     clock, stops, events = Clock(), [], []
     metrics = LearnerMetrics()
-    watch = SampleWatch(metrics=metrics, on_stop=stops.append, timeout_s=lambda: timeout_s,
-                        max_share=lambda: share, window=lambda: window,
+    servers = SimpleNamespace(no_valid_sample_timeout_s=timeout_s, max_refused_share=share,
+                              refused_share_window=window)
+    watch = SampleWatch(metrics=metrics, on_stop=stops.append, servers=servers,
                         log=lambda event, **f: events.append((event, f)), clock=clock)
     return watch, clock, stops, events, metrics
 

@@ -5,6 +5,8 @@ groups rows by it, and a mixed batch trains exactly like the row-by-row referenc
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -111,7 +113,7 @@ def test_intake_stamps_the_learners_temperature_over_the_servers():
     a = protocol.Assignment(assignment_id="a1", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
                             group_size=2, version=0, sampling=protocol.SamplingParams(temperature=0.3))
     buf.issue("a1", "s", 2, payload=a)
-    intake = Intake(buf, vocab_size=50, max_new_tokens=lambda: 16, version=lambda: 1,
+    intake = Intake(buf, vocab_size=50, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 1,
                     metrics=LearnerMetrics())
     samples = samples_for(a, version=0, sampling_temperature=1e-6, metadata={"other": 1})  # a lie
     intake.stamp(samples[0])

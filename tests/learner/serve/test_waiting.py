@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import protocol
 from buffer import RolloutBuffer
+from learner.config import ServersSettings
 from learner.metrics import LearnerMetrics
 from learner.serve.admission import Admission
 from learner.serve.sample_watch import SampleWatch
@@ -30,14 +31,16 @@ def setup(expected=None):
     def welcome():
         return protocol.Welcome(learner_id="l", run_id="r", version=0, weights_endpoint="tcp://10.0.0.1:5556",
                                 weights_kind="full")
-    admission = Admission(buffer, send, lambda: None, version=lambda: 0, welcome=welcome, metrics=metrics,
-                          log=lambda *a, **k: None, clock=clock)
-    watch = SampleWatch(metrics=metrics, on_stop=lambda reason: None, timeout_s=lambda: 0,
-                        max_share=lambda: 1.0, window=lambda: 100, clock=clock)
+    admission = Admission(buffer, SimpleNamespace(send=send),
+                          SimpleNamespace(welcome=welcome, next_assignment=lambda: None), version=lambda: 0,
+                          servers=ServersSettings(), metrics=metrics, log=lambda *a, **k: None, clock=clock)
+    servers = SimpleNamespace(no_valid_sample_timeout_s=0, max_refused_share=1.0, refused_share_window=100)
+    watch = SampleWatch(metrics=metrics, on_stop=lambda reason: None, servers=servers, clock=clock)
     checkpoints = SimpleNamespace(writing=None, store=SimpleNamespace(root="/runs/x/checkpoints"))
+    process = SimpleNamespace(expected_wait=lambda: expected, stale_ranks=list)
     waiting = LearnerWaiting(admission=admission, buffer=buffer, sample_watch=watch, checkpoints=checkpoints,
-                             batch_samples=lambda: 8, endpoint=lambda: "tcp://10.0.0.1:5555",
-                             expected=lambda: expected, clock=clock)
+                             batch=SimpleNamespace(batch_samples=8), endpoints={"rollout": "tcp://10.0.0.1:5555"},
+                             process=process, clock=clock)
     return clock, admission, watch, checkpoints, waiting
 
 
@@ -112,7 +115,7 @@ def test_a_deepspeed_rank_that_stopped_beating_comes_first(tmp_path):
     assert [(r["rank"], r["command"], round(r["age_s"])) for r in stale] == [(1, "step", RANK_STALE_S + 5)]
     assert stale_ranks(tmp_path / "ranks", world=1, now=later) == []        # a rank past the world
     clock, admission, watch, checkpoints, waiting = setup()
-    waiting.ranks = lambda: stale_ranks(tmp_path / "ranks", world=2, now=later)
+    waiting.process.stale_ranks = lambda: stale_ranks(tmp_path / "ranks", world=2, now=later)
     waiting.enter("step")
     w = waiting(20)
     assert w.reason == "rank"

@@ -382,7 +382,7 @@ async def test_service_stops_with_a_checkpoint_and_resumes_where_it_was(tmp_path
         # filled group returns the rest of its capacity; nothing else moves)
         moved = {k for k, d in delta.items() if d}
         assert moved <= {"expired", "dropped_stale", "dropped_incomplete", "abandoned"}, moved
-        first = again._new_assignment()                           # the data order continues
+        first = again.offers.next_assignment()                           # the data order continues
         assert first.assignment_id == f"life-a{counter + 1}" and first.prompt_id == f"p{position}"
         again.assignment_counter -= 1                             # (not issued: put the id back)
         again.prompts.load_state_dict({**again.prompts.state_dict(), "position": position})
@@ -405,8 +405,8 @@ async def test_unwritable_checkpoint_dir_is_an_error_event_and_training_goes_on(
     cfg = learner_config(tmp_path, save_every=1, checkpoint_dir=str(blocker / "ck"))
     svc = LearnerService(cfg, tiny_model_dir, run_id="ro")
     events = []
-    log = svc.log
-    svc.log = lambda event, **kw: (events.append((event, kw)), log(event, **kw))[1]
+    log = svc.checkpoints.log
+    svc.checkpoints.log = lambda event, **kw: (events.append((event, kw)), log(event, **kw))[1]
     task = await _start(svc)
     await _serve_until(svc, 3)                                    # trains on past the failures
     svc.stopping.set()
@@ -543,7 +543,7 @@ async def test_a_resumed_run_keeps_its_run_id_in_evaluation_ids_too(tmp_path, ti
         assert again.run_id == "life" and again.state.version == svc.version
         assert again.evaluation.owns("life-e0.0") and not again.evaluation.owns(f"{svc.run_id}x-e0.0")
         assert again.evaluation.prefix == "life-e"
-        assert again._new_assignment().assignment_id.startswith("life-a")
+        assert again.offers.next_assignment().assignment_id.startswith("life-a")
     finally:
         again.stopping.set()
         assert await asyncio.wait_for(task2, 60) == 0

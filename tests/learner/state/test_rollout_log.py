@@ -160,6 +160,6 @@ async def test_a_log_directory_that_cannot_be_written_is_a_startup_error(tmp_pat
     (tmp_path / "file").write_text("not a directory")
     log = LearnerRolloutLog(RolloutLogSettings(path=str(tmp_path / "file" / "log")), tmp_path,
                             run=RunState("r"), buffer=None, metrics=LearnerMetrics(),
-                            log=lambda *a, **k: None, resumed_from=lambda: None)
+                            log=lambda *a, **k: None)
     with pytest.raises(protocol.StartupError, match="learner.rollout_log.path"):
-        await log.open()
+        await log.open(None)

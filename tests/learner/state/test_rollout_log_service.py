@@ -28,7 +28,7 @@ async def test_every_ack_follows_its_record_and_a_failed_write_sends_no_ack(tmp_
     cfg = learner_config(tmp_path, rollout_log={"fsync": "record"}, batch_prompts=4)
     async with running_learner(cfg, tiny_model_dir) as svc:
         on_disk: list[bool] = []
-        send = svc._send_rollout
+        send = svc.link.send
 
         async def spy(identity, msg):          # at the moment an Ack leaves: is it on disk?
             if isinstance(msg, protocol.Ack):
@@ -36,7 +36,7 @@ async def test_every_ack_follows_its_record_and_a_failed_write_sends_no_ack(tmp_
                 on_disk.append(all(i in ids for i, st in zip(msg.sample_ids, msg.statuses, strict=True)
                                    if st == "accepted"))
             return await send(identity, msg)
-        svc._send_rollout = spy
+        svc.link.send = spy                    # the Sender port of admission and the ingress
         s = FakeServer(svc.endpoints["rollout"], "s1", max_concurrency=8)
         try:
             await s.hello()

@@ -108,7 +108,7 @@ def test_a_full_disk_leaves_no_torn_line_and_writing_resumes_when_freed():
 def _records(events: list, on_write_failure=None) -> StepRecords:
     return StepRecords(run=SimpleNamespace(run_id="r", version=3), metrics=LearnerMetrics(),
                        log=lambda e, **f: events.append((e, f)), buffer=None, admission=None,
-                       sanity_tolerances=lambda: (1.0, 1.0),
+                       algorithm=SimpleNamespace(sanity_ratio_tolerance=1.0, sanity_kl_tolerance=1.0),
                        clock=lambda: 0.0, on_write_failure=on_write_failure)
 
 
