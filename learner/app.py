@@ -153,7 +153,7 @@ def assemble(cfg: LearnerConfig, *, run_id: str, process: LearnerProcess) -> Par
     admission = Admission(buffer, link, offers, version=state.current_version, servers=cfg.servers,
                           metrics=metrics, log=log)
     # Checksums, install and announcement beside the next step (learner.serve.weights_server).
-    publisher = Publisher(weights, admission.announce, stopped=process.stopping.is_set, metrics=metrics,
+    publisher = Publisher(weights, admission, stopped=process.stopping.is_set, metrics=metrics,
                           log=log)
     sample_watch = SampleWatch(metrics=metrics, on_stop=process.stop_no_valid_samples, servers=cfg.servers,
                                log=log)

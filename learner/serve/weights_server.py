@@ -40,8 +40,8 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 
@@ -237,12 +237,19 @@ def inline_snapshot(named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
         sum(t.numel() * t.element_size() for _, t in named_tensors) <= INLINE_SNAPSHOT_BYTES)
 
 
+class Announcer(Protocol):
+    """Where a new version's manifest goes (learner.serve.admission.Admission.announce)."""
+
+    async def announce(self, manifest: protocol.WeightsAvailable) -> None: ...
+
+
 class Publisher:
     """The train loop's side of publishing: ``await publish(...)`` returns once the snapshot is
     taken (the seconds it waited); preparing, installing and announcing run in one background
     task, in version order (see the module docstring for superseding).
 
-    ``announce(manifest)`` is awaited once per installed version; once ``stopped()`` (the process
+    ``servers.announce(manifest)`` is awaited once per installed version (the :class:`Announcer`
+    port: learner.serve.admission.Admission, which sends it to every server); once ``stopped()`` (the process
     is shutting down, its sockets closing) nothing more is installed or announced.
     ``metrics`` (learner.metrics.LearnerMetrics, optional) observes the train loop's wait and the
     seconds from the snapshot to the announcement, and counts the versions dropped unannounced,
@@ -251,12 +258,11 @@ class Publisher:
     ``drain``, so it stops the train loop as it did when publishing ran inside it.
     """
 
-    def __init__(self, weights: WeightsServer,
-                 announce: Callable[[protocol.WeightsAvailable], Awaitable[None]], *,
+    def __init__(self, weights: WeightsServer, servers: Announcer, *,
                  stopped: Callable[[], bool] = lambda: False, metrics: Any = None,
                  log: Callable[..., None] = lambda event, **fields: None):
         self.weights = weights
-        self.announce = announce
+        self.servers = servers
         self.stopped = stopped
         self.metrics, self.log = metrics, log
         self.superseded = 0
@@ -339,6 +345,6 @@ class Publisher:
             if self.metrics is not None:
                 self.metrics.publish_seconds.observe(time.monotonic() - snap.started)
             del snap
-            await self.announce(manifest)
+            await self.servers.announce(manifest)
             trace("learner.announced")
 

@@ -254,8 +254,8 @@ class Ingress:
     (see the module docstring). ``phase(n)`` arms the window for the next ``n`` results."""
 
     def __init__(self, run_dir: Path, tokens: int):
-        from learner.config import LearnerConfig
         from learner.app import assemble_results
+        from learner.config import LearnerConfig
         from learner.serve.intake import Intake
         from learner.serve.service import LearnerService
 

@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -129,7 +130,7 @@ async def _learner_side(conn, model_dir, dtype, lora, chunk_bytes) -> None:
     raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
     raw_buf = np.ones(chunk_bytes, dtype=np.uint8)             # touched: no first-touch faults
     announced: asyncio.Queue = asyncio.Queue()
-    pub = Publisher(ws, announced.put)
+    pub = Publisher(ws, SimpleNamespace(announce=announced.put))
     tasks = [asyncio.create_task(router.serve(ws.handle)),
              asyncio.create_task(_raw_serve(raw, memoryview(raw_buf), chunk_bytes))]
     conn.send(("ready", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{raw_port}"))
@@ -293,7 +294,7 @@ async def loop_wait(model_dir: str, reps: int, samples: int, prompt_len: int, co
     async def announce(m):
         pass
 
-    pub = Publisher(ws, announce)
+    pub = Publisher(ws, SimpleNamespace(announce=announce))
     steps, waits = [], []
     for v in range(1, reps + 2):
         t = time.monotonic()

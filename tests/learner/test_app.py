@@ -82,7 +82,7 @@ def test_the_components_are_wired_through_ports(tmp_path):
     svc = LearnerService(cfg, "unused: the model is not loaded")
     assert svc.admission.link is svc.link and svc.admission.offers is svc.offers
     assert svc.admission.settings is cfg.servers and svc.sample_watch.settings is cfg.servers
-    assert svc.publisher.announce == svc.admission.announce
+    assert svc.publisher.servers is svc.admission
     assert svc.control.process is svc and svc.control.admission is svc.admission
     assert svc.control.checkpoints is svc.checkpoints and svc.control.records is svc.records
     assert svc.waiting.process is svc and svc.waiting.endpoints is svc.endpoints

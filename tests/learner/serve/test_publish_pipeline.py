@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ async def test_publish_returns_before_prepare_and_versions_are_announced_in_orde
     async def announce(m):
         announced.append(m.version)
 
-    pub = Publisher(ws, announce)
+    pub = Publisher(ws, SimpleNamespace(announce=announce))
     try:
         await pub.publish(1, named(1.0))
         assert await asyncio.to_thread(ws.entered.wait, 30)
@@ -89,7 +90,7 @@ async def test_a_failed_prepare_is_raised_by_the_next_publish():
     async def announce(m):
         pass
 
-    pub = Publisher(ws, announce)
+    pub = Publisher(ws, SimpleNamespace(announce=announce))
     await pub.publish(1, named(1.0))
     with pytest.raises(RuntimeError, match="prepare of 1 failed"):
         await asyncio.wait_for(pub.drain(), 30)
@@ -104,7 +105,7 @@ async def test_nothing_is_announced_once_stopped():
     async def announce(m):
         announced.append(m.version)
 
-    pub = Publisher(ws, announce, stopped=lambda: stopped)
+    pub = Publisher(ws, SimpleNamespace(announce=announce), stopped=lambda: stopped)
     await pub.publish(1, named(1.0))
     stopped = True
     ws.gate.set()
@@ -247,7 +248,7 @@ async def test_a_cuda_snapshot_is_an_async_copy_into_pinned_memory():
     async def announce(m):
         announced.append(m)
 
-    pub = Publisher(ws, announce)
+    pub = Publisher(ws, SimpleNamespace(announce=announce))
     await pub.publish(1, [("w", w)])
     w.add_(1.0)                      # the next step: queued after the copy on the same stream
     await asyncio.wait_for(pub.drain(), 60)
