@@ -103,7 +103,7 @@ from learner.train.ds_group import (
 )
 from learner.train.ds_state import load_engine, save_engine
 from learner.train.policy_io import publish_tensors, save_pretrained
-from learner.train.step import MiniBatch, SkippedStep, StepData, UpdateLog
+from learner.train.step import MiniBatch, SkippedStep, StepPlan, UpdateLog
 from learner.train.strategy import Skip
 from learner.train.trainer import Trainer
 from protocol.errors import StartupError
@@ -340,10 +340,10 @@ class DeepSpeedStrategy:
             merged.vf_parts.extend(vf)
         return merged
 
-    def clip_grads(self, s: StepData) -> tuple[float, float]:
+    def clip_grads(self, s: StepPlan) -> tuple[float, float]:
         return 0.0, 0.0                      # DeepSpeed clips inside engine.step (reduced gradients)
 
-    def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
+    def optimizer_steps(self, s: StepPlan, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
         norms = {"policy": 0.0, "critic": 0.0}
         critic = self.critic_engine is not None
         # One update of both models: the trainer takes no snapshot (one optimizer step), but the
@@ -364,7 +364,7 @@ class DeepSpeedStrategy:
             norms[which] = norm
         return norms["policy"], norms["critic"]
 
-    def broken_weights(self, s: StepData) -> str | None:
+    def broken_weights(self, s: StepPlan) -> str | None:
         """Each rank checks its own partitions (ZeRO-3) and the float32 masters; the answers are
         gathered so that every rank rolls back (or stops) alike."""
         mine = None
@@ -415,20 +415,19 @@ class DeepSpeedStrategy:
                     elif before is not None:
                         st[k] = before[k]
 
-    def merge_log(self, s: StepData, log: UpdateLog) -> None:
+    def merge_log(self, log: UpdateLog, shortcut: bool) -> None:
         """What each rank's micro-batches recorded outside the mini-batch: entropy sums, the
         shortcut's proximal log-probs and importance statistics, the sanity check."""
         if self.group.world == 1:
             return
-        log.read(s)                          # this rank's statistics, as plain numbers to gather
-        shortcut = s.proximal is None
-        mine = (log.entropy_sum, log.entropy_tokens, s.is_parts if shortcut else [],
+        log.read()                           # this rank's statistics, as plain numbers to gather
+        mine = (log.entropy_sum, log.entropy_tokens, log.is_parts if shortcut else [],
                 (log.sanity.dev_sum, log.sanity.dev_max, log.sanity.kl_sum, log.sanity.tokens))
         parts = self.group.gather(mine)
         log.entropy_sum = sum(p[0] for p in parts)
         log.entropy_tokens = sum(p[1] for p in parts)
         if shortcut:
-            s.is_parts = [x for p in parts for x in p[2]]
+            log.is_parts = [x for p in parts for x in p[2]]
             self.group.sum_(log.filled)      # each row was filled by the one rank that trained it
         san = [p[3] for p in parts]
         log.sanity.dev_sum = sum(x[0] for x in san)

@@ -1,5 +1,7 @@
-"""The records of one policy step: what it decided and computed, phase by phase, and what its
-updates measured (:class:`learner.train.trainer.Trainer` fills them; :func:`step_stats` reads them).
+"""The records of one policy step: what it decided (:class:`StepPlan`), what each phase computed
+(:class:`StepRows`, :class:`Passes`, :class:`Returns`, :class:`Weights`: each the output of one
+phase of :class:`learner.train.trainer.Trainer` and an input of the next, never changed after) and
+what its updates measured (:class:`UpdateLog`); :func:`step_stats` reads them.
 
 Statistics stay on the device as 0-dim tensors until they are needed as numbers: once per update
 (:meth:`MiniBatch.read`: its losses, for the finite check, with the gradient norms) and once at the
@@ -19,7 +21,8 @@ import torch
 import ops
 from learner.train.batching import BatchTensors
 
-__all__ = ["PHASES", "MiniBatch", "Phases", "SkippedStep", "StepData", "UpdateLog", "step_stats"]
+__all__ = ["PHASES", "MiniBatch", "Passes", "Phases", "Returns", "SkippedStep", "StepPlan", "StepRows",
+           "UpdateInputs", "UpdateLog", "Weights", "step_stats"]
 
 PHASES = ("collate", "reference", "values", "proximal", "advantages", "update")
 """The timed phases of a step (``time_<phase>_s`` in its stats); publishing is the service's."""
@@ -59,42 +62,78 @@ class Phases:
             self.seconds[name] += time.perf_counter() - t0
 
 
-@dataclass
-class StepData:
-    """The tensors and choices of one policy step, filled phase by phase."""
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step decided before computing anything (``Trainer._plan``); read by every phase."""
+
+    version: int
+    lr: float
+    critic_lr: float
+    train_policy: bool                             # False while the critic warms up
+    generator: torch.Generator                     # the step's draws (update plan, PF-PPO)
+    mini: int                                      # rows per mini-batch
+    n_updates: int                                 # ppo_epochs × mini-batches
+    beta: float                                    # the KL coefficient this step
+    use_kl: bool
+    group_sizes: list[int]
+    current_rows: bool                             # π_prox is the current weights' (all rows or the flagged)
+    needed_early: bool                             # π_prox is needed before the advantages
+    separate: bool                                 # a proximal pass of its own (not the shortcut)
+    sanity_on: bool
+    moments_before: dict                           # the reward moments, restored by a skip
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The batch's rows in training order, their correction flags and the update plan (lists of
+    micro-batch row indices per mini-batch per epoch); a PF-PPO resampling makes new ones."""
 
     bt: BatchTensors
     flagged: torch.Tensor                          # (B,) bool
-    version: int
-    any_flagged: bool = False                      # flagged.any(), known on the host
-    lr: float = 0.0
-    critic_lr: float = 0.0
-    train_policy: bool = True
-    generator: torch.Generator | None = None
-    mini: int = 0
-    n_updates: int = 1
-    beta: float = 0.0
-    use_kl: bool = False
-    group_sizes: list[int] = field(default_factory=list)
-    current_rows: bool = True
-    needed_early: bool = False
-    separate: bool = False
-    sanity_on: bool = False
-    moments_before: dict = field(default_factory=dict)
-    ref_lp: torch.Tensor | None = None             # (B, L-1)
-    old_values: torch.Tensor | None = None         # (B, L-1)
+    any_flagged: bool                              # flagged.any(), known on the host
+    plan: list = field(default_factory=list)       # empty until drawn (after PF-PPO's resampling)
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The passes without gradient at the step's starting weights (``Trainer._no_grad_passes``)."""
+
+    ref_lp: torch.Tensor | None = None             # (B, L-1) the reference policy's log-probs
+    old_values: torch.Tensor | None = None         # (B, L-1) the critic's values
     prox_pass: torch.Tensor | None = None          # (B, L-1) the proximal pass's log-probs
-    proximal: torch.Tensor | None = None           # (B, L-1) π_prox; None: filled by the shortcut
-    weights: torch.Tensor | None = None            # (B, L-1) behavior weights (M2PO applied)
-    scores: torch.Tensor | None = None             # (B,)
-    rewards_t: torch.Tensor | None = None          # (B, L-1)
-    adv: torch.Tensor | None = None                # (B, L-1)
-    targets: torch.Tensor | None = None            # (B, L-1) critic targets
-    plan: list = field(default_factory=list)
-    is_parts: list = field(default_factory=list)
-    m2po_stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Returns:
+    """Scores, rewards and advantages (``Trainer._advantages``)."""
+
+    scores: torch.Tensor                           # (B,)
+    rewards_t: torch.Tensor                        # (B, L-1)
+    adv: torch.Tensor                              # (B, L-1)
+    targets: torch.Tensor | None                   # (B, L-1) critic targets
     filter_stats: dict = field(default_factory=dict)
-    kl_next: float = 0.0
+
+
+@dataclass(frozen=True)
+class Weights:
+    """π_prox and the behavior importance weights where known before the updates
+    (``Trainer._proximal_and_weights``); ``proximal`` None: the single-update shortcut computes
+    them per micro-batch."""
+
+    proximal: torch.Tensor | None = None           # (B, L-1)
+    weights: torch.Tensor | None = None            # (B, L-1) M2PO applied
+    is_parts: tuple = ()                           # the importance statistics' parts
+    m2po_stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpdateInputs:
+    """Everything the update phase reads, each part the output of the phase that made it."""
+
+    rows: StepRows
+    passes: Passes
+    returns: Returns
+    weights: Weights
 
 
 class _Sanity:
@@ -174,13 +213,14 @@ class UpdateLog:
     entropy_tokens: float = 0.0
     entropy_parts: list = field(default_factory=list)   # (Σ entropy, tokens) per forward, tensors
     sanity: _Sanity = field(default_factory=_Sanity)
+    is_parts: list = field(default_factory=list)   # importance statistics: Weights' or the shortcut's
 
-    def read(self, s: StepData, *more):
+    def read(self, *more):
         """The step's statistics still on the device, read at once: the policy and value loss
         parts, the importance parts, the entropy sums and the sanity check's, with ``more``
         (returned read)."""
-        self.pg_parts, self.vf_parts, s.is_parts, entropy, sanity, more = ops.read_tensors(
-            (self.pg_parts, self.vf_parts, s.is_parts, self.entropy_parts, self.sanity.parts, more))
+        self.pg_parts, self.vf_parts, self.is_parts, entropy, sanity, more = ops.read_tensors(
+            (self.pg_parts, self.vf_parts, self.is_parts, self.entropy_parts, self.sanity.parts, more))
         for total, tokens in entropy:
             self.entropy_sum += total
             self.entropy_tokens += tokens
@@ -189,11 +229,13 @@ class UpdateLog:
         return more
 
 
-def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, float] | None,
-               critic: bool, read: dict[str, float]) -> dict[str, float]:
+def step_stats(cfg, batch, s: StepPlan, log: UpdateLog, *, x: UpdateInputs,
+               ref_kl: tuple[float, float] | None, kl_next: float, critic: bool,
+               read: dict[str, float]) -> dict[str, float]:
     """The statistics of one trained step (every value a Python float): what the service records
-    and exports. ``ref_kl`` is (token mean, sequence mean) of KL to the reference when the step
-    used one; ``critic`` whether it trained a critic; ``read``: ``score_mean`` and
+    and exports. ``x``: what the phases computed; ``ref_kl`` is (token mean, sequence mean) of KL
+    to the reference when the step used one, ``kl_next`` the KL coefficient of the next step;
+    ``critic`` whether it trained a critic; ``read``: ``score_mean`` and
     ``advantage_abs_mean``, read from the device with the rest (:meth:`UpdateLog.read`, called
     before: every part of ``log`` is a plain number here)."""
     samples, B = batch.samples, len(batch.samples)
@@ -219,7 +261,7 @@ def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, 
         "samples": float(B),
         "policy_updated": float(s.train_policy and log.applied > 0),
         "optimizer_steps": float(log.applied),
-        "ppo_epochs_run": log.applied / len(s.plan[0]),
+        "ppo_epochs_run": log.applied / len(x.rows.plan[0]),
         "early_stopped": float(log.early_stopped),
         "lr": s.lr,
         "proximal_pass": float(s.separate),
@@ -230,15 +272,15 @@ def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, 
         stats["pg_loss"] = mean("pg_loss")
         if log.pg_parts:
             stats.update({f"pg_{k}": v for k, v in ops.merge_stats(log.pg_parts).items()})
-        if s.is_parts:
-            stats.update(ops.merge_stats(s.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
-        stats.update(s.m2po_stats)
+        if log.is_parts:
+            stats.update(ops.merge_stats(log.is_parts))  # is_weight_*, is_ess_ratio, mismatch_kl, ...
+        stats.update(x.weights.m2po_stats)
     if s.sanity_on and log.sanity.tokens:
         stats.update(log.sanity.stats(cfg.algorithm.sanity_ratio_tolerance, cfg.algorithm.sanity_kl_tolerance))
     if s.use_kl:
         stats["ref_kl"], stats["ref_kl_seq"] = ref_kl
         stats["kl_coef"] = s.beta
-        stats["kl_coef_next"] = s.kl_next
+        stats["kl_coef_next"] = kl_next
         if not cfg.kl.in_reward:
             stats["kl_loss"] = mean("kl_loss")
     if cfg.algorithm.entropy_coef > 0:
@@ -250,5 +292,5 @@ def step_stats(cfg, batch, s: StepData, log: UpdateLog, *, ref_kl: tuple[float, 
         if log.vf_parts:
             stats.update({k if k.startswith("vf_") else f"vf_{k}": v
                           for k, v in ops.merge_stats(log.vf_parts).items()})
-    stats.update(s.filter_stats)
+    stats.update(x.returns.filter_stats)
     return stats

@@ -38,7 +38,7 @@ import ops
 from buffer import Batch
 from learner.config import TrainerConfig
 from learner.train.policy_io import load_policy_state, policy_state, publish_tensors, save_pretrained
-from learner.train.step import MiniBatch, SkippedStep, StepData, UpdateLog
+from learner.train.step import MiniBatch, SkippedStep, StepPlan, UpdateLog
 
 __all__ = ["PlainStrategy", "Skip", "TrainStrategy", "TrainerParts"]
 
@@ -105,17 +105,17 @@ class TrainStrategy(Protocol):
         """What a mini-batch measured, over every process that trained part of it."""
         ...
 
-    def clip_grads(self, s: StepData) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    def clip_grads(self, s: StepPlan) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """(policy, critic) gradient norms before clipping, each model clipped once (0.0 where
         not trained here); tensors are read by the caller with the update's losses."""
         ...
 
-    def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
+    def optimizer_steps(self, s: StepPlan, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
         """One optimizer step of the policy (when trained) and of the critic; the norms to report.
         Raises ``skip(reason)`` where an update could not be applied."""
         ...
 
-    def broken_weights(self, s: StepData) -> str | None:
+    def broken_weights(self, s: StepPlan) -> str | None:
         """After an update: ``"policy"`` or ``"critic"`` when that model's trained weights are not
         finite (``ops.weights_finite``), else None. Under DeepSpeed every rank answers alike."""
         ...
@@ -132,9 +132,9 @@ class TrainStrategy(Protocol):
         """Put back what :meth:`snapshot` copied."""
         ...
 
-    def merge_log(self, s: StepData, log: UpdateLog) -> None:
+    def merge_log(self, log: UpdateLog, shortcut: bool) -> None:
         """What every process's micro-batches recorded outside the mini-batches, merged into
-        ``log`` (and ``s.is_parts``)."""
+        ``log`` (``shortcut``: the importance statistics and π_prox were made per micro-batch)."""
         ...
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -189,7 +189,7 @@ class PlainStrategy:
     def merge_minibatch(self, mb: MiniBatch) -> MiniBatch:
         return mb
 
-    def clip_grads(self, s: StepData) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    def clip_grads(self, s: StepPlan) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """Clip both models' gradients; their norms before clipping, as tensors (read by the
         caller with the update's losses: one device read)."""
         tr = self.trainer
@@ -200,14 +200,14 @@ class PlainStrategy:
             cn = torch.nn.utils.clip_grad_norm_(tr.critic.parameters(), tr.cfg.critic.max_grad_norm)
         return gn, cn
 
-    def optimizer_steps(self, s: StepData, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
+    def optimizer_steps(self, s: StepPlan, gn: float, cn: float, skip: Skip) -> tuple[float, float]:
         if s.train_policy:
             self.trainer.optimizer.step()
         if self.trainer.critic is not None:
             self.trainer.critic_optimizer.step()
         return gn, cn
 
-    def broken_weights(self, s: StepData) -> str | None:
+    def broken_weights(self, s: StepPlan) -> str | None:
         tr = self.trainer
         if s.train_policy and not ops.weights_finite(tr.trainable):
             return "policy"
@@ -240,7 +240,7 @@ class PlainStrategy:
                 p.copy_(saved)
             tr.critic_optimizer.load_state_dict(snap["critic_optimizer"])
 
-    def merge_log(self, s: StepData, log: UpdateLog) -> None:
+    def merge_log(self, log: UpdateLog, shortcut: bool) -> None:
         return None
 
     # ---- publishing and checkpoints ----------------------------------------------------------

@@ -47,10 +47,15 @@ from learner.train.step import (
     PHASES,
     BrokenWeights,
     MiniBatch,
+    Passes,
     Phases,
+    Returns,
     SkippedStep,
-    StepData,
+    StepPlan,
+    StepRows,
+    UpdateInputs,
     UpdateLog,
+    Weights,
     step_stats,
 )
 from learner.train.strategy import PlainStrategy, TrainStrategy
@@ -318,31 +323,33 @@ class Trainer:
         return self.strategy.step(batch)
 
     def local_step(self, batch: Batch) -> dict[str, float]:
-        """:meth:`step` in this process (every rank of a group runs it on the whole batch)."""
+        """:meth:`step` in this process (every rank of a group runs it on the whole batch). The
+        phases, each a method whose inputs and outputs are its signature (learner.train.step)."""
         phases = Phases()
         start = time.monotonic()
         with phases("collate"):
-            s = self._prepare(batch)
-        self._no_grad_passes(s, phases)
+            s, rows = self._plan(batch)
+        passes = self._no_grad_passes(s, rows, phases)
         with phases("advantages"):
-            self._advantages(s)
-        self._proximal_and_weights(s, phases)
+            rows, passes, returns = self._advantages(s, rows, passes)
+        weights = self._proximal_and_weights(s, rows, passes, phases)
+        x = UpdateInputs(rows=rows, passes=passes, returns=returns, weights=weights)
         with phases("update"):
-            log = self._update(s, start)
-            self.strategy.merge_log(s, log)
+            log = self._update(s, x, start)
+            self.strategy.merge_log(log, shortcut=weights.proximal is None)
         # The step's statistics still on the device, read at once (learner.train.step).
-        ref_kl = self._reference_kl(s, log) if s.use_kl else None
-        on_device = {"score_mean": s.scores.mean(), "advantage_abs_mean": ops.masked_mean(s.adv.abs(), s.bt.mask)}
-        on_device, ref_kl = log.read(s, on_device, ref_kl)
-        if s.use_kl:
-            s.kl_next = self.kl_controller.update(ref_kl[1], len(s.bt))
-        stats = step_stats(self.cfg, batch, s, log, ref_kl=ref_kl, critic=self.critic is not None,
-                           read=on_device)
+        ref_kl = self._reference_kl(s, x, log) if s.use_kl else None
+        on_device = {"score_mean": returns.scores.mean(),
+                     "advantage_abs_mean": ops.masked_mean(returns.adv.abs(), rows.bt.mask)}
+        on_device, ref_kl = log.read(on_device, ref_kl)
+        kl_next = self.kl_controller.update(ref_kl[1], len(rows.bt)) if s.use_kl else 0.0
+        stats = step_stats(self.cfg, batch, s, log, x=x, ref_kl=ref_kl, kl_next=kl_next,
+                           critic=self.critic is not None, read=on_device)
         stats.update({f"time_{name}_s": sec for name, sec in phases.seconds.items()})
         stats["step_s"] = time.monotonic() - start
         return stats
 
-    def _prepare(self, batch: Batch) -> StepData:
+    def _plan(self, batch: Batch) -> tuple[StepPlan, StepRows]:
         """Collate, check, and decide what this step computes."""
         cfg = self.cfg
         B = len(batch.samples)
@@ -357,114 +364,128 @@ class Trainer:
             bad = low if low < 0 else top
             raise ValueError(f"Trainer.step: token id {bad} outside the vocabulary [0, {self.vocab_size})")
         bt = bt.to(self.device)
-        s = StepData(bt=bt, flagged=torch.tensor(flags, dtype=torch.bool, device=self.device),
-                     version=int(batch.version), any_flagged=any(flags))
-        s.lr, s.critic_lr = self._set_learning_rates(s.version)
-        s.train_policy = self.critic is None or s.version >= cfg.critic.warmup_steps
-        s.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + s.version)
-        s.mini = cfg.batch.mini_batch_samples if 0 < cfg.batch.mini_batch_samples < B else B
-        s.n_updates = cfg.batch.ppo_epochs * -(-B // s.mini)
-        s.beta = self.kl_controller.value
-        s.use_kl = self.reference is not None and s.beta > 0
-        s.group_sizes = list(batch.group_sizes) or [cfg.batch.group_size] * (B // cfg.batch.group_size)
+        version, any_flagged = int(batch.version), any(flags)
+        lr, critic_lr = self._set_learning_rates(version)
+        train_policy = self.critic is None or version >= cfg.critic.warmup_steps
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + version)
+        mini = cfg.batch.mini_batch_samples if 0 < cfg.batch.mini_batch_samples < B else B
+        n_updates = cfg.batch.ppo_epochs * -(-B // mini)
+        beta = self.kl_controller.value
+        use_kl = self.reference is not None and beta > 0
         # Rows whose proximal log-probs must be the current weights' (all, or the flagged ones).
-        s.current_rows = cfg.algorithm.recompute_logprobs or s.any_flagged
-        s.needed_early = (s.use_kl and cfg.kl.in_reward) or (
-            self.critic is not None and cfg.critic.targets == "vtrace")
-        s.separate = s.current_rows and (s.needed_early or (s.train_policy and (
-            s.n_updates > 1 or cfg.algorithm.m2po_threshold is not None)))
-        s.sanity_on = s.separate and cfg.algorithm.recompute_logprobs and s.train_policy
-        s.moments_before = self.reward_moments.state_dict()
+        current_rows = cfg.algorithm.recompute_logprobs or any_flagged
+        needed_early = (use_kl and cfg.kl.in_reward) or (self.critic is not None and cfg.critic.targets == "vtrace")
+        separate = current_rows and (needed_early or (train_policy and (
+            n_updates > 1 or cfg.algorithm.m2po_threshold is not None)))
+        s = StepPlan(version=version, lr=lr, critic_lr=critic_lr, train_policy=train_policy,
+                     generator=generator, mini=mini, n_updates=n_updates, beta=beta, use_kl=use_kl,
+                     group_sizes=list(batch.group_sizes) or [cfg.batch.group_size] * (B // cfg.batch.group_size),
+                     current_rows=current_rows, needed_early=needed_early, separate=separate,
+                     sanity_on=separate and cfg.algorithm.recompute_logprobs and train_policy,
+                     moments_before=self.reward_moments.state_dict())
+        plan = []
         if cfg.reward.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
-            s.plan = plan_updates(B, cfg.batch.ppo_epochs, s.mini, cfg.batch.micro_batch_samples, s.generator,
-                                  bt.seq_lens, cfg.batch.micro_batch_tokens)
-        return s
+            plan = plan_updates(B, cfg.batch.ppo_epochs, mini, cfg.batch.micro_batch_samples, generator,
+                                bt.seq_lens, cfg.batch.micro_batch_tokens)
+        flagged = torch.tensor(flags, dtype=torch.bool, device=self.device)
+        return s, StepRows(bt=bt, flagged=flagged, any_flagged=any_flagged, plan=plan)
 
     @staticmethod
-    def _first_micro_batches(s: StepData) -> list[torch.Tensor]:
+    def _first_micro_batches(rows: StepRows) -> list[torch.Tensor]:
         """The micro-batches of the first epoch, in order (the first mini-batch's come first)."""
-        return [rows for mb in s.plan[0] for rows in mb]
+        return [r for mb in rows.plan[0] for r in mb]
 
-    def _proximal_of(self, s: StepData, pass_lp: torch.Tensor) -> torch.Tensor:
+    def _proximal_of(self, rows: StepRows, pass_lp: torch.Tensor) -> torch.Tensor:
         if self.cfg.algorithm.recompute_logprobs:
             return pass_lp
-        return torch.where(s.flagged[:, None], pass_lp, s.bt.behavior_logprobs)
+        return torch.where(rows.flagged[:, None], pass_lp, rows.bt.behavior_logprobs)
 
-    def _no_grad_passes(self, s: StepData, phases: Phases) -> None:
+    def _no_grad_passes(self, s: StepPlan, rows: StepRows, phases: Phases) -> Passes:
         """Reference log-probs, critic values and (when the advantages need it) the proximal pass,
         all at the step's starting weights, over the first epoch's micro-batches (the batch's
         order before a PF-PPO resampling, which draws the plan afterwards)."""
-        chunks = (self._first_micro_batches(s) if s.plan
-                  else list(torch.arange(len(s.bt)).split(self.cfg.batch.micro_batch_samples)))
+        bt = rows.bt
+        chunks = (self._first_micro_batches(rows) if rows.plan
+                  else list(torch.arange(len(bt)).split(self.cfg.batch.micro_batch_samples)))
+        ref_lp = old_values = prox_pass = None
         if s.use_kl:
             with phases("reference"):
-                s.ref_lp = self._reference_pass(s.bt, chunks)                       # (B, L-1)
+                ref_lp = self._reference_pass(bt, chunks)                         # (B, L-1)
         if self.critic is not None:
             with phases("values"):
-                s.old_values = self._values_pass(s.bt, chunks)                      # (B, L-1)
+                old_values = self._values_pass(bt, chunks)                        # (B, L-1)
         if s.separate and (s.needed_early or self.cfg.reward.batch_filter == "pf_ppo"):
             with phases("proximal"):
-                s.prox_pass = self._proximal_pass(s.bt, chunks)
+                prox_pass = self._proximal_pass(bt, chunks)
+        return Passes(ref_lp=ref_lp, old_values=old_values, prox_pass=prox_pass)
 
-    def _advantages(self, s: StepData) -> None:
+    def _advantages(self, s: StepPlan, rows: StepRows, passes: Passes) -> tuple[StepRows, Passes, Returns]:
         """Scores, per-token rewards, advantages and critic targets (learner.train.returns); then the
-        PF-PPO resampling and its update plan."""
-        cfg, bt = self.cfg, s.bt
+        PF-PPO resampling (new rows and passes) and its update plan."""
+        cfg, bt = self.cfg, rows.bt
         early_prox = None
-        if s.prox_pass is not None:
-            early_prox = self._proximal_of(s, s.prox_pass)
+        if passes.prox_pass is not None:
+            early_prox = self._proximal_of(rows, passes.prox_pass)
         elif not s.current_rows:
             early_prox = bt.behavior_logprobs
-        s.scores = sequence_scores(cfg, bt.rewards, bt.lengths, self.reward_moments)   # (B,)
+        scores = sequence_scores(cfg, bt.rewards, bt.lengths, self.reward_moments)   # (B,)
         kl_tok = None
         if s.use_kl and cfg.kl.in_reward:
-            kl_tok = ops.kl_estimate(early_prox, s.ref_lp, cfg.kl.kind)            # (B, L-1)
-        s.rewards_t = token_rewards(s.scores, bt.mask, kl_tok, s.beta)             # (B, L-1)
-        s.adv, s.targets = advantages_and_targets(cfg, s.rewards_t, bt.mask, s.group_sizes,
-                                                  s.old_values, bt.behavior_logprobs, early_prox)
-        if cfg.reward.batch_filter == "pf_ppo":
-            B = len(bt)
-            w = ops.pf_ppo_weights(s.rewards_t.sum(dim=-1), cfg.reward.pf_ppo_method, cfg.reward.pf_ppo_weight_pow)
-            idx = ops.pf_ppo_resample(w.cpu(), B, generator=s.generator)           # (B,) CPU generator
-            s.filter_stats = {"pf_ppo_unique_fraction": len(set(idx.tolist())) / B}
-            s.bt = bt.select(idx)
-            for name in ("flagged", "adv", "rewards_t", "targets", "old_values", "ref_lp", "prox_pass"):
-                value = getattr(s, name)
-                if value is not None:
-                    setattr(s, name, value[idx])
-            s.plan = plan_updates(B, cfg.batch.ppo_epochs, s.mini, cfg.batch.micro_batch_samples, s.generator,
-                                  s.bt.seq_lens, cfg.batch.micro_batch_tokens)
+            kl_tok = ops.kl_estimate(early_prox, passes.ref_lp, cfg.kl.kind)       # (B, L-1)
+        rewards_t = token_rewards(scores, bt.mask, kl_tok, s.beta)                  # (B, L-1)
+        adv, targets = advantages_and_targets(cfg, rewards_t, bt.mask, s.group_sizes, passes.old_values,
+                                              bt.behavior_logprobs, early_prox)
+        if cfg.reward.batch_filter != "pf_ppo":
+            return rows, passes, Returns(scores=scores, rewards_t=rewards_t, adv=adv, targets=targets)
+        B = len(bt)
+        w = ops.pf_ppo_weights(rewards_t.sum(dim=-1), cfg.reward.pf_ppo_method, cfg.reward.pf_ppo_weight_pow)
+        idx = ops.pf_ppo_resample(w.cpu(), B, generator=s.generator)               # (B,) CPU generator
 
-    def _proximal_and_weights(self, s: StepData, phases: Phases) -> None:
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+        bt = bt.select(idx)
+        plan = plan_updates(B, cfg.batch.ppo_epochs, s.mini, cfg.batch.micro_batch_samples, s.generator,
+                            bt.seq_lens, cfg.batch.micro_batch_tokens)
+        rows = StepRows(bt=bt, flagged=rows.flagged[idx], any_flagged=rows.any_flagged, plan=plan)
+        passes = Passes(ref_lp=pick(passes.ref_lp), old_values=pick(passes.old_values),
+                        prox_pass=pick(passes.prox_pass))
+        return rows, passes, Returns(scores=scores, rewards_t=rewards_t[idx], adv=adv[idx], targets=pick(targets),
+                                     filter_stats={"pf_ppo_unique_fraction": len(set(idx.tolist())) / B})
+
+    def _proximal_and_weights(self, s: StepPlan, rows: StepRows, passes: Passes, phases: Phases) -> Weights:
         """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),
         then the importance weights and the M2PO mask of the whole batch, where π_prox is known
         before the updates (the shortcut computes them per micro-batch instead)."""
-        cfg, bt = self.cfg, s.bt
-        if s.separate and s.prox_pass is None:
+        cfg, bt = self.cfg, rows.bt
+        prox_pass = passes.prox_pass
+        if s.separate and prox_pass is None:
             with phases("proximal"):
-                s.prox_pass = self._proximal_pass(bt, self._first_micro_batches(s))
+                prox_pass = self._proximal_pass(bt, self._first_micro_batches(rows))
         with phases("advantages"):
-            if s.prox_pass is not None:
-                s.proximal = self._proximal_of(s, s.prox_pass)
+            proximal = None
+            if prox_pass is not None:
+                proximal = self._proximal_of(rows, prox_pass)
             elif not s.current_rows:
-                s.proximal = bt.behavior_logprobs
-            if s.proximal is None or not s.train_policy:
-                return
-            s.weights, kept, s.is_parts = self._importance(s.proximal, bt.behavior_logprobs, bt.mask,
-                                                           s.flagged, s.any_flagged)
+                proximal = bt.behavior_logprobs
+            if proximal is None or not s.train_policy:
+                return Weights(proximal=proximal)
+            weights, kept, is_parts = self._importance(proximal, bt.behavior_logprobs, bt.mask,
+                                                       rows.flagged, rows.any_flagged)
+            m2po_stats: dict = {}
             if cfg.algorithm.m2po_threshold is not None:
-                keep, s.m2po_stats = ops.m2po_mask(s.proximal, bt.behavior_logprobs, kept,
-                                                   cfg.algorithm.m2po_threshold)
-                s.weights = torch.where(keep, s.weights, torch.zeros_like(s.weights))
+                keep, m2po_stats = ops.m2po_mask(proximal, bt.behavior_logprobs, kept, cfg.algorithm.m2po_threshold)
+                weights = torch.where(keep, weights, torch.zeros_like(weights))
+            return Weights(proximal=proximal, weights=weights, is_parts=tuple(is_parts), m2po_stats=m2po_stats)
 
-    def _update(self, s: StepData, start: float) -> UpdateLog:
+    def _update(self, s: StepPlan, x: UpdateInputs, start: float) -> UpdateLog:
         """ppo_epochs × mini-batches: accumulate, check, clip, step (or stop, or skip the step)."""
-        cfg = self.cfg
-        log = UpdateLog(filled=torch.zeros_like(s.bt.mask) if s.proximal is None else s.proximal)
+        cfg, proximal = self.cfg, x.weights.proximal
+        log = UpdateLog(filled=torch.zeros_like(x.rows.bt.mask) if proximal is None else proximal,
+                        is_parts=list(x.weights.is_parts))
         snapshot = None
-        for epoch, minibatches in enumerate(s.plan):
+        for epoch, minibatches in enumerate(x.rows.plan):
             for m, micros in enumerate(minibatches):
-                mb = self._accumulate(s, log, micros, epoch, first=(epoch == 0 and m == 0))
+                mb = self._accumulate(s, x, log, micros, epoch, first=(epoch == 0 and m == 0))
                 if (cfg.algorithm.target_kl is not None and s.train_policy and log.applied > 0
                         and ops.merge_stats(mb.pg_parts)["approx_kl"] > cfg.algorithm.target_kl):
                     log.early_stopped = True               # this mini-batch's gradients are dropped
@@ -503,7 +524,7 @@ class Trainer:
                 log.applied += 1
         return log
 
-    def _skip(self, s: StepData, snapshot: object | None, log: UpdateLog, reason: str,
+    def _skip(self, s: StepPlan, snapshot: object | None, log: UpdateLog, reason: str,
               start: float) -> SkippedStep:
         """Undo what this step changed and say why (raised by the caller)."""
         if snapshot is not None:
@@ -513,11 +534,11 @@ class Trainer:
         return SkippedStep(reason, {"updates_applied_before_skip": float(log.applied),
                                     "step_s": time.monotonic() - start})
 
-    def _accumulate(self, s: StepData, log: UpdateLog, micros: list[torch.Tensor], epoch: int,
-                    first: bool) -> MiniBatch:
+    def _accumulate(self, s: StepPlan, x: UpdateInputs, log: UpdateLog, micros: list[torch.Tensor],
+                    epoch: int, first: bool) -> MiniBatch:
         """Forward and backward of one mini-batch's micro-batches (gradients accumulate): this
         process's share of them, then its dummy passes."""
-        cfg, bt = self.cfg, s.bt
+        cfg, bt = self.cfg, x.rows.bt
         normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.algorithm.loss_agg)
         self.strategy.zero_grad()
         mb = MiniBatch()
@@ -528,57 +549,58 @@ class Trainer:
             mask = sub.mask
             n_tok = (mask != 0).sum()                    # a tensor, read with the step's statistics
             if s.train_policy:
-                self._policy_micro(s, log, mb, sub, rows, normalizer, n_tok, epoch, first)
+                self._policy_micro(s, x, log, mb, sub, rows, normalizer, n_tok, epoch, first)
             if self.critic is not None:
                 values = self.critic(sub.input_ids, sub.attention_mask)               # (b, L-1)
                 vf_loss, vf_stats = ops.value_loss(
-                    values, take(s.old_values, rows, L), take(s.targets, rows, L), mask,
+                    values, take(x.passes.old_values, rows, L), take(x.returns.targets, rows, L), mask,
                     clip=cfg.critic.value_clip, agg=cfg.algorithm.loss_agg, normalizer=normalizer)
                 self.strategy.backward(vf_loss, "critic")
                 mb.add("vf_loss", vf_loss)
                 mb.vf_parts.append((vf_stats, n_tok))
         for _ in range(dummies):
-            self._dummy_micro(s, micros[0])
+            self._dummy_micro(s, bt, micros[0])
         return self.strategy.merge_minibatch(mb)
 
-    def _dummy_micro(self, s: StepData, rows: torch.Tensor) -> None:
+    def _dummy_micro(self, s: StepPlan, bt: BatchTensors, rows: torch.Tensor) -> None:
         """A pass with a zero loss: the same collectives as a real micro-batch, no gradient."""
-        sub = s.bt.rows(rows)
+        sub = bt.rows(rows)
         if s.train_policy:
             lp, _ = self._logprobs(sub, "none")
             self.strategy.backward(lp.sum() * 0.0, "policy")
         if self.critic is not None:
             self.strategy.backward(self.critic(sub.input_ids, sub.attention_mask).sum() * 0.0, "critic")
 
-    def _policy_micro(self, s: StepData, log: UpdateLog, mb: MiniBatch, sub: BatchTensors,
+    def _policy_micro(self, s: StepPlan, x: UpdateInputs, log: UpdateLog, mb: MiniBatch, sub: BatchTensors,
                       rows: torch.Tensor, normalizer: float, n_tok: int, epoch: int, first: bool) -> None:
         """The policy's forward and backward on one micro-batch."""
-        cfg = self.cfg
+        cfg, w8 = self.cfg, x.weights
         L = sub.input_ids.shape[1]
         mask, behavior = sub.mask, sub.behavior_logprobs
         logprobs, entropy = self._logprobs(sub, "grad" if cfg.algorithm.entropy_coef > 0 else "stat")  # (b, L-1)
         if epoch == 0:
             log.entropy_parts.append((ops.masked_sum(entropy.detach(), mask), mask.sum()))
         current = logprobs.detach()
-        if s.proximal is None:                                      # the single-step shortcut
-            prox = current if cfg.algorithm.recompute_logprobs else torch.where(s.flagged[rows, None], current, behavior)
+        flagged = x.rows.flagged
+        if w8.proximal is None:                                     # the single-step shortcut
+            prox = current if cfg.algorithm.recompute_logprobs else torch.where(flagged[rows, None], current, behavior)
             log.filled[rows, :L - 1] = prox
-            w, _, parts = self._importance(prox, behavior, mask, s.flagged[rows], s.any_flagged)
-            s.is_parts.extend(parts)
+            w, _, parts = self._importance(prox, behavior, mask, flagged[rows], x.rows.any_flagged)
+            log.is_parts.extend(parts)
         else:
-            prox, w = take(s.proximal, rows, L), take(s.weights, rows, L)
+            prox, w = take(w8.proximal, rows, L), take(w8.weights, rows, L)
         if first and s.sanity_on:
             log.sanity.add(current, prox, mask)
         anchor = prox
         if cfg.algorithm.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
             w, anchor = ops.behavior_anchored_weights(w, prox, behavior, mask), behavior
         pg_loss, pg_stats = ops.ppo_policy_loss(
-            logprobs, anchor, take(s.adv, rows, L), mask, clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
+            logprobs, anchor, take(x.returns.adv, rows, L), mask, clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
             dual_clip=cfg.algorithm.dual_clip, is_weights=w, agg=cfg.algorithm.loss_agg, normalizer=normalizer)
         total = pg_loss
         mb.add("pg_loss", pg_loss)
         if s.use_kl and not cfg.kl.in_reward:
-            kl_val, _ = ops.kl_loss(logprobs, take(s.ref_lp, rows, L), mask, cfg.kl.kind, cfg.algorithm.loss_agg,
+            kl_val, _ = ops.kl_loss(logprobs, take(x.passes.ref_lp, rows, L), mask, cfg.kl.kind, cfg.algorithm.loss_agg,
                                     normalizer)
             total = total + s.beta * kl_val
             mb.add("kl_loss", kl_val)
@@ -590,11 +612,12 @@ class Trainer:
         mb.add("loss", total)
         mb.pg_parts.append((pg_stats, n_tok))
 
-    def _reference_kl(self, s: StepData, log: UpdateLog) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_kl(self, s: StepPlan, x: UpdateInputs, log: UpdateLog) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting
         policy and the reference (behavior log-probs where neither a pass nor a forward ran), as
         0-dim tensors (read with the step's statistics)."""
-        source = log.filled if (s.proximal is not None or s.train_policy) else s.bt.behavior_logprobs
-        kl = ops.kl_estimate(source, s.ref_lp, self.cfg.kl.kind)                   # (B, L-1)
-        return ops.masked_mean(kl, s.bt.mask), ops.masked_sum(kl, s.bt.mask, dim=-1).mean()
+        bt = x.rows.bt
+        source = log.filled if (x.weights.proximal is not None or s.train_policy) else bt.behavior_logprobs
+        kl = ops.kl_estimate(source, x.passes.ref_lp, self.cfg.kl.kind)             # (B, L-1)
+        return ops.masked_mean(kl, bt.mask), ops.masked_sum(kl, bt.mask, dim=-1).mean()
 

@@ -314,9 +314,9 @@ def test_pf_ppo_resamples_the_batch_by_score(tiny_model_dir):
     seen = {}
     original = tr._update
 
-    def spy(s, start):
-        seen["rewards"] = s.bt.rewards.clone()
-        return original(s, start)
+    def spy(s, x, start):                                # the update phase's inputs: the resampled rows
+        seen["rewards"] = x.rows.bt.rewards.clone()
+        return original(s, x, start)
 
     tr._update = spy
     stats = tr.step(make_batch())
