@@ -1,4 +1,4 @@
-"""When the learner saves and how it resumes: :class:`LearnerCheckpoints` between the service's steps
+"""When the learner saves and how it resumes: :class:`LearnerCheckpoints` between the train loop's steps
 and :class:`learner.state.checkpoint.Checkpointer`'s files."""
 
 from __future__ import annotations
