@@ -30,7 +30,10 @@ def rollout_nested(flat: dict | None = None, **more) -> dict:
     sections (``{"network": {"metrics_port": 0}, "generation": {...}}``), like :func:`nested`."""
     from rollout_server.config import MOVED_KEYS
 
-    return _sections(MOVED_KEYS, {**(flat or {}), **more})
+    flat = {**(flat or {}), **more}
+    if isinstance(flat.get("reward"), (str, list)):        # the shorthand, beside reward_* keys
+        flat["reward"] = {"fn": flat["reward"]}
+    return _sections(MOVED_KEYS, flat)
 
 
 def rollout_config(**flat):
