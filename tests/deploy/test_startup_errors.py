@@ -164,8 +164,8 @@ def test_launcher_gives_a_server_a_free_metrics_port_when_the_default_is_taken(t
     from deploy.config_file import load_config
 
     cfg = load_config(None, [])
-    cfg.rollout.__dict__["metrics_port"] = taken_port          # as the default, not set by the user
-    assert "metrics_port" not in cfg.rollout.model_fields_set
+    cfg.rollout.network.__dict__["metrics_port"] = taken_port  # as the default, not set by the user
+    assert "metrics_port" not in cfg.rollout.network.model_fields_set
     assert launcher._server_metrics_port(cfg, 0) == 0
     assert f"metrics port {taken_port} is in use" in capsys.readouterr().out
     assert launcher._server_metrics_port(cfg, 1) == taken_port + 1 or not launcher._port_free(
