@@ -200,7 +200,7 @@ def test_a_learner_that_never_answers(tmp_path, tiny_model_dir, subprocess_env, 
     endpoint = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
     cfg = {"learner": endpoint, "server_id": "lonely", "metrics_port": 0, "threads": 1,
            "learner_timeout_s": 30, "watchdog": {"stall_s": 1.0}}
-    (tmp_path / "rollout.yaml").write_text(yaml.safe_dump({"model": tiny_model_dir, "rollout": cfg}))
+    (tmp_path / "rollout.yaml").write_text(yaml.safe_dump({"model": tiny_model_dir, "rollout": rollout_nested(cfg)}))
     server = process_groups.watch([*CLI, "rollout", "--config", str(tmp_path / "rollout.yaml")],
                                   env=subprocess_env, cwd=tmp_path)
     ready = server.wait_for_event("ready", 120)
