@@ -4,7 +4,7 @@ Every config error becomes :class:`ConfigError` with one line that says what to 
 it and exits with code 2 (no traceback), like every other :class:`protocol.StartupError`.
 
 A built-in task names the reward it is scored with (:attr:`learner.data.tasks.Task.reward`): unless the
-config sets ``rollout.reward``, the servers use the task's reward, so the task stays the one place
+config sets ``rollout.reward`` (its ``fn``), the servers use the task's reward, so the task stays the one place
 that says how it is scored.
 """
 
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from learner.config import MOVED_KEYS, LearnerConfig, resolve_key
 from learner.data.tasks import get_task, is_builtin
 from protocol.errors import StartupError
+from rollout_server.config import MOVED_KEYS as ROLLOUT_MOVED_KEYS
 from rollout_server.config import RolloutConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
@@ -37,7 +38,7 @@ class LauncherConfig(BaseModel):
     """Rollout server processes to start next to the learner."""
     shutdown_timeout_s: float = Field(30.0, gt=0)
     """Seconds to wait for processes to exit after SIGTERM before killing them (keep it above
-    rollout.drain_timeout_s, so a server finishing its leases is not killed)."""
+    rollout.shutdown.drain_timeout_s, so a server finishing its leases is not killed)."""
     restart_limit: int = Field(5, ge=0)
     """Restarts of a dead rollout server within restart_window_s before it is given up (0 = never
     restarted; the run goes on while another server is left)."""
@@ -81,8 +82,9 @@ class SlipstreamConfig(BaseModel):
                 task = get_task(self.learner.data.dataset)
             except StartupError as e:
                 raise ValueError(str(e)) from None
-            if "reward" not in self.rollout.model_fields_set:
-                self.rollout = self.rollout.model_copy(update={"reward": task.reward})
+            if "fn" not in self.rollout.reward.model_fields_set:
+                reward = self.rollout.reward.model_copy(update={"fn": task.reward})
+                self.rollout = self.rollout.model_copy(update={"reward": reward})
         return self
 
 
@@ -151,12 +153,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_override(data, item)
     if overrides:
         source += " with --set overrides"
-    learner = data.get("learner")
-    for key in learner if isinstance(learner, dict) else ():
-        if key in MOVED_KEYS:          # the flat layout, before the learner's config had sections
-            raise ConfigError(f"config error in {source}: learner.{key}: moved to "
-                              f"learner.{MOVED_KEYS[key]} (the learner's keys are in sections; "
-                              "docs/configuration.md)")
+    # The flat layouts, before the learner's and the rollout server's configs had sections.
+    for side, moved in (("learner", MOVED_KEYS), ("rollout", ROLLOUT_MOVED_KEYS)):
+        section = data.get(side)
+        for key in section if isinstance(section, dict) else ():
+            if key in moved:
+                raise ConfigError(f"config error in {source}: {side}.{key}: moved to "
+                                  f"{side}.{moved[key]} (the {side} keys are in sections; "
+                                  "docs/configuration.md)")
     try:
         cfg = SlipstreamConfig.model_validate(data)
     except ValidationError as e:
@@ -190,7 +194,7 @@ def cross_checks(cfg: SlipstreamConfig) -> list[str]:
     eta = lr.staleness.max_staleness
     if lr.lora is not None and ro.engine == "vllm":
         v = ro.vllm
-        need = eta + 1 if ro.inflight_update == "finish" else min(2, eta + 1)
+        need = eta + 1 if ro.generation.inflight_update == "finish" else min(2, eta + 1)
         if not v.enable_lora:
             problems.append("learner.lora trains LoRA adapters but rollout.vllm.enable_lora is false: "
                             "set rollout.vllm.enable_lora: true")
@@ -199,14 +203,14 @@ def cross_checks(cfg: SlipstreamConfig) -> list[str]:
                             f"{v.max_lora_rank}: set rollout.vllm.max_lora_rank to at least {lr.lora.r}")
         if v.max_loras < need:
             problems.append(f"rollout.vllm.max_loras is {v.max_loras} but learner.staleness.max_staleness "
-                            f"is {eta} (rollout.inflight_update: {ro.inflight_update}): a server may be "
+                            f"is {eta} (rollout.generation.inflight_update: {ro.generation.inflight_update}): a server may be "
                             f"generating on {need} adapter versions at once; set rollout.vllm.max_loras "
                             f"to at least {need}")
     sixteen = {"bfloat16", "float16"}
-    if {lr.runtime.dtype, ro.dtype} == sixteen:
-        problems.append(f"learner.runtime.dtype is {lr.runtime.dtype} but rollout.dtype is {ro.dtype}: "
+    if {lr.runtime.dtype, ro.runtime.dtype} == sixteen:
+        problems.append(f"learner.runtime.dtype is {lr.runtime.dtype} but rollout.runtime.dtype is {ro.runtime.dtype}: "
                         "the weights change at every publish (bfloat16 and float16 hold different "
-                        "ranges); set rollout.dtype to the learner's, or auto")
+                        "ranges); set rollout.runtime.dtype to the learner's, or auto")
     return problems
 
 

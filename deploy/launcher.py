@@ -204,16 +204,17 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _server_metrics_port(cfg: SlipstreamConfig, index: int) -> int:
-    """``rollout.metrics_port + index`` (0 stays 0: any free port). When the user did not choose
+    """``rollout.network.metrics_port + index`` (0 stays 0: any free port). When the user did not choose
     the port and it is taken (another run on this machine), any free port instead, said on stdout
     (a port the user chose and that is taken stays an error of that server)."""
-    base = cfg.rollout.metrics_port
+    base = cfg.rollout.network.metrics_port
     if not base:
         return 0
     port = base + index
-    if "metrics_port" not in cfg.rollout.model_fields_set and not _port_free(cfg.rollout.metrics_host, port):
+    chosen = "metrics_port" in cfg.rollout.network.model_fields_set
+    if not chosen and not _port_free(cfg.rollout.network.metrics_host, port):
         print(f"[run] rollout-{index}: metrics port {port} is in use; it gets a free one "
-              f"(set rollout.metrics_port to choose)", flush=True)
+              f"(set rollout.network.metrics_port to choose)", flush=True)
         return 0
     return port
 
@@ -263,7 +264,7 @@ def launch(cfg: SlipstreamConfig, config_path: str | None, overrides: list[str],
             port = _server_metrics_port(cfg, i)
             server_cmds[f"rollout-{i}"] = [
                 *base, "rollout", "--config", str(cfg_file), "--learner", endpoint,
-                "--set", f"rollout.server_id=rollout-{i}", "--set", f"rollout.metrics_port={port}",
+                "--set", f"rollout.server_id=rollout-{i}", "--set", f"rollout.network.metrics_port={port}",
                 "--set", f"rollout.seed={cfg.rollout.seed + i}"]
             child = children[f"rollout-{i}"] = Child(f"rollout-{i}", server_cmds[f"rollout-{i}"],
                                                      events, env, cpus.get(f"rollout-{i}"))

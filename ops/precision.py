@@ -1,5 +1,5 @@
 """Does a device compute bfloat16 natively: the one rule behind every ``auto`` precision setting
-(``learner.runtime.autocast``, ``learner.runtime.dtype``, ``rollout.dtype``; issue 40).
+(``learner.runtime.autocast``, ``learner.runtime.dtype``, ``rollout.runtime.dtype``; issue 40).
 
 bfloat16 pays only where the hardware multiplies it: a CUDA device with bfloat16 units (Ampere and
 later), a CPU with AVX512-BF16 or AMX. Elsewhere torch emulates it through float32 conversions, and

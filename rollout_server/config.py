@@ -1,4 +1,4 @@
-"""Rollout server configuration: one pydantic model, every field documented."""
+"""Rollout server configuration: a few server-wide keys and one pydantic section per concern, every field documented."""
 
 from __future__ import annotations
 
@@ -110,8 +110,146 @@ class RolloutSecurity(BaseModel):
         return self
 
 
+class RolloutNetwork(BaseModel):
+    """``rollout.network``: the link to the learner and the /metrics endpoint."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    metrics_host: str = "127.0.0.1"
+    """Interface of the Prometheus /metrics endpoint."""
+    metrics_port: int = Field(9401, ge=0, le=65535)
+    """Port of the Prometheus /metrics and /healthz endpoint (0 = any free port)."""
+    reconnect_ivl_s: float = Field(0.1, gt=0)
+    """First delay before reconnecting to a lost learner (ZMQ RECONNECT_IVL)."""
+    reconnect_ivl_max_s: float = Field(5.0, gt=0)
+    """Reconnect backoff cap: delays double up to this (ZMQ RECONNECT_IVL_MAX)."""
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    """Seconds between Heartbeats to the learner (also the ZeroMQ ping interval on that link)."""
+    learner_timeout_s: float = Field(10.0, gt=0)
+    """The learner counts as lost (/healthz 503, connected: false) when its link is down, or when
+    it has sent nothing for this long once it is known to answer heartbeats."""
+    ack_timeout_s: float = Field(30.0, gt=0)
+    """Seconds to wait for an Ack before re-sending a result."""
+    max_message_bytes: int = Field(MAX_BODY_BYTES + MAX_HEADER_BYTES, ge=1 << 16)
+    """Largest message accepted from the learner (its frames together; a larger frame is refused
+    by libzmq before it is buffered). The default is the largest frame the codec takes."""
+    unfinished_timeout_s: float = Field(30.0, gt=0)
+    """How long a message from the learner may stay unfinished (frames sent, the last one not)
+    before the connection is cut (protocol.plumbing.unfinished; its size is bounded too)."""
+
+
+class GenerationOptions(BaseModel):
+    """``rollout.generation``: how much this server generates at once and what it accepts."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    max_concurrency: int = Field(64, ge=1)
+    """Samples this server generates at once (the credits it asks for)."""
+    batch_wait_s: float = Field(0.005, ge=0)
+    """At most this long after work arrives for the rest of the learner's burst to join the same
+    generate call (each Assignment says how many more follow; work that does not say, from an
+    older learner, waits the whole window)."""
+    inflight_update: Literal[INFLIGHT_POLICIES] = "finish"
+    """Weights arriving while a request generates: continue (new tokens use the new weights),
+    finish (the request finishes on its version), resubmit (abort, regenerate the rest)."""
+    max_new_tokens_limit: int = Field(4096, ge=1)
+    """Longest completion this server generates; an assignment asking for more is refused."""
+    max_prompt_tokens: int = Field(8192, ge=1)
+    """Longest prompt this server accepts; an assignment with a longer one is refused."""
+
+
+class WeightsOptions(BaseModel):
+    """``rollout.weights``: fetching the learner's published weights."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    wait_s: float = Field(10.0, ge=0)
+    """Before starting new work, wait up to this long for announced newer weights to be applied,
+    and for the version the work was issued at (older weights can make its samples too stale)."""
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    """A weights fetch fails (counted, old weights kept) when no chunk arrives for this long."""
+    chunk_window: int = Field(4, ge=1)
+    """Weight chunk requests in flight at once during a fetch."""
+    chunk_retries: int = Field(3, ge=1)
+    """Requests per chunk (a corrupted or wrong reply is fetched again) before the fetch fails."""
+    max_bytes: int = Field(0, ge=0)
+    """Largest weights version accepted, in bytes; a bigger manifest is refused before anything is
+    allocated (0 = twice the size of the model's weight files)."""
+
+
+class RewardSettings(BaseModel):
+    """``rollout.reward``: the reward function(s), how their parts are weighed, where they run.
+    A bare string or list stands for ``fn`` (``reward: builtin:format``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    fn: str | list[str] = "builtin:exact_numeric"
+    """Reward function(s): builtin:exact_numeric|format|length_penalty|reward_model or
+    "module:function" (sync or async); a list adds their parts."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Weight per reward part name (e.g. {exact_numeric: 1.0, format: 0.1}); unnamed parts weigh 1."""
+    threads: int = Field(4, ge=1)
+    """Worker threads for synchronous reward functions (they never run on the event loop)."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Seconds one reward call may take; a slower one marks its sample failed (counted)."""
+    options: RewardOptions = Field(default_factory=RewardOptions)
+    """Options of the built-in rewards."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"fn": data} if isinstance(data, (str, list)) else data
+
+
+class RolloutRuntime(BaseModel):
+    """``rollout.runtime``: where and in what precision the engine computes."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """HF engine device: auto (cuda when there is one, else cpu), cpu, cuda, cuda:N (vLLM picks
+    its own)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype: auto (bfloat16 where the device computes it natively: a GPU since Ampere, a
+    CPU with AVX512-BF16 or AMX; else float32; vLLM on a GPU: the model's own), float32,
+    bfloat16, float16. The server's runtime event says what auto chose and why."""
+
+
+class ShutdownOptions(BaseModel):
+    """``rollout.shutdown``: what a stopping server still finishes."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    drain_timeout_s: float = Field(20.0, ge=0)
+    """On SIGTERM: seconds to finish queued work and wait for its acks before exiting."""
+    drain_disconnected_s: float = Field(2.0, ge=0)
+    """On SIGTERM: stop waiting for acks once the learner link has been down this long."""
+
+
+_FLAT_LAYOUT = {
+    "network": ("metrics_host metrics_port reconnect_ivl_s reconnect_ivl_max_s heartbeat_interval_s "
+                "learner_timeout_s ack_timeout_s learner_max_message_bytes:max_message_bytes "
+                "unfinished_timeout_s"),
+    "generation": "max_concurrency batch_wait_s inflight_update max_new_tokens_limit max_prompt_tokens",
+    "weights": ("weights_wait_s:wait_s chunk_timeout_s chunk_window chunk_retries "
+                "max_weights_bytes:max_bytes"),
+    "reward": ("reward_weights:weights reward_threads:threads reward_timeout_s:timeout_s "
+               "reward_options:options"),
+    "runtime": "device dtype",
+    "shutdown": "drain_timeout_s drain_disconnected_s",
+}
+MOVED_KEYS: dict[str, str] = {
+    old: f"{section}.{new or old}"
+    for section, keys in _FLAT_LAYOUT.items()
+    for old, _, new in (item.partition(":") for item in keys.split())
+}
+"""``metrics_port`` -> ``network.metrics_port``, ``reward_weights`` -> ``reward.weights``, ...: every
+key of the flat layout (before the rollout config had sections)."""
+
+
 class RolloutConfig(BaseModel):
-    """Everything a rollout server needs besides the model path."""
+    """Everything a rollout server needs besides the model path: a few server-wide keys and one
+    section per concern, like the learner's (docs/configuration.md lists every key)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
@@ -121,85 +259,39 @@ class RolloutConfig(BaseModel):
     """Stable name of this server (default: hostname-pid)."""
     engine: Literal["hf", "vllm"] = "hf"
     """Generation engine: hf (transformers, CPU or GPU) or vllm."""
-    inflight_update: Literal[INFLIGHT_POLICIES] = "finish"
-    """Weights arriving while a request generates: continue (new tokens use the new weights),
-    finish (the request finishes on its version), resubmit (abort, regenerate the rest)."""
-    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
-    """vLLM engine options."""
-    max_concurrency: int = Field(64, ge=1)
-    """Samples this server generates at once (the credits it asks for)."""
-    reward: str | list[str] = "builtin:exact_numeric"
-    """Reward function(s): builtin:exact_numeric|format|length_penalty|reward_model or
-    "module:function" (sync or async); a list adds their parts."""
-    reward_weights: dict[str, float] = Field(default_factory=dict)
-    """Weight per reward part name (e.g. {exact_numeric: 1.0, format: 0.1}); unnamed parts weigh 1."""
-    reward_options: RewardOptions = Field(default_factory=RewardOptions)
-    """Options of the built-in rewards."""
-    metrics_host: str = "127.0.0.1"
-    """Interface of the Prometheus /metrics endpoint."""
-    metrics_port: int = Field(9401, ge=0, le=65535)
-    """Port of the Prometheus /metrics and /healthz endpoint (0 = any free port)."""
-    reconnect_ivl_s: float = Field(0.1, gt=0)
-    """First delay before reconnecting to a lost learner (ZMQ RECONNECT_IVL)."""
-    reconnect_ivl_max_s: float = Field(5.0, gt=0)
-    """Reconnect backoff cap: delays double up to this (ZMQ RECONNECT_IVL_MAX)."""
-    drain_timeout_s: float = Field(20.0, ge=0)
-    """On SIGTERM: seconds to finish queued work and wait for its acks before exiting."""
-    batch_wait_s: float = Field(0.005, ge=0)
-    """At most this long after work arrives for the rest of the learner's burst to join the same
-    generate call (each Assignment says how many more follow; work that does not say, from an
-    older learner, waits the whole window)."""
-    ack_timeout_s: float = Field(30.0, gt=0)
-    """Seconds to wait for an Ack before re-sending a result."""
-    heartbeat_interval_s: float = Field(2.0, gt=0)
-    """Seconds between Heartbeats to the learner (also the ZeroMQ ping interval on that link)."""
-    learner_timeout_s: float = Field(10.0, gt=0)
-    """The learner counts as lost (/healthz 503, connected: false) when its link is down, or when
-    it has sent nothing for this long once it is known to answer heartbeats."""
-    learner_max_message_bytes: int = Field(MAX_BODY_BYTES + MAX_HEADER_BYTES, ge=1 << 16)
-    """Largest message accepted from the learner (its frames together; a larger frame is refused
-    by libzmq before it is buffered). The default is the largest frame the codec takes."""
-    unfinished_timeout_s: float = Field(30.0, gt=0)
-    """How long a message from the learner may stay unfinished (frames sent, the last one not)
-    before the connection is cut (protocol.plumbing.unfinished; its size is bounded too)."""
-    drain_disconnected_s: float = Field(2.0, ge=0)
-    """On SIGTERM: stop waiting for acks once the learner link has been down this long."""
-    weights_wait_s: float = Field(10.0, ge=0)
-    """Before starting new work, wait up to this long for announced newer weights to be applied,
-    and for the version the work was issued at (older weights can make its samples too stale)."""
-    chunk_timeout_s: float = Field(30.0, gt=0)
-    """A weights fetch fails (counted, old weights kept) when no chunk arrives for this long."""
-    chunk_window: int = Field(4, ge=1)
-    """Weight chunk requests in flight at once during a fetch."""
-    chunk_retries: int = Field(3, ge=1)
-    """Requests per chunk (a corrupted or wrong reply is fetched again) before the fetch fails."""
-    max_weights_bytes: int = Field(0, ge=0)
-    """Largest weights version accepted, in bytes; a bigger manifest is refused before anything is
-    allocated (0 = twice the size of the model's weight files)."""
-    max_new_tokens_limit: int = Field(4096, ge=1)
-    """Longest completion this server generates; an assignment asking for more is refused."""
-    max_prompt_tokens: int = Field(8192, ge=1)
-    """Longest prompt this server accepts; an assignment with a longer one is refused."""
-    reward_threads: int = Field(4, ge=1)
-    """Worker threads for synchronous reward functions (they never run on the event loop)."""
-    reward_timeout_s: float = Field(60.0, gt=0)
-    """Seconds one reward call may take; a slower one marks its sample failed (counted)."""
     seed: int = 0
     """Sampling seed (offset by the server's index in `slipstream run`)."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default; under `slipstream run`, 0 = this server's share
     of the cores, see deploy/cores.py)."""
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    """HF engine device: auto (cuda when there is one, else cpu), cpu, cuda, cuda:N (vLLM picks
-    its own)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Engine dtype: auto (bfloat16 where the device computes it natively: a GPU since Ampere, a
-    CPU with AVX512-BF16 or AMX; else float32; vLLM on a GPU: the model's own), float32,
-    bfloat16, float16. The server's runtime event says what auto chose and why."""
+    exit_on_learner_finished: bool = True
+    """Exit (code 0) once the learner says its run has finished, after the last acks."""
+    network: RolloutNetwork = Field(default_factory=RolloutNetwork)
+    """The link to the learner (heartbeats, timeouts, message limits) and the /metrics endpoint."""
+    generation: GenerationOptions = Field(default_factory=GenerationOptions)
+    """Concurrency, batching of the learner's bursts, in-flight weight updates, length limits."""
+    weights: WeightsOptions = Field(default_factory=WeightsOptions)
+    """Fetching published weights: waits, chunk windows and retries, the size limit."""
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    """Reward function(s), their weights, threads, timeout and the built-ins' options."""
+    runtime: RolloutRuntime = Field(default_factory=RolloutRuntime)
+    """The engine's device and dtype."""
+    shutdown: ShutdownOptions = Field(default_factory=ShutdownOptions)
+    """What a stopping server still finishes (queued work, acks)."""
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    """vLLM engine options."""
     watchdog: WatchdogOptions = Field(default_factory=WatchdogOptions)
     """When no assignment, result or weights come, one line says what the server waits on (the
     learner, the engine, a reward, a weights fetch); a stack dump, an optional hard stop."""
     security: RolloutSecurity = Field(default_factory=RolloutSecurity)
     """CURVE keys for the link to the learner (off by default)."""
-    exit_on_learner_finished: bool = True
-    """Exit (code 0) once the learner says its run has finished, after the last acks."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """A key of the flat layout (before the sections) is refused with its new place."""
+        if isinstance(data, dict):
+            for key in data:
+                if key in MOVED_KEYS:
+                    raise ValueError(f"{key} moved to {MOVED_KEYS[key]}")
+        return data

@@ -21,13 +21,13 @@ of the weights whose forward pass produced the logits the token was sampled from
 
 Batching: ``generate`` calls queued while no decode is running are merged into the next decode
 (requests with equal sampling parameters share one batch). There is no time window: the rollout
-service batches its own queue (``rollout.batch_wait_s``) and makes one call per batch.
+service batches its own queue (``rollout.generation.batch_wait_s``) and makes one call per batch.
 
 LoRA: ``WeightUpdate(kind="lora")`` carries PEFT-named adapter tensors (``get_peft_model_state_dict``
 names) and the ``LoraConfig`` fields; the first one wraps the model with PEFT, later ones copy the
 tensors into the adapter in place (a changed config replaces the adapter).
 
-Device and dtype (``rollout.device`` / ``rollout.dtype``, resolved by
+Device and dtype (``rollout.runtime.device`` / ``rollout.runtime.dtype``, resolved by
 :func:`rollout_server.engines.resolve_device`): the model, the decode loop's tensors and every
 weight update live on that device; completions come back as CPU numpy arrays.
 """

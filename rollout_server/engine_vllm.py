@@ -24,7 +24,7 @@ steps: ``pause_generation`` (mode by ``inflight_update``, ``clear_cache=True``) 
 ``reset_prefix_cache`` -> set the weight-version label -> ``resume_generation``; ``version``
 advances only once this has succeeded.
 
-In-flight policy (``RolloutConfig.inflight_update``), full weights:
+In-flight policy (``RolloutConfig.generation.inflight_update``), full weights:
 - ``finish``: ``pause_generation(mode="wait")`` — running requests finish on the old weights,
   requests arriving meanwhile are queued by vLLM and start on the new ones.
 - ``continue``: ``pause_generation(mode="keep")`` — running requests are frozen; ``clear_cache``
@@ -119,7 +119,7 @@ class VLLMEngine(TokenizerEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.cfg = cfg
-        self.inflight_update: str = cfg.inflight_update
+        self.inflight_update: str = cfg.generation.inflight_update
         self.max_loras = opts.max_loras
         max_len = opts.max_model_len
         if (model_max := _model_max_len(model_path)) is not None:
@@ -127,11 +127,11 @@ class VLLMEngine(TokenizerEngine):
         self.max_model_len = max_len
         # auto: on the CPU build the HF engine's and the learner's rule (bfloat16 only where the
         # CPU computes it natively, else float32); on GPUs the model's own dtype (vLLM's auto).
-        dtype, why = cfg.dtype, {}
-        if cfg.dtype == "auto" and current_platform.is_cpu():
+        dtype, why = cfg.runtime.dtype, {}
+        if cfg.runtime.dtype == "auto" and current_platform.is_cpu():
             native, reason = native_bfloat16("cpu")
             dtype, why = ("bfloat16" if native else "float32"), {"dtype": f"auto: {reason}"}
-        elif cfg.dtype == "auto":
+        elif cfg.runtime.dtype == "auto":
             why = {"dtype": "auto: vLLM's (the model's own dtype)"}
         self.runtime = describe("vllm", "cpu" if current_platform.is_cpu() else "cuda", dtype, why,
                                 cfg.threads)

@@ -20,8 +20,8 @@ def resolve_device(device: str, dtype: str) -> tuple[str, str, dict[str, str]]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         why["device"] = "auto: " + ("torch sees a CUDA device" if device == "cuda" else "no CUDA device")
     elif device.startswith("cuda") and not torch.cuda.is_available():
-        raise protocol.StartupError(f"rollout.device={device}: torch sees no CUDA device here; "
-                                    "set rollout.device: cpu (or auto)")
+        raise protocol.StartupError(f"rollout.runtime.device={device}: torch sees no CUDA device here; "
+                                    "set rollout.runtime.device: cpu (or auto)")
     if dtype == "auto":
         native, reason = native_bfloat16(device)
         dtype = "bfloat16" if native else "float32"
@@ -39,8 +39,8 @@ def create_engine(cfg: RolloutConfig, model_path: str) -> Engine:
     if cfg.engine == "hf":
         from rollout_server.engine_hf import HFEngine
 
-        device, dtype, why = resolve_device(cfg.device, cfg.dtype)
-        engine = HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.inflight_update,
+        device, dtype, why = resolve_device(cfg.runtime.device, cfg.runtime.dtype)
+        engine = HFEngine(model_path, dtype=dtype, seed=cfg.seed, inflight_update=cfg.generation.inflight_update,
                           device=device)
         engine.runtime = describe("hf", device, dtype, why, _threads())
         return engine

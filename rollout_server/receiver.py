@@ -207,7 +207,7 @@ class WeightsReceiver:
             return self._refuse("weights_manifest", m, "no weights endpoint (no Welcome yet)")
         if m.total_bytes > self.max_weights_bytes:
             return self._refuse("weights_manifest", m, f"{m.total_bytes} bytes exceed "
-                                f"rollout.max_weights_bytes = {self.max_weights_bytes}")
+                                f"rollout.weights.max_bytes = {self.max_weights_bytes}")
         if min(m.chunk_bytes, m.total_bytes) > MAX_FRAME_BYTES:
             return self._refuse("weights_manifest", m, f"chunks of {m.chunk_bytes} bytes exceed "
                                 f"the {MAX_FRAME_BYTES}-byte frame limit")

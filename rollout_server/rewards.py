@@ -1,20 +1,20 @@
 """Reward functions: ``reward_fn(prompt, completion, metadata) -> float | dict[str, float]``.
 
-Configuration (``rollout.reward``): one spec or a list of specs, each ``builtin:NAME`` or
+Configuration (``rollout.reward.fn``, or ``rollout.reward`` itself as a shorthand): one spec or a list of specs, each ``builtin:NAME`` or
 ``"module:function"`` (sync or async). Every function contributes *parts*: a float becomes one part
 named after the function (``exact_numeric``, ``format``, ``my_fn``), a dict contributes its keys.
-The total is the sum of the parts, or — when ``rollout.reward_weights`` names parts — the weighted
+The total is the sum of the parts, or — when ``rollout.reward.weights`` names parts — the weighted
 sum ``Σ w_k · part_k`` (parts not named there weigh 1.0)::
 
-    total = Σ_k w_k · part_k,   w_k = reward_weights.get(k, 1.0)
+    total = Σ_k w_k · part_k,   w_k = weights.get(k, 1.0)
 
 A reward that raises or returns a non-finite value marks that sample failed with the reason (the
 server counts it in ``slipstream_rollout_errors_total{kind="reward"}`` and keeps running).
 
 Where they run: a user's synchronous function (and the reward model) runs in a bounded pool of
-worker threads (``rollout.reward_threads``), never on the event loop, so a slow reward cannot stall
+worker threads (``rollout.reward.threads``), never on the event loop, so a slow reward cannot stall
 heartbeats, acks or weight fetches; an async function runs on the loop (it must not block). Every
-call has ``rollout.reward_timeout_s``: a slower call marks its sample failed
+call has ``rollout.reward.timeout_s``: a slower call marks its sample failed
 (``kind="reward_timeout"``). A thread cannot be stopped, so a call that never returns keeps its
 worker; once every worker is stuck, later calls time out too (each counted) instead of queueing
 forever. The built-ins are pure and take microseconds: they run inline.
@@ -127,7 +127,7 @@ def load_reward(spec: str, options: RewardOptions | None = None) -> Callable:
         return _inline(make_length_penalty(o.length_penalty_per_token, o.length_free_tokens))
     if spec == "builtin:reward_model":
         if not o.reward_model:
-            raise ValueError("reward builtin:reward_model needs rollout.reward_options.reward_model "
+            raise ValueError("reward builtin:reward_model needs rollout.reward.options.reward_model "
                              "(a directory with an AutoModelForSequenceClassification + tokenizer)")
         return RewardModelScorer(o.reward_model, chat_template=o.rm_chat_template,
                                  probe_text=o.rm_probe_text, max_length=o.rm_max_length,

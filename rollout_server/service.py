@@ -141,18 +141,18 @@ class RolloutService:
         self.sock: zmq.asyncio.Socket | None = None
         self.guard: UnfinishedGuard | None = None     # the learner socket's, made with it in run()
         self.send_lock = asyncio.Lock()
-        self.outbox = Outbox(self.send_frames, self.metrics, cfg.ack_timeout_s, self.clock,
+        self.outbox = Outbox(self.send_frames, self.metrics, cfg.network.ack_timeout_s, self.clock,
                              on_change=self.progress.set)
         self.pipeline: Pipeline | None = None          # needs the engine (its vocabulary)
         self.http = HttpEndpoint(self.metrics.render, self.health,
                                  on_error=lambda status: self.metrics.count("http_request"))
         try:
             port = self._serve_metrics()
-            self.metrics_url = f"http://{cfg.metrics_host}:{port}"
+            self.metrics_url = f"http://{cfg.network.metrics_host}:{port}"
             # Then the models: a reward model (builtin:reward_model), the policy.
             try:
-                self.rewarder = Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options,
-                                         threads=cfg.reward_threads, timeout_s=cfg.reward_timeout_s)
+                self.rewarder = Rewarder(cfg.reward.fn, cfg.reward.weights, cfg.reward.options,
+                                         threads=cfg.reward.threads, timeout_s=cfg.reward.timeout_s)
             except ValueError as e:        # a spec, an import or a reward model that cannot work
                 raise protocol.StartupError(f"rollout.reward: {e}") from None
             if cfg.threads:
@@ -169,23 +169,23 @@ class RolloutService:
         self.metrics.policy_version.set(self.engine.version)
         self.pipeline = Pipeline(
             server_id=self.server_id,
-            limits=Limits(max_concurrency=cfg.max_concurrency, max_new_tokens=cfg.max_new_tokens_limit,
-                          max_prompt_tokens=cfg.max_prompt_tokens, vocab_size=self.engine.vocab_size,
+            limits=Limits(max_concurrency=cfg.generation.max_concurrency, max_new_tokens=cfg.generation.max_new_tokens_limit,
+                          max_prompt_tokens=cfg.generation.max_prompt_tokens, vocab_size=self.engine.vocab_size,
                           max_model_len=self.engine.max_model_len),
             generate=self.engine.generate, decode=self.engine.decode,
             score=self.rewarder.score_many, emit=self.outbox.put, release=self.release,
             before_batch=self.before_batch,
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
-            batch_wait_s=cfg.batch_wait_s, clock=self.clock)
+            batch_wait_s=cfg.generation.batch_wait_s, clock=self.clock)
         self.receiver = WeightsReceiver(
             connect=lambda endpoint, max_bytes: ZmqChunkChannel(
                 self.ctx, endpoint, max_bytes, curve=self.curve,
-                unfinished_timeout_s=cfg.unfinished_timeout_s, on_cut=self.connection_cut),
+                unfinished_timeout_s=cfg.network.unfinished_timeout_s, on_cut=self.connection_cut),
             apply=self._apply_weights, report=self.send, version=lambda: self.engine.version,
             server_id=self.server_id, metrics=self.metrics, log=self.log,
-            max_weights_bytes=cfg.max_weights_bytes or default_weights_limit(model_path),
-            chunk_timeout_s=cfg.chunk_timeout_s, chunk_window=cfg.chunk_window,
-            chunk_retries=cfg.chunk_retries, clock=self.clock,
+            max_weights_bytes=cfg.weights.max_bytes or default_weights_limit(model_path),
+            chunk_timeout_s=cfg.weights.chunk_timeout_s, chunk_window=cfg.weights.chunk_window,
+            chunk_retries=cfg.weights.chunk_retries, clock=self.clock,
             on_failed=lambda message: self.send(protocol.Error(code="weights_failed", message=message)))
         w = cfg.watchdog
         self.watchdog = Watchdog(
@@ -209,14 +209,14 @@ class RolloutService:
     def _serve_metrics(self) -> int:
         """Bind /metrics. The default port, when taken (a second server on this machine), gives
         way to a free one, said in an event; a port the user chose is a StartupError."""
-        cfg, what = self.cfg, "rollout.metrics_port"
+        cfg, what = self.cfg, "rollout.network.metrics_port"
         try:
-            return self.http.serve(cfg.metrics_host, cfg.metrics_port, what)
+            return self.http.serve(cfg.network.metrics_host, cfg.network.metrics_port, what)
         except protocol.StartupError:
-            if "metrics_port" in cfg.model_fields_set or cfg.metrics_port == 0:
+            if "metrics_port" in cfg.network.model_fields_set or cfg.network.metrics_port == 0:
                 raise
-        port = self.http.serve(cfg.metrics_host, 0, what)
-        self.log("metrics_port_in_use", wanted=cfg.metrics_port, port=port,
+        port = self.http.serve(cfg.network.metrics_host, 0, what)
+        self.log("metrics_port_in_use", wanted=cfg.network.metrics_port, port=port,
                  hint=f"the default port is taken; serving on {port} (set {what} to choose)")
         return port
 
@@ -230,13 +230,13 @@ class RolloutService:
 
     def _learner_socket(self) -> zmq.asyncio.Socket:
         cfg = self.cfg
-        sock = make_socket(self.ctx, zmq.DEALER, max_message_bytes=cfg.learner_max_message_bytes,
+        sock = make_socket(self.ctx, zmq.DEALER, max_message_bytes=cfg.network.max_message_bytes,
                            identity=self.server_id.encode(), curve=self.curve)
-        sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.reconnect_ivl_s * 1000))
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_ivl_max_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.heartbeat_interval_s * 1000)))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(cfg.learner_timeout_s * 1000)))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(cfg.learner_timeout_s * 1000)))
+        sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.network.reconnect_ivl_s * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.network.reconnect_ivl_max_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.network.heartbeat_interval_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(cfg.network.learner_timeout_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(cfg.network.learner_timeout_s * 1000)))
         return sock
 
     # ---- main ------------------------------------------------------------------------------
@@ -247,8 +247,8 @@ class RolloutService:
         remove_stacks = install_stack_dump(self.server_id, stacks_dir(), self.log)   # kill -USR1
         self.sock = self._learner_socket()
         # One monitor per socket (libzmq): monitor_loop hands the guard its connection events.
-        self.guard = UnfinishedGuard(self.sock, "learner", max_bytes=self.cfg.learner_max_message_bytes,
-                                     open_s=self.cfg.unfinished_timeout_s, curve=self.curve is not None,
+        self.guard = UnfinishedGuard(self.sock, "learner", max_bytes=self.cfg.network.max_message_bytes,
+                                     open_s=self.cfg.network.unfinished_timeout_s, curve=self.curve is not None,
                                      router=False, on_cut=self.connection_cut, own_monitor=False)
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
                                                | MONITOR_EVENTS | HANDSHAKE_FAILURES)
@@ -325,11 +325,11 @@ class RolloutService:
         """No ack can come: the run finished, or the link has been down a while."""
         return self.learner_finished or (
             self.link_down_since is not None
-            and self.clock() - self.link_down_since > self.cfg.drain_disconnected_s)
+            and self.clock() - self.link_down_since > self.cfg.shutdown.drain_disconnected_s)
 
     async def drain(self, tasks: list[asyncio.Task]) -> bool:
         """Finish queued and generating work and wait for its acks, up to ``drain_timeout_s``."""
-        deadline = self.clock() + self.cfg.drain_timeout_s
+        deadline = self.clock() + self.cfg.shutdown.drain_timeout_s
         while (self.busy() and not self.abort.is_set() and not self.learner_gone()
                and self.clock() < deadline):
             if any(t.done() for t in tasks):          # a loop crashed: nothing more will finish
@@ -387,7 +387,7 @@ class RolloutService:
                                       f"wait for the learner's acks; {self.withheld} credits held "
                                       "back until they come")
         return Waiting("work", f"no assignment from the learner at {learner} in {idle_s:.0f} s "
-                               f"({self.cfg.max_concurrency - self.pipeline.assigned} slots free); "
+                               f"({self.cfg.generation.max_concurrency - self.pipeline.assigned} slots free); "
                                "the learner is connected and answering", expected=True)
 
     # ---- learner link ----------------------------------------------------------------------
@@ -398,7 +398,7 @@ class RolloutService:
         if not self.learner_echoes:
             return True
         last = self.last_learner_message
-        return last is not None and self.clock() - last <= self.cfg.learner_timeout_s
+        return last is not None and self.clock() - last <= self.cfg.network.learner_timeout_s
 
     def health(self) -> tuple[bool, dict]:
         """/healthz: 200 while connected and serving; 503 before the Welcome, once the learner is
@@ -418,13 +418,13 @@ class RolloutService:
         self.hello_sent_at = self.clock()
         await self.send(protocol.Hello(server_id=self.server_id, engine=self.engine.name,
                                        model=self.model_name, version=self.engine.version,
-                                       max_concurrency=self.cfg.max_concurrency,
+                                       max_concurrency=self.cfg.generation.max_concurrency,
                                        metadata={"session": self.session}))
 
     def hello_outstanding(self) -> bool:
         """A Hello is waiting for its Welcome, and not for longer than ``learner_timeout_s``."""
         return (self.hello_sent_at is not None
-                and self.clock() - self.hello_sent_at < self.cfg.learner_timeout_s)
+                and self.clock() - self.hello_sent_at < self.cfg.network.learner_timeout_s)
 
     async def rehello(self, reason: str) -> None:
         self.metrics.reconnects.inc()
@@ -480,8 +480,8 @@ class RolloutService:
         a step can arrive before that step's manifest, which is announced once its checksums are
         done — its samples can be over the limit when trained and are dropped: wasted work. An
         update that does not come in time is counted (``weights_behind``) and the batch runs."""
-        deadline = self.clock() + self.cfg.weights_wait_s
-        await self.receiver.wait_settled(self.cfg.weights_wait_s)
+        deadline = self.clock() + self.cfg.weights.wait_s
+        await self.receiver.wait_settled(self.cfg.weights.wait_s)
         needed = max(a.version for a in batch)
         while self.engine.version < needed:
             left = deadline - self.clock()
@@ -493,11 +493,11 @@ class RolloutService:
         if self.engine.version < needed:
             self.metrics.count("weights_behind")
             self.log("weights_behind", serving=self.engine.version, issued_at=needed,
-                     waited_s=round(self.cfg.weights_wait_s, 3))
+                     waited_s=round(self.cfg.weights.wait_s, 3))
 
     async def heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)      # a period, not a sync point
+            await asyncio.sleep(self.cfg.network.heartbeat_interval_s)      # a period, not a sync point
             idle = self.pipeline.idle_ratio()
             self.metrics.idle_ratio.set(idle)
             await self.send(protocol.Heartbeat(sender_id=self.server_id, version=self.engine.version,
@@ -515,7 +515,7 @@ class RolloutService:
         await self.grant()
 
     async def grant(self) -> None:
-        if self.withheld and self.outbox.samples < UNACKED_CREDIT_FACTOR * self.cfg.max_concurrency:
+        if self.withheld and self.outbox.samples < UNACKED_CREDIT_FACTOR * self.cfg.generation.max_concurrency:
             n, self.withheld = self.withheld, 0
             await self.send(protocol.WorkRequest(server_id=self.server_id, credits=n))
 
@@ -603,7 +603,7 @@ class RolloutService:
             self.new_run(previous, msg)
         self.welcomed.set()
         self.log("welcome", learner_version=msg.version, weights_endpoint=msg.weights_endpoint)
-        self.withheld = 0 if self.stopping.is_set() else self.cfg.max_concurrency - self.pipeline.assigned
+        self.withheld = 0 if self.stopping.is_set() else self.cfg.generation.max_concurrency - self.pipeline.assigned
         await self.grant()
         await self.outbox.resend_all()
 
@@ -618,7 +618,7 @@ class RolloutService:
             self.refused_endpoints.add(key)                 # a peer may vary it every time
             self.log("welcome_refused", level="warning", error=str(error)[:500],
                      hint=f"the learner advertises a weights endpoint this server cannot connect "
-                          f"to; Hello is sent again every {self.cfg.learner_timeout_s}s")
+                          f"to; Hello is sent again every {self.cfg.network.learner_timeout_s}s")
         await self.send(protocol.Error(code="protocol_error", message=str(error)[:1000],
                                        ref_id=protocol.message_id(frames)))
 

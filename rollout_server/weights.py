@@ -77,7 +77,7 @@ FALLBACK_WEIGHTS_LIMIT_BYTES = 64 << 30
 
 
 def default_weights_limit(model_path: str | None) -> int:
-    """``rollout.max_weights_bytes: 0``: twice the model's weight files (a full update in a dtype
+    """``rollout.weights.max_bytes: 0``: twice the model's weight files (a full update in a dtype
     twice as wide still fits), plus 64 MiB for small models; 64 GiB when there are no files to
     measure. A manifest announcing more is refused before its buffer is allocated."""
     if not model_path or not Path(model_path).is_dir():

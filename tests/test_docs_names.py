@@ -1,6 +1,6 @@
 """The docs name only what exists (issue 37 item 8): every repository path and every
 ``package.module.Name`` written in README.md and docs/*.md, and every config key
-(``learner.optimizer.lr``, ``rollout.learner_timeout_s``, ``launcher.num_rollout_servers``).
+(``learner.optimizer.lr``, ``rollout.network.learner_timeout_s``, ``launcher.num_rollout_servers``).
 
 Names are found in the text (code spans or not). A path with a glob (``*``), a placeholder (``<x>``,
 ``NAME``) or a ``...`` is a pattern, not a name, and is skipped. A dotted name that starts with

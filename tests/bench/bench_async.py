@@ -142,7 +142,7 @@ def model_for(work: str, body: str | None) -> str:
 def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path, args) -> dict:
     """One ``slipstream run``; its step rows and wall time."""
     w = WORKLOADS[work]
-    devices = {} if args.device == "auto" else {"learner.runtime.device": args.device, "rollout.device": args.device}
+    devices = {} if args.device == "auto" else {"learner.runtime.device": args.device, "rollout.runtime.device": args.device}
     sets = {"model": model_for(work, args.body), "learner.data.dataset": w["dataset"],
             "learner.sampling.max_new_tokens": w["max_new_tokens"], "learner.total_steps": steps,
             "learner.staleness.max_staleness": eta, "learner.algorithm.is_mode": is_mode,
@@ -150,10 +150,10 @@ def slipstream_run(work: str, eta: int, is_mode: str, steps: int, run_dir: Path,
             "learner.optimizer.lr": LR, "learner.sampling.temperature": TEMPERATURE,
             "learner.threads": args.learner_threads, "rollout.threads": args.rollout_threads,
             "learner.seed": args.seed, "rollout.seed": args.seed, "learner.checkpoint.save_every": 0,
-            "learner.run_dir": str(run_dir), "learner.network.metrics_port": 0, "rollout.metrics_port": 0,
+            "learner.run_dir": str(run_dir), "learner.network.metrics_port": 0, "rollout.network.metrics_port": 0,
             "learner.network.rollout_port": 0, "learner.network.weights_port": 0, "learner.network.control_port": 0,
             # A heartbeat (the servers' idle ratio) every 0.5 s, not 2: a 60-step run lasts ~3 s.
-            "rollout.heartbeat_interval_s": 0.5, **w.get("sets", {}), **devices,
+            "rollout.network.heartbeat_interval_s": 0.5, **w.get("sets", {}), **devices,
             **dict(kv.split("=", 1) for kv in args.set)}
     cmd = [sys.executable, "-m", "deploy.cli", "run"]
     for k, v in sets.items():

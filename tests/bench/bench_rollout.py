@@ -38,8 +38,10 @@ sys.path.insert(0, str(REPO))
 
 from bench_machine import machine, machine_line  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import rollout_config  # noqa: E402
+
 from learner.serve.weights_server import WeightsServer  # noqa: E402
-from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
 from rollout_server.service import RolloutService  # noqa: E402
 from rollout_server.weights import unflatten  # noqa: E402
@@ -177,7 +179,7 @@ async def bench_updates(model_dir: str, reps: int, full: bool) -> dict:
     import zmq.asyncio
     from peft import LoraConfig, get_peft_model
 
-    svc = RolloutService(RolloutConfig(metrics_port=0), model_dir)
+    svc = RolloutService(rollout_config(metrics_port=0), model_dir)
     lora_cfg = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                    "down_proj"]}

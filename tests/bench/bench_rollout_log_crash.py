@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
 from bench_machine import machine, machine_line  # noqa: E402
-from config_kit import nested  # noqa: E402
+from config_kit import nested, rollout_nested  # noqa: E402
 
 from learner.models.builtin import build_model, build_tokenizer  # noqa: E402
 from learner.state.checkpoint import effective_trained_ids  # noqa: E402
@@ -110,9 +110,9 @@ def main() -> None:
                        "max_staleness": 2, "run_dir": str(tmp / "run"), "save_every": 3, "keep_last": 3,
                        "threads": 1, "lease_timeout_s": 600, "server_timeout_s": 30, "reannounce_s": 1.0,
                        "rollout_log": {"fsync": a.fsync}}),
-           "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
+           "rollout": rollout_nested({"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
                        "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
-                       "threads": 1, "drain_timeout_s": 5, "exit_on_learner_finished": False}}
+                       "threads": 1, "drain_timeout_s": 5, "exit_on_learner_finished": False})}
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))

@@ -44,6 +44,9 @@ if str(ROOT) not in sys.path:
 
 from bench_machine import machine, machine_line  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
+from config_kit import rollout_config  # noqa: E402
+
 
 def build_tiny(path: str) -> str:
     from learner.models.builtin import build_model, build_tokenizer
@@ -90,12 +93,11 @@ async def run(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rollout_server.config import RolloutConfig
     from rollout_server.engine import GenRequest, WeightUpdate
     from rollout_server.engine_vllm import WORKER_EXTENSION, VLLMEngine
 
     model_dir = args.model or build_tiny(tempfile.mkdtemp(prefix="bench-vllm-model-"))
-    cfg = RolloutConfig(engine="vllm", seed=0, vllm={
+    cfg = rollout_config(engine="vllm", seed=0, vllm={
         "enable_lora": True, "max_lora_rank": args.lora_rank, "max_loras": 2,
         "kv_cache_gib": args.kv_gib})
     t0 = time.perf_counter()
@@ -104,7 +106,7 @@ async def run(args) -> dict:
     max_new = min(args.max_new, ours.max_model_len - 8)
     prompts = make_prompts(ours.tokenizer, args.prompts)
     t0 = time.perf_counter()
-    bare = LLM(model=model_dir, dtype=cfg.dtype, seed=0, enforce_eager=True,
+    bare = LLM(model=model_dir, dtype=cfg.runtime.dtype, seed=0, enforce_eager=True,
                max_model_len=ours.max_model_len, logprobs_mode="processed_logprobs",
                worker_extension_cls=WORKER_EXTENSION, enable_lora=True, max_lora_rank=args.lora_rank,
                max_loras=2, max_cpu_loras=2, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
-from config_kit import nested  # noqa: E402
+from config_kit import nested, rollout_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 for p in (str(ROOT), str(ROOT / "tests" / "bench"), str(ROOT / "tests" / "learner")):
@@ -188,7 +188,6 @@ async def publish_to_applied(model_dir: str, dtype: str, lora: dict | None, reps
     import zmq.asyncio
 
     import protocol
-    from rollout_server.config import RolloutConfig
     from rollout_server.service import RolloutService
 
     spawn = mp.get_context("spawn")
@@ -198,7 +197,7 @@ async def publish_to_applied(model_dir: str, dtype: str, lora: dict | None, reps
     child.start()
     try:
         _, weights_ep, raw_ep = await asyncio.to_thread(conn.recv)
-        svc = RolloutService(RolloutConfig(metrics_port=0, dtype=dtype, chunk_window=window), model_dir)
+        svc = RolloutService(rollout_config(metrics_port=0, dtype=dtype, chunk_window=window), model_dir)
         r = svc.receiver
         applied = []
 

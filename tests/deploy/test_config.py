@@ -68,11 +68,11 @@ VLLM_LORA = ["learner.lora.r=8", "rollout.engine=vllm", "rollout.vllm.enable_lor
     (["learner.lora.r=16"],
      "learner.lora.r is 16 but rollout.vllm.max_lora_rank is 8: set rollout.vllm.max_lora_rank to at least 16"),
     (["learner.staleness.max_staleness=4"],
-     "rollout.vllm.max_loras is 2 but learner.staleness.max_staleness is 4 (rollout.inflight_update: finish)"),
-    (["learner.runtime.dtype=bfloat16", "rollout.dtype=float16"],
-     "learner.runtime.dtype is bfloat16 but rollout.dtype is float16"),
-    (["learner.runtime.dtype=float16", "rollout.dtype=bfloat16"],
-     "learner.runtime.dtype is float16 but rollout.dtype is bfloat16"),
+     "rollout.vllm.max_loras is 2 but learner.staleness.max_staleness is 4 (rollout.generation.inflight_update: finish)"),
+    (["learner.runtime.dtype=bfloat16", "rollout.runtime.dtype=float16"],
+     "learner.runtime.dtype is bfloat16 but rollout.runtime.dtype is float16"),
+    (["learner.runtime.dtype=float16", "rollout.runtime.dtype=bfloat16"],
+     "learner.runtime.dtype is float16 but rollout.runtime.dtype is bfloat16"),
     (["rollout.vllm.enable_lora=false", "learner.lora.r=16"], "enable_lora is false: set rollout.vllm.enable_lora: true (+1 more)"),
 ])
 def test_learner_and_rollout_settings_that_contradict_are_one_line(tmp_path, overrides, needle):
@@ -86,11 +86,11 @@ def test_learner_and_rollout_settings_that_contradict_are_one_line(tmp_path, ove
 
 
 @pytest.mark.parametrize("overrides", [
-    ["learner.staleness.max_staleness=4", "rollout.inflight_update=resubmit"],   # the newest adapter only
+    ["learner.staleness.max_staleness=4", "rollout.generation.inflight_update=resubmit"],   # the newest adapter only
     ["learner.staleness.max_staleness=4", "rollout.vllm.max_loras=5"],
     ["rollout.engine=hf", "rollout.vllm.enable_lora=false", "learner.lora.r=64"],  # the HF engine merges
-    ["learner.runtime.dtype=bfloat16", "rollout.dtype=auto"],
-    ["learner.runtime.dtype=float32", "rollout.dtype=float16"],
+    ["learner.runtime.dtype=bfloat16", "rollout.runtime.dtype=auto"],
+    ["learner.runtime.dtype=float32", "rollout.runtime.dtype=float16"],
 ])
 def test_settings_that_agree_pass_the_cross_checks(tmp_path, overrides):
     f = tmp_path / "c.yaml"
@@ -115,6 +115,22 @@ def test_an_old_flat_key_exits_2_with_its_new_place(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "learner.max_new_tokens: moved to learner.sampling.max_new_tokens" in r.stderr
+
+
+@pytest.mark.parametrize(("text", "overrides", "line"), [
+    ("rollout:\n  max_concurrency: 8\n", [], "rollout.max_concurrency: moved to rollout.generation.max_concurrency"),
+    ("", ["rollout.metrics_port=0"], "rollout.metrics_port: moved to rollout.network.metrics_port"),
+    ("rollout:\n  reward_options: {format_reward: 0.5}\n", [], "rollout.reward_options: moved to rollout.reward.options"),
+])
+def test_an_old_flat_rollout_key_exits_2_with_its_new_place(tmp_path, capsys, text, overrides, line):
+    """Issue 37 item 6: the rollout server's config has sections like the learner's; a key of its
+    flat layout is one line naming the new place, in every process that reads the file."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    for command in ("rollout", "learner"):
+        assert main([command, "--config", str(f), *[a for o in overrides for a in ("--set", o)]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and line in err and "Traceback" not in err, err
 
 
 def test_missing_file_is_config_error(tmp_path):
@@ -148,10 +164,12 @@ def test_unknown_model_path_is_config_error(tmp_path, capsys):
 
 
 def test_the_task_names_the_reward_unless_the_config_does(tmp_path):
-    assert load_config().rollout.reward == "builtin:exact_numeric"        # from learner/tasks/arith.py
+    assert load_config().rollout.reward.fn == "builtin:exact_numeric"     # from learner/tasks/arith.py
     f = tmp_path / "c.yaml"
     f.write_text("rollout:\n  reward: [builtin:exact_numeric, builtin:format]\n")
-    assert load_config(f).rollout.reward == ["builtin:exact_numeric", "builtin:format"]
+    assert load_config(f).rollout.reward.fn == ["builtin:exact_numeric", "builtin:format"]
+    f.write_text("rollout:\n  reward: {threads: 2}\n")                   # the section, without fn
+    assert load_config(f).rollout.reward.fn == "builtin:exact_numeric" and load_config(f).rollout.reward.threads == 2
     with pytest.raises(ConfigError) as e:
         load_config(None, ["learner.data.dataset=builtin:arithmetic"])
     assert "unknown built-in task 'builtin:arithmetic'; known: builtin:arith" in str(e.value)

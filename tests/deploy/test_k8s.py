@@ -79,7 +79,7 @@ def test_services_select_their_pods_on_the_ports_the_config_binds():
              "control": cfg.learner.network.control_port, "metrics": cfg.learner.network.metrics_port}
     for service, workload, ports in (
             ("slipstream-learner", _one("StatefulSet", "slipstream-learner"), binds),
-            ("slipstream-rollout", _one("Deployment", "slipstream-rollout"), {"metrics": cfg.rollout.metrics_port})):
+            ("slipstream-rollout", _one("Deployment", "slipstream-rollout"), {"metrics": cfg.rollout.network.metrics_port})):
         svc = _one("Service", service)
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert svc["spec"]["selector"].items() <= labels.items()
@@ -100,7 +100,7 @@ def test_probes_graceful_termination_and_volumes(workload):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
     cfg = SlipstreamConfig.model_validate(_config())
-    assert pod["terminationGracePeriodSeconds"] > cfg.rollout.drain_timeout_s
+    assert pod["terminationGracePeriodSeconds"] > cfg.rollout.shutdown.drain_timeout_s
     assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["allowPrivilegeEscalation"] is False
     volumes = {v["name"]: v for v in pod["volumes"]}
     claims = {t["metadata"]["name"] for t in doc["spec"].get("volumeClaimTemplates", [])}

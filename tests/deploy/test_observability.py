@@ -26,7 +26,7 @@ from pathlib import Path
 import dashboard_queries
 import pytest
 import yaml
-from config_kit import nested
+from config_kit import nested, rollout_nested
 from external_tools import DEPLOY, REPO, require, run_tool
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def live(tmp_path_factory, tiny_model_dir, builtin_cache, module_process_groups)
         "learner": nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                     "total_steps": MANY_STEPS, "batch_prompts": 2, "group_size": 4,
                     "max_new_tokens": 4, "kl_coef": 0.01, "threads": 1}),
-        "rollout": {"max_concurrency": 16, "threads": 1},
+        "rollout": rollout_nested({"max_concurrency": 16, "threads": 1}),
     }
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONUNBUFFERED="1", SLIPSTREAM_CACHE=str(builtin_cache),

@@ -22,7 +22,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 PRESETS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 FREE_PORTS = ["--set", "learner.network.rollout_port=0", "--set", "learner.network.weights_port=0",
               "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0",
-              "--set", "rollout.metrics_port=0"]
+              "--set", "rollout.network.metrics_port=0"]
 
 
 def test_the_presets_are_there():
@@ -36,7 +36,7 @@ def test_preset_loads_and_validates(name):
     assert cfg.learner.run_dir                      # every preset names where its run goes
     # A preset on a built-in task is scored by that task's reward unless it says otherwise.
     if cfg.learner.data.dataset.startswith("builtin:"):
-        assert cfg.rollout.reward == get_task(cfg.learner.data.dataset).reward
+        assert cfg.rollout.reward.fn == get_task(cfg.learner.data.dataset).reward
 
 
 def test_smollm2_lora_preset():
@@ -45,7 +45,7 @@ def test_smollm2_lora_preset():
     assert cfg.model == "builtin:smollm2-135m"
     assert lc.lora is not None and lc.lora.r == 16 and lc.lora.target_modules == "all-linear"
     assert lc.algorithm.advantage == "grpo" and lc.data.dataset == "builtin:word_arith"
-    assert cfg.rollout.reward == "builtin:exact_numeric"
+    assert cfg.rollout.reward.fn == "builtin:exact_numeric"
     assert lc.data.chat_template == "always" and "####" in lc.data.system_prompt
     assert lc.evaluation.data == "builtin:word_arith" and lc.evaluation.every > 0 and lc.evaluation.prompts > 0
     assert lc.evaluation.every <= lc.total_steps          # held-out accuracy before and after training
@@ -80,9 +80,9 @@ def test_multi_node_preset_is_reachable_across_nodes():
     # 127.0.0.1, which no other node can reach.
     assert advertised_host(lc.network.bind_host) == lc.network.bind_host != "127.0.0.1"
     assert rc.learner == f"tcp://{lc.network.bind_host}:{lc.network.rollout_port}"
-    assert lc.network.metrics_host == rc.metrics_host == "0.0.0.0"
+    assert lc.network.metrics_host == rc.network.metrics_host == "0.0.0.0"
     text = (CONFIGS / "multi-node.yaml").read_text()
-    for port in (lc.network.rollout_port, lc.network.weights_port, lc.network.control_port, lc.network.metrics_port, rc.metrics_port):
+    for port in (lc.network.rollout_port, lc.network.weights_port, lc.network.control_port, lc.network.metrics_port, rc.network.metrics_port):
         assert str(port) in text.split("model:")[0], port       # each port is in the header notes
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from config_kit import nested
+from config_kit import nested, rollout_nested
 
 from deploy import launcher
 from deploy.cli import main
@@ -28,6 +28,8 @@ def _config(tmp_path, **sections) -> str:
     f = tmp_path / "c.yaml"
     if "learner" in sections:            # flat names for short (config_kit.nested)
         sections["learner"] = nested(sections["learner"])
+    if "rollout" in sections:
+        sections["rollout"] = rollout_nested(sections["rollout"])
     f.write_text(yaml.safe_dump(sections))
     return str(f)
 
@@ -162,13 +164,13 @@ def test_launcher_gives_a_server_a_free_metrics_port_when_the_default_is_taken(t
     from deploy.config_file import load_config
 
     cfg = load_config(None, [])
-    cfg.rollout.__dict__["metrics_port"] = taken_port          # as the default, not set by the user
-    assert "metrics_port" not in cfg.rollout.model_fields_set
+    cfg.rollout.network.__dict__["metrics_port"] = taken_port  # as the default, not set by the user
+    assert "metrics_port" not in cfg.rollout.network.model_fields_set
     assert launcher._server_metrics_port(cfg, 0) == 0
     assert f"metrics port {taken_port} is in use" in capsys.readouterr().out
     assert launcher._server_metrics_port(cfg, 1) == taken_port + 1 or not launcher._port_free(
         "127.0.0.1", taken_port + 1)
-    chosen = load_config(None, [f"rollout.metrics_port={taken_port}"])
+    chosen = load_config(None, [f"rollout.network.metrics_port={taken_port}"])
     assert launcher._server_metrics_port(chosen, 0) == taken_port     # the user's choice stands
 
 

@@ -18,13 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "learner" / "train"))
-from config_kit import nested
+from config_kit import nested, rollout_config
 from learner_testkit import learner_config, running_learner, wait_until  # noqa: E402
 from test_trainer import make_batch  # noqa: E402
 
 from learner.config import LearnerConfig, LoraSettings, TrainerConfig  # noqa: E402
 from learner.train.trainer import Trainer  # noqa: E402
-from rollout_server.config import RolloutConfig  # noqa: E402
 from rollout_server.engine import GenRequest, WeightUpdate  # noqa: E402
 from rollout_server.engines import create_engine  # noqa: E402
 from rollout_server.service import RolloutService  # noqa: E402
@@ -90,7 +89,7 @@ def test_learner_lora_bf16_on_cuda(tiny_model_dir):
 
 
 async def test_hf_engine_on_cuda_generates_and_applies_weights(tiny_model_dir):
-    engine = create_engine(RolloutConfig(device="cuda", dtype="bfloat16"), tiny_model_dir)
+    engine = create_engine(rollout_config(device="cuda", dtype="bfloat16"), tiny_model_dir)
     try:
         prompt = np.asarray([1, 5, 6, 7], dtype=np.int32)
         req = GenRequest(prompt, n=16, max_new_tokens=32)
@@ -113,7 +112,7 @@ async def test_hf_engine_on_cuda_generates_and_applies_weights(tiny_model_dir):
 async def test_end_to_end_on_cuda(tmp_path, tiny_model_dir):
     cfg = learner_config(tmp_path, device="cuda", dtype="bfloat16", max_staleness=1)
     async with running_learner(cfg, tiny_model_dir) as svc:
-        server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="gpu",
+        server = RolloutService(rollout_config(learner=svc.endpoints["rollout"], server_id="gpu",
                                               metrics_port=0, max_concurrency=8, device="cuda",
                                               dtype="bfloat16"), tiny_model_dir)
         task = asyncio.create_task(server.run())

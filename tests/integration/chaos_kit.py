@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: config_kit
-from config_kit import nested  # noqa: E402
+from config_kit import nested, rollout_nested  # noqa: E402
 
 
 def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, seed: int = 0,
@@ -47,8 +47,8 @@ def config(run_dir: Path, model: str, *, total_steps: int, servers: int = 3, see
                     "max_new_tokens": 4, "max_staleness": 1, "run_dir": str(run_dir),
                     "lease_timeout_s": 600, "server_timeout_s": 30, "final_sync_s": 5,
                     "reannounce_s": 1.0, "seed": seed}),
-        "rollout": {"metrics_port": 0, "max_concurrency": 4, "heartbeat_interval_s": 0.5,
-                    "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5, "drain_timeout_s": 5},
+        "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 4, "heartbeat_interval_s": 0.5,
+                    "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5, "drain_timeout_s": 5}),
         "launcher": {"num_rollout_servers": servers, "restart_backoff_s": 0.2,
                      "restart_backoff_max_s": 2.0, "restart_limit": 1000, "shutdown_timeout_s": 20},
     }

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 FREE_PORTS = ["--set", "learner.network.rollout_port=0", "--set", "learner.network.weights_port=0",
               "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0",
-              "--set", "rollout.metrics_port=0"]
+              "--set", "rollout.network.metrics_port=0"]
 RUN = [sys.executable, "-m", "deploy.cli", "run", *FREE_PORTS]
 
 

@@ -31,7 +31,7 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
-from config_kit import nested
+from config_kit import nested, rollout_nested
 from load_kit import control_status, hoarder, scrape, start_learner, total
 
 import protocol
@@ -128,7 +128,7 @@ def test_a_reward_that_always_fails_stops_the_run_with_one_line(tmp_path, tiny_m
                               "total_steps": 50, "batch_prompts": 2, "group_size": 2, "max_new_tokens": 4,
                               "run_dir": str(tmp_path / "run"), "save_every": 0,
                               "servers": {"no_valid_sample_timeout_s": 4.0}}),
-           "rollout": {"metrics_port": 0, "max_concurrency": 4, "reward": "leaving_reward:leave"},
+           "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 4, "reward": "leaving_reward:leave"}),
            "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(subprocess_env, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path),

@@ -47,7 +47,7 @@ def test_the_live_view_on_an_80_column_terminal_through_ctrl_c(tmp_path, subproc
         [sys.executable, "-m", "deploy.cli", "run", "--set", f"learner.run_dir={tmp_path / 'run'}",
          "--set", "learner.total_steps=100000", "--set", "learner.network.rollout_port=0",
          "--set", "learner.network.weights_port=0", "--set", "learner.network.control_port=0",
-         "--set", "learner.network.metrics_port=0", "--set", "rollout.metrics_port=0"],
+         "--set", "learner.network.metrics_port=0", "--set", "rollout.network.metrics_port=0"],
         stdin=slave, stdout=slave, stderr=slave, env=env, cwd=tmp_path)
     os.close(slave)
     buf = bytearray()

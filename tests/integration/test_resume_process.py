@@ -17,7 +17,7 @@ import time
 
 import pytest
 import yaml
-from config_kit import nested
+from config_kit import nested, rollout_nested
 
 from learner.state.checkpoint import effective_trained_ids
 
@@ -38,9 +38,9 @@ def _config(tmp_path, model: str, port: int) -> str:
                     "max_staleness": 1, "run_dir": str(tmp_path / "run"), "save_every": 3,
                     "keep_last": 3, "threads": 1, "lease_timeout_s": 600, "server_timeout_s": 30,
                     "reannounce_s": 1.0}),
-        "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
+        "rollout": rollout_nested({"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
                     "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
-                    "threads": 1, "drain_timeout_s": 5, "exit_on_learner_finished": False},
+                    "threads": 1, "drain_timeout_s": 5, "exit_on_learner_finished": False}),
     }
     path = tmp_path / "resume.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["--set", "learner.network.rollout_port=0", "--set", "learner.network.weights_port=0",
          "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0",
-         "--set", "rollout.metrics_port=0", "--set", "learner.batch.batch_prompts=2",
-         "--set", "learner.batch.group_size=4", "--set", "rollout.max_concurrency=8"]
+         "--set", "rollout.network.metrics_port=0", "--set", "learner.batch.batch_prompts=2",
+         "--set", "learner.batch.group_size=4", "--set", "rollout.generation.max_concurrency=8"]
 
 
 def test_run_resume_continues_the_run(tmp_path, subprocess_env, process_groups):

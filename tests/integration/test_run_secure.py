@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "deploy.cli"]
 SMALL = ["--set", "learner.network.rollout_port=0", "--set", "learner.network.weights_port=0",
          "--set", "learner.network.control_port=0", "--set", "learner.network.metrics_port=0",
-         "--set", "rollout.metrics_port=0", "--set", "learner.batch.batch_prompts=2",
-         "--set", "learner.batch.group_size=4", "--set", "rollout.max_concurrency=8",
+         "--set", "rollout.network.metrics_port=0", "--set", "learner.batch.batch_prompts=2",
+         "--set", "learner.batch.group_size=4", "--set", "rollout.generation.max_concurrency=8",
          "--set", "learner.total_steps=1000000"]
 
 

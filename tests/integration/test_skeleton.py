@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import yaml
-from config_kit import nested
+from config_kit import nested, rollout_nested
 
 from ops.precision import OVERRIDE_ENV, native_bfloat16
 
@@ -35,8 +35,8 @@ def test_learner_and_rollout_server_advance_versions_together(tmp_path, tiny_mod
                     "exit_on_finish": False}),                # stays up to be scraped, then ctl stop
         # The server stays up after the run too (its default is to exit 0 when the learner says the
         # run finished), so its /metrics can be scraped; SIGTERM ends it at the end of the test.
-        "rollout": {"metrics_port": 0, "max_concurrency": 16, "threads": 1,
-                    "exit_on_learner_finished": False},
+        "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 16, "threads": 1,
+                    "exit_on_learner_finished": False}),
     }
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 RUN = [sys.executable, "-m", "deploy.cli", "run", "--set", "learner.network.rollout_port=0",
        "--set", "learner.network.weights_port=0", "--set", "learner.network.control_port=0",
-       "--set", "learner.network.metrics_port=0", "--set", "rollout.metrics_port=0"]
+       "--set", "learner.network.metrics_port=0", "--set", "rollout.network.metrics_port=0"]
 
 
 def test_sigusr1_writes_each_processes_stacks_into_the_run_directory(tmp_path, subprocess_env, process_groups):

@@ -28,7 +28,7 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
-from config_kit import nested
+from config_kit import nested, rollout_nested
 from load_kit import control_status, event_line, hoarder, scrape
 
 from protocol.plumbing.watchdog import EXIT_STALLED
@@ -139,8 +139,8 @@ def run_with_reward(tmp_path: Path, model: str, env: dict, groups, reward: str, 
            "learner": nested({**PORTS, "total_steps": 1000, "batch_prompts": 1, "group_size": 2,
                               "max_new_tokens": 4, "run_dir": str(tmp_path / "run"), "save_every": 0,
                               "watchdog": {"stall_s": 3.0}, **learner}),
-           "rollout": {"metrics_port": 0, "max_concurrency": 4, "reward": f"stall_reward:{reward}",
-                       "reward_timeout_s": 600, "watchdog": {"stall_s": 3.0}},
+           "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 4, "reward": f"stall_reward:{reward}",
+                       "reward_timeout_s": 600, "watchdog": {"stall_s": 3.0}}),
            "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 import zmq.asyncio
-from config_kit import nested
+from config_kit import nested, rollout_config
 
 import protocol
 from learner.config import LearnerConfig
@@ -206,13 +206,12 @@ async def running_learner(cfg: LearnerConfig, model_dir: str):
 async def real_server(svc: LearnerService, model_dir: str, **overrides):
     """A real RolloutService (HF engine) on ``svc``'s rollout endpoint, running in this loop;
     yields ``(server, task)`` and stops it (checked to exit 0) at the end."""
-    from rollout_server.config import RolloutConfig
     from rollout_server.service import RolloutService
 
     fields = dict(learner=svc.endpoints["rollout"], server_id="real", metrics_port=0, threads=1,
                   max_concurrency=8)
     fields.update(overrides)
-    server = RolloutService(RolloutConfig(**fields), model_dir)
+    server = RolloutService(rollout_config(**fields), model_dir)
     task = asyncio.create_task(server.run())
     try:
         yield server, task

@@ -17,10 +17,10 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
+from config_kit import rollout_config, rollout_nested
 from fake_learner import FakeLearner, chunk_reply, get, parse_metrics, publish
 
 import protocol
-from rollout_server.config import RolloutConfig
 from rollout_server.service import EXIT_TASK_CRASHED, RolloutService
 
 BEATS = (protocol.Heartbeat,)     # skipped while waiting; a WorkRequest is not (nothing granted)
@@ -56,7 +56,7 @@ def protocol_errors(svc: RolloutService) -> float:
 async def test_a_welcome_with_a_bad_weights_endpoint_is_refused_counted_and_retried(
         tiny_model_dir, bad):
     learner, weights = FakeLearner(), Weights()
-    cfg = RolloutConfig(learner=learner.endpoint, server_id="s-bad", metrics_port=0, threads=1,
+    cfg = rollout_config(learner=learner.endpoint, server_id="s-bad", metrics_port=0, threads=1,
                         max_concurrency=4, learner_timeout_s=1.0, heartbeat_interval_s=0.2,
                         chunk_timeout_s=5.0)
     svc = RolloutService(cfg, tiny_model_dir)
@@ -115,7 +115,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_dead_task_ends_the_process_with_its_exit_code(tmp_path, tiny_model_dir, subprocess_env,
                                                        process_groups):
     learner = FakeLearner()       # the server connects to it; it never has to answer
-    cfg = {"model": tiny_model_dir, "rollout": {"metrics_port": 0, "threads": 1, "server_id": "s-crash"}}
+    cfg = {"model": tiny_model_dir, "rollout": rollout_nested({"metrics_port": 0, "threads": 1, "server_id": "s-crash"})}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     try:
         done = process_groups.run([sys.executable, "-c", CRASHING_SERVER, "rollout", "--config",
@@ -136,7 +136,7 @@ def test_a_dead_task_ends_the_process_with_its_exit_code(tmp_path, tiny_model_di
 
 async def test_a_finished_run_is_an_info_event_not_a_learner_error(tiny_model_dir, capsys):
     learner = FakeLearner()
-    svc = RolloutService(RolloutConfig(learner=learner.endpoint, server_id="s-fin", metrics_port=0,
+    svc = RolloutService(rollout_config(learner=learner.endpoint, server_id="s-fin", metrics_port=0,
                                        threads=1), tiny_model_dir)
     run = asyncio.create_task(svc.run())
     try:

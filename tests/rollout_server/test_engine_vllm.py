@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from config_kit import rollout_config
 
 try:
     import vllm  # noqa: F401
@@ -30,7 +31,6 @@ from fake_learner import wait_until
 from learner.train.trainer import collate
 from ops import token_logprobs
 from protocol import Sample
-from rollout_server.config import RolloutConfig
 from rollout_server.engine import GenRequest, WeightUpdate
 from rollout_server.engine_vllm import VLLMEngine
 
@@ -72,7 +72,7 @@ class Ctx:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ctx(tiny_model_dir):
-    cfg = RolloutConfig(engine="vllm", seed=1, vllm={
+    cfg = rollout_config(engine="vllm", seed=1, vllm={
         "enable_lora": True, "max_lora_rank": 8, "max_loras": 2, "kv_cache_gib": 1})
     engine = VLLMEngine(tiny_model_dir, cfg)
     print(f"vLLM engine start: {engine.start_seconds:.1f} s")
@@ -163,7 +163,7 @@ def _split(versions: np.ndarray, old: int, new: int) -> bool:
 
 def test_zeromq_is_the_one_weight_transfer():
     with pytest.raises(ValueError, match="weight_transfer was removed .*delete rollout.vllm.weight_transfer"):
-        RolloutConfig(engine="vllm", vllm={"weight_transfer": "zmq"})
+        rollout_config(engine="vllm", vllm={"weight_transfer": "zmq"})
     assert not hasattr(VLLMEngine, "init_nccl")
 
 

@@ -15,10 +15,10 @@ import msgpack
 import torch
 import zmq
 import zmq.asyncio
+from config_kit import rollout_config
 from fake_learner import FakeLearner, assignment, chunk_reply, get, parse_metrics, publish, wait_until
 
 import protocol
-from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
 
@@ -76,7 +76,7 @@ class HostileWeights:
 
 async def test_a_hostile_learner_cannot_stop_the_server(tiny_model_dir):
     learner, weights = FakeLearner(), HostileWeights()
-    cfg = RolloutConfig(learner=learner.endpoint, server_id="victim", metrics_port=0, threads=1,
+    cfg = rollout_config(learner=learner.endpoint, server_id="victim", metrics_port=0, threads=1,
                         max_concurrency=4, max_new_tokens_limit=64, max_prompt_tokens=32,
                         chunk_timeout_s=5.0, heartbeat_interval_s=0.2)  # (a loaded loop may stall 0.5 s)
     svc = RolloutService(cfg, tiny_model_dir)

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from config_kit import rollout_config
 from fake_learner import wait_until
 
 from rollout_server.config import RewardOptions, RolloutConfig
@@ -103,10 +104,25 @@ async def test_a_plugin_that_calls_sys_exit_fails_its_samples_not_the_server(plu
 
 
 def test_config_accepts_one_spec_or_a_list():
-    assert RolloutConfig().reward == "builtin:exact_numeric"
-    cfg = RolloutConfig(reward=["builtin:exact_numeric", "builtin:format"],
-                        reward_weights={"format": 0.1})
-    assert len(Rewarder(cfg.reward, cfg.reward_weights, cfg.reward_options).fns) == 2
+    assert rollout_config().reward.fn == "builtin:exact_numeric"
+    cfg = rollout_config(reward=["builtin:exact_numeric", "builtin:format"],
+                         reward_weights={"format": 0.1})
+    assert cfg.reward.fn == ["builtin:exact_numeric", "builtin:format"]        # the shorthand: reward.fn
+    assert len(Rewarder(cfg.reward.fn, cfg.reward.weights, cfg.reward.options).fns) == 2
+    full = RolloutConfig(reward={"fn": "builtin:format", "threads": 2, "options": {"format_reward": 0.5}})
+    assert (full.reward.fn, full.reward.threads, full.reward.options.format_reward) == ("builtin:format", 2, 0.5)
+
+
+@pytest.mark.parametrize(("old", "new"), [("reward_weights", "reward.weights"), ("reward_threads", "reward.threads"),
+                                          ("reward_timeout_s", "reward.timeout_s"),
+                                          ("reward_options", "reward.options"),
+                                          ("metrics_port", "network.metrics_port"),
+                                          ("max_concurrency", "generation.max_concurrency"),
+                                          ("weights_wait_s", "weights.wait_s"), ("dtype", "runtime.dtype"),
+                                          ("drain_timeout_s", "shutdown.drain_timeout_s")])
+def test_a_key_of_the_flat_layout_names_its_new_place(old, new):
+    with pytest.raises(ValueError, match=rf"{old} moved to {new.replace('.', '[.]')}"):
+        RolloutConfig(**{old: {} if old == "reward_options" else 1})
 
 
 # ---- reward model ------------------------------------------------------------------------------

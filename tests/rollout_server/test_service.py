@@ -19,11 +19,11 @@ import types
 import pytest
 import yaml
 import zmq
+from config_kit import rollout_config, rollout_nested
 from fake_learner import FakeLearner, assignment, get, parse_metrics, wait_event, wait_until
 
 import protocol
 from rollout_server import service as service_mod
-from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
 
@@ -55,7 +55,7 @@ class Running:
 
     def __init__(self, learner: FakeLearner, model_dir: str, **cfg):
         cfg = {"server_id": "s1", "metrics_port": 0, "threads": 1, "learner": learner.endpoint, **cfg}
-        self.svc = RolloutService(RolloutConfig(**cfg), model_dir)
+        self.svc = RolloutService(rollout_config(**cfg), model_dir)
 
     async def __aenter__(self) -> RolloutService:
         self.task = asyncio.create_task(self.svc.run())
@@ -250,7 +250,7 @@ async def test_a_slow_reward_times_out_and_heartbeats_keep_flowing(tiny_model_di
 @pytest.mark.parametrize("how", ["learner_finished", "learner_gone"])
 async def test_drain_does_not_wait_for_acks_that_cannot_come(tiny_model_dir, how):
     learner = FakeLearner()
-    svc = RolloutService(RolloutConfig(learner=learner.endpoint, server_id="s4", metrics_port=0,
+    svc = RolloutService(rollout_config(learner=learner.endpoint, server_id="s4", metrics_port=0,
                                        max_concurrency=2, drain_timeout_s=600, threads=1,
                                        drain_disconnected_s=0.2), tiny_model_dir)
     run = asyncio.create_task(svc.run())
@@ -288,7 +288,7 @@ def no_model(monkeypatch):
 
 def test_an_endpoint_without_scheme_fails_before_the_model(no_model):
     with pytest.raises(protocol.StartupError, match="tcp://"):
-        RolloutService(RolloutConfig(learner="localhost:5555"), "unused")
+        RolloutService(rollout_config(learner="localhost:5555"), "unused")
 
 
 def test_a_metrics_port_in_use_fails_before_the_model_when_chosen(no_model):
@@ -296,12 +296,12 @@ def test_a_metrics_port_in_use_fails_before_the_model_when_chosen(no_model):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(protocol.StartupError, match="rollout.metrics_port"):
-            RolloutService(RolloutConfig(metrics_port=port), "unused")
+        with pytest.raises(protocol.StartupError, match="rollout.network.metrics_port"):
+            RolloutService(rollout_config(metrics_port=port), "unused")
 
 
 def test_the_default_metrics_port_gives_way_to_a_free_one(no_model, capsys):
-    default = RolloutConfig().metrics_port
+    default = rollout_config().network.metrics_port
     with socket.socket() as taken:
         try:
             taken.bind(("127.0.0.1", default))
@@ -309,14 +309,14 @@ def test_the_default_metrics_port_gives_way_to_a_free_one(no_model, capsys):
         except OSError:
             pass                           # already taken by someone else: just as good
         with pytest.raises(_ModelLoaded):
-            RolloutService(RolloutConfig(), "unused")
+            RolloutService(rollout_config(), "unused")
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     (moved,) = [e for e in events if e["event"] == "metrics_port_in_use"]
     assert moved["wanted"] == default and moved["port"] != default and moved["proc"] == "rollout"
 
 
 async def test_the_inflight_policy_reaches_the_hf_engine(tiny_model_dir):
-    svc = RolloutService(RolloutConfig(inflight_update="resubmit", metrics_port=0), tiny_model_dir)
+    svc = RolloutService(rollout_config(inflight_update="resubmit", metrics_port=0), tiny_model_dir)
     try:
         assert svc.engine.inflight_update == "resubmit"
         assert svc.pipeline.limits.vocab_size == svc.engine.model.get_input_embeddings().num_embeddings
@@ -332,8 +332,8 @@ async def test_sigterm_finishes_work_waits_for_acks_and_exits_0(tmp_path, tiny_m
         sk.bind(("127.0.0.1", 0))
         metrics_port = sk.getsockname()[1]
     cfg = {"model": tiny_model_dir,
-           "rollout": {"metrics_port": metrics_port, "threads": 1, "max_concurrency": 8, "batch_wait_s": 0.0,
-                       "server_id": "s3"}}
+           "rollout": rollout_nested({"metrics_port": metrics_port, "threads": 1, "max_concurrency": 8, "batch_wait_s": 0.0,
+                       "server_id": "s3"})}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "rollout", "--config",
                              str(tmp_path / "cfg.yaml"), "--learner", learner.endpoint],

@@ -11,10 +11,10 @@ import socket
 import threading
 
 import zmq.asyncio
+from config_kit import rollout_config
 from zmtp_kit import frame, raw_router, send_unfinished
 
 import protocol
-from rollout_server.config import RolloutConfig
 from rollout_server.receiver import ZmqChunkChannel
 from rollout_server.service import RolloutService
 
@@ -42,7 +42,7 @@ async def wait_for(condition, what: str, timeout_s: float = 30) -> None:
 async def test_a_learner_that_never_finishes_a_message_is_cut(tiny_model_dir):
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    cfg = RolloutConfig(learner=f"tcp://127.0.0.1:{port}", server_id="victim", metrics_port=0,
+    cfg = rollout_config(learner=f"tcp://127.0.0.1:{port}", server_id="victim", metrics_port=0,
                         threads=1, learner_timeout_s=120.0, reconnect_ivl_s=0.1,
                         learner_max_message_bytes=4 << 20, unfinished_timeout_s=1.0)
     svc = RolloutService(cfg, tiny_model_dir)

@@ -11,6 +11,7 @@ import json
 import shutil
 
 import pytest
+from config_kit import rollout_config
 from learner_testkit import FakeServer, http_get, learner_config, metric, samples_for, wait_until
 
 import protocol
@@ -211,7 +212,6 @@ async def test_eval_through_a_real_hf_server_is_the_greedy_completion(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     from learner.models.builtin import ensure_builtin_model
-    from rollout_server.config import RolloutConfig
     from rollout_server.service import RolloutService
 
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(builtin_cache))
@@ -228,7 +228,7 @@ async def test_eval_through_a_real_hf_server_is_the_greedy_completion(tmp_path, 
         seen.append(sample)
         return take(sample)
     svc.evaluation._take = observed
-    server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="hf-0", metrics_port=0,
+    server = RolloutService(rollout_config(learner=svc.endpoints["rollout"], server_id="hf-0", metrics_port=0,
                                           threads=1, max_concurrency=8, seed=0,
                                           reward="builtin:exact_numeric"), model_dir)
     serving = asyncio.create_task(server.run())

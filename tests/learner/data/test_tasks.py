@@ -101,8 +101,8 @@ def test_a_new_task_is_one_file(tmp_path, monkeypatch):
         p = next(PromptSource("builtin:echo", seed=0))
         assert p["prompt"] == f"echo {p['answer']}:" and p["metadata"] == {"kind": "echo"}
         cfg = load_config(None, ["learner.data.dataset=builtin:echo"])
-        assert cfg.rollout.reward == "builtin:format"                 # the task's own reward
+        assert cfg.rollout.reward.fn == "builtin:format"              # the task's own reward
         cfg = load_config(None, ["learner.data.dataset=builtin:echo", "rollout.reward=builtin:exact_numeric"])
-        assert cfg.rollout.reward == "builtin:exact_numeric"          # unless the config says
+        assert cfg.rollout.reward.fn == "builtin:exact_numeric"       # unless the config says
     finally:
         sys.modules.pop("learner.data.tasks.echo", None)

@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from config_kit import nested
+from config_kit import nested, rollout_config
 from learner_testkit import HonestServer, learner_config, metric, running_learner, wait_until
 
 from learner.config import LearnerConfig, TrainerConfig
 from learner.train.trainer import Trainer
-from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,7 @@ async def rollout_server(svc, model_dir: str, **overrides):
     cfg = dict(learner=svc.endpoints["rollout"], server_id="hf-0", metrics_port=0, threads=1,
                max_concurrency=svc.cfg.batch.batch_samples * (svc.cfg.staleness.max_staleness + 1), seed=0)
     cfg.update(overrides)
-    server = RolloutService(RolloutConfig(**cfg), model_dir)
+    server = RolloutService(rollout_config(**cfg), model_dir)
     task = asyncio.create_task(server.run())
     try:
         yield server

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from config_kit import rollout_config
 from learner_testkit import HonestServer, ctl, learner_config, metric, running_learner, wait_until
 
 from learner.config import LIVE_KEYS, get_path, resolve_key
@@ -113,13 +114,12 @@ async def test_ctl_stop_checkpoints_and_tells_the_servers(tmp_path, tiny_model_d
     """`ctl stop` ends the run as SIGTERM does: a final checkpoint, the servers told (they drop
     queued work and stay up for a resumed learner), the learner out with 0."""
     from learner.serve.service import LearnerService
-    from rollout_server.config import RolloutConfig
     from rollout_server.service import RolloutService
 
     svc = LearnerService(learner_config(tmp_path, save_every=0), tiny_model_dir, run_id="test")
     learner = asyncio.create_task(svc.run())
     await wait_until(lambda: svc.ready.is_set() or learner.done(), 120, "learner ready")
-    server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="real",
+    server = RolloutService(rollout_config(learner=svc.endpoints["rollout"], server_id="real",
                                           metrics_port=0, threads=1, max_concurrency=4), tiny_model_dir)
     events: list[str] = []
     log = server.log

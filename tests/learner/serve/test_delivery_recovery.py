@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import yaml
+from config_kit import rollout_config, rollout_nested
 from learner_testkit import FakeServer, learner_config, samples_for, wait_until
 
 import protocol
 from learner.serve.service import LearnerService
-from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
 pytestmark = pytest.mark.slow
@@ -55,9 +55,9 @@ async def test_a_new_run_rebases_a_server_of_the_old_one_which_exits_0_at_the_en
     old = LearnerService(learner_config(tmp_path / "a", **ports), tiny_model_dir, run_id="run-a")
     old_task = await start(old)
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"model": tiny_model_dir, "rollout": {
+    cfg.write_text(yaml.safe_dump({"model": tiny_model_dir, "rollout": rollout_nested({
         "metrics_port": 0, "threads": 1, "max_concurrency": 4, "heartbeat_interval_s": 0.5,
-        "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5}}))
+        "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5})}))
     server = process_groups.watch([sys.executable, "-m", "deploy.cli", "rollout", "--config", str(cfg),
                                    "--learner", old.endpoints["rollout"]], env=subprocess_env)
     await asyncio.to_thread(server.wait_for, lambda line: '"weights_version": 3' in line, 240,
@@ -115,7 +115,7 @@ async def test_circuit_breaker_drops_a_failing_server_and_takes_it_back(tmp_path
 
         # A real server whose every manifest is refused (max_weights_bytes too small) reports
         # each refusal and is dropped too, on its own.
-        real = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="small",
+        real = RolloutService(rollout_config(learner=svc.endpoints["rollout"], server_id="small",
                                             metrics_port=0, threads=1, max_concurrency=2,
                                             max_weights_bytes=1024, heartbeat_interval_s=0.2),
                               tiny_model_dir)

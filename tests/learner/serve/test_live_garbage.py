@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from config_kit import rollout_config
 from learner_testkit import http_get, learner_config, metric, running_learner, wait_until
 
 import protocol
-from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "protocol"))
@@ -108,7 +108,7 @@ BAD_HTTP = [
 
 async def test_garbage_on_every_socket_is_counted_while_a_real_server_trains(tmp_path, tiny_model_dir):
     async with running_learner(learner_config(tmp_path, max_staleness=2), tiny_model_dir) as svc:
-        server = RolloutService(RolloutConfig(learner=svc.endpoints["rollout"], server_id="real",
+        server = RolloutService(rollout_config(learner=svc.endpoints["rollout"], server_id="real",
                                               metrics_port=0, threads=1, max_concurrency=4),
                                 tiny_model_dir)
         task = asyncio.create_task(server.run())

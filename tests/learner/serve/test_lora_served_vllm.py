@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from config_kit import rollout_config
 
 try:
     import vllm  # noqa: F401
@@ -32,7 +33,6 @@ from test_trainer import make_batch, make_trainer
 
 from learner.train.batching import collate
 from protocol import Sample
-from rollout_server.config import RolloutConfig
 from rollout_server.engine import GenRequest, WeightUpdate
 from rollout_server.engine_vllm import VLLMEngine
 
@@ -55,7 +55,7 @@ def saved_bf16_policy(tmp_path_factory) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(saved_bf16_policy):
-    eng = VLLMEngine(saved_bf16_policy, RolloutConfig(engine="vllm", seed=1, vllm=VLLM_OPTIONS))
+    eng = VLLMEngine(saved_bf16_policy, rollout_config(engine="vllm", seed=1, vllm=VLLM_OPTIONS))
     print(f"vLLM engine start: {eng.start_seconds:.1f} s")
     yield eng
     await eng.close()

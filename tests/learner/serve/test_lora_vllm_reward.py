@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from config_kit import rollout_nested
 
 try:
     import vllm  # noqa: F401
@@ -52,10 +53,10 @@ PROMPTS, GROUP = 16, 8
 def rollout_cmd(tmp_path: Path, endpoint: str, model_dir: str) -> list[str]:
     """`slipstream rollout` on the demo task with a LoRA-enabled vLLM engine."""
     config = {"model": model_dir, "learner": {"data": {"dataset": "builtin:arith"}},
-              "rollout": {"server_id": "vllm-0", "metrics_port": 0, "threads": 1, "seed": 1,
+              "rollout": rollout_nested({"server_id": "vllm-0", "metrics_port": 0, "threads": 1, "seed": 1,
                           "max_concurrency": PROMPTS * GROUP,
                           "vllm": {"enable_lora": True, "max_lora_rank": LORA["r"], "max_loras": 2,
-                                   "kv_cache_gib": 1}}}
+                                   "kv_cache_gib": 1}})}
     path = tmp_path / "rollout.yaml"
     path.write_text(yaml.safe_dump(config))
     return [sys.executable, "-m", "deploy.cli", "rollout", "--config", str(path), "--engine", "vllm",

@@ -17,7 +17,7 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
-from config_kit import nested
+from config_kit import nested, rollout_config
 from learner_testkit import learner_config, metric, wait_until
 from zmq.utils.monitor import parse_monitor_message
 
@@ -28,7 +28,6 @@ from learner.config import LearnerConfig
 from learner.serve.service import LearnerService
 from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.sockets import make_socket
-from rollout_server.config import RolloutConfig
 from rollout_server.service import RolloutService
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -37,8 +36,8 @@ FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 def test_defaults_are_loopback_and_curve_off():
-    learner, rollout = LearnerConfig(), RolloutConfig()
-    assert learner.network.bind_host == learner.network.metrics_host == rollout.metrics_host == "127.0.0.1"
+    learner, rollout = LearnerConfig(), rollout_config()
+    assert learner.network.bind_host == learner.network.metrics_host == rollout.network.metrics_host == "127.0.0.1"
     assert rollout.learner.startswith("tcp://127.0.0.1:")
     assert learner.security.curve is False and rollout.security.curve is False
 
@@ -47,7 +46,7 @@ def test_curve_needs_its_key_files():
     with pytest.raises(ValueError, match="secret_key_file and allowed_clients_dir"):
         LearnerConfig(**nested(security={"curve": True}))
     with pytest.raises(ValueError, match="learner_public_key_file"):
-        RolloutConfig(security={"curve": True, "secret_key_file": "x"})
+        rollout_config(security={"curve": True, "secret_key_file": "x"})
 
 
 def test_keys_command_writes_the_layout_and_never_overwrites(tmp_path):
@@ -146,7 +145,7 @@ async def test_curve_lets_in_only_allowed_keys(tmp_path, tiny_model_dir):
     assert info["curve_public_key"].encode() == load_public_key(keys / "learner.key", "t")
 
     # With its keys, a real rollout server connects, fetches weights and trains.
-    server = RolloutService(RolloutConfig(
+    server = RolloutService(rollout_config(
         learner=svc.endpoints["rollout"], server_id="r0", metrics_port=0, threads=1,
         max_concurrency=4, security={"curve": True,
                                      "secret_key_file": str(keys / "rollout.key_secret"),

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from config_kit import nested
+from config_kit import nested, rollout_nested
 from learner_testkit import learner_config, running_learner, wait_until
 from test_algorithms_service import jsonl, rollout_server
 from test_trainer import make_batch
@@ -465,9 +465,9 @@ def _two_rank_config(tmp_path, model: str, stage: int, total_steps: int,
                     "final_sync_s": 20, "reannounce_s": 1.0,
                     "deepspeed": {"zero_stage": stage, "timeout_s": 60, "heartbeat_s": 5,
                                   "publish_bucket_bytes": 64 << 10}}),
-        "rollout": {"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
+        "rollout": rollout_nested({"learner": f"tcp://127.0.0.1:{port}", "metrics_port": 0, "max_concurrency": 4,
                     "heartbeat_interval_s": 0.5, "reconnect_ivl_s": 0.05, "reconnect_ivl_max_s": 0.5,
-                    "threads": 1, "drain_timeout_s": 5},
+                    "threads": 1, "drain_timeout_s": 5}),
     }
     path = tmp_path / "ds.yaml"
     path.write_text(yaml.safe_dump(cfg))
