@@ -24,6 +24,7 @@ from .names import (
     KL_KINDS,
     LOSS_AGG_MODES,
     PF_PPO_METHODS,
+    POLICY_LOSSES,
 )
 
 _WHERE = {
@@ -34,6 +35,7 @@ _WHERE = {
     "aggregate_loss": "masked",
     "batch_normalize": "shaping",
     "behavior_anchored_weights": "importance",
+    "cispo_policy_loss": "losses",
     "clip_rewards": "shaping",
     "cpu_facts": "precision",
     "discounted_reverse_cumsum": "advantages",
@@ -43,6 +45,7 @@ _WHERE = {
     "entropy_loss": "losses",
     "gae": "advantages",
     "group_advantages": "advantages",
+    "gspo_policy_loss": "losses",
     "importance_weights": "importance",
     "kl_estimate": "kl",
     "kl_loss": "losses",
@@ -93,6 +96,7 @@ __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "PF_PPO_METHODS",
+    "POLICY_LOSSES",
     "STAT_REDUCTIONS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -100,6 +104,7 @@ __all__ = [
     "aggregate_loss",
     "batch_normalize",
     "behavior_anchored_weights",
+    "cispo_policy_loss",
     "clip_rewards",
     "cpu_facts",
     "discounted_reverse_cumsum",
@@ -109,6 +114,7 @@ __all__ = [
     "entropy_loss",
     "gae",
     "group_advantages",
+    "gspo_policy_loss",
     "importance_weights",
     "kl_estimate",
     "kl_loss",

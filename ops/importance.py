@@ -10,6 +10,10 @@ AReaL, Fu et al. 2025), treated by ``mode``:
 - ``tis``     w ← min(w, C)                         (truncated IS; Yao et al. 2025, "Your efficient
                                                      RL framework secretly brings you off-policy RL");
 - ``mis``     w kept where 1/C ≤ w ≤ C, else the token is masked (weight 0; masked IS / rejection);
+- ``icepop``  w kept where α ≤ w ≤ β, else the token is masked, with its own bounds ``bounds`` =
+              (α, β) (IcePop, Ling Team 2025, "Every step evolves: scaling RL for trillion-scale
+              thinking model" (Ring-1T); INTELLECT-3 uses it as its default loss with α = 0.5,
+              β = 5): ``mis`` with an asymmetric acceptance region;
 - ``seq_tis`` / ``seq_mis``  the same on each sequence's geometric-mean weight
               w_seq = exp(mean_t log w_t) (verl rollout-correction "sequence" level, geometric form),
               broadcast to the sequence's tokens;
@@ -44,6 +48,7 @@ def importance_weights(
     mode: str = "tis",
     cap: float | None = 2.0,
     veto: float | None = None,
+    bounds: tuple[float, float] = (0.5, 5.0),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Detached importance weights w = π_prox/μ -> (weights [B, T], mask [B, T], stats).
 
@@ -52,11 +57,13 @@ def importance_weights(
     (``seq_mis``, ``geo_mis``) outside [1/cap, cap] removed, in the input mask's dtype. ``cap`` is
     unused by ``none``. ``veto`` (> 0, or None for no veto) is the per-token veto of ``geo_mis``: a
     sequence with a counted token whose weight is below it is removed whole; other modes ignore it.
+    ``bounds`` = (α, β), 0 < α ≤ 1 ≤ β, is the acceptance region of ``icepop`` (which ignores
+    ``cap``; INTELLECT-3's (0.5, 5) by default); other modes ignore it.
 
     Stats (0-dim tensors, computed on the raw weights over the counted tokens of the input mask):
     ``is_weight_mean``, ``is_weight_max``, ``is_weight_min``, ``is_ess_ratio`` = (Σw)²/(n·Σw²) ∈ (0, 1]
     (1 when on-policy; Kish's effective sample size over n), ``is_masked_fraction`` (counted tokens
-    removed by mis/seq_mis), ``is_truncated_fraction`` (tokens whose weight the cap lowered),
+    removed by mis/seq_mis/geo_mis/icepop), ``is_truncated_fraction`` (tokens whose weight the cap lowered),
     ``is_veto_fraction`` (counted tokens of sequences the veto removed, ``geo_mis`` only),
     ``mismatch_kl`` = mean k3 estimate of KL(μ ‖ π_prox) (samples come from μ). The stats of
     several row parts of a batch (micro-batches) combine into the whole batch's with
@@ -64,7 +71,10 @@ def importance_weights(
     """
     if mode not in IS_MODES:
         raise ValueError(f"unknown importance-weight mode {mode!r}; expected one of {IS_MODES}")
-    if mode != "none" and (cap is None or not cap >= 1.0):
+    if mode == "icepop":
+        if not 0.0 < bounds[0] <= 1.0 <= bounds[1]:
+            raise ValueError(f"mode 'icepop' needs bounds (low, high) with 0 < low <= 1 <= high, got {bounds!r}")
+    elif mode != "none" and (cap is None or not cap >= 1.0):
         raise ValueError(f"mode {mode!r} needs a cap >= 1, got {cap!r}")
     if veto is not None and not veto > 0:
         raise ValueError(f"veto must be > 0 (or None), got {veto!r}")
@@ -78,7 +88,7 @@ def importance_weights(
     vetoed = torch.zeros_like(keep)
     if mode == "none":
         w = torch.ones_like(raw)
-    elif mode in ("tis", "mis"):
+    elif mode in ("tis", "mis", "icepop"):
         w = raw
     else:
         log_w_seq = masked_mean(log_w, keep, dim=-1)  # [B] mean log-weight = log geometric mean
@@ -89,6 +99,8 @@ def importance_weights(
         w = torch.clamp(w, max=cap)
     elif mode in ("mis", "seq_mis", "geo_mis"):
         new_keep = keep & (w >= 1.0 / cap) & (w <= cap)
+    elif mode == "icepop":
+        new_keep = keep & (w >= bounds[0]) & (w <= bounds[1])
     if mode == "geo_mis":
         if veto is not None:
             veto_row = (keep & (raw < veto)).any(dim=-1, keepdim=True)  # [B, 1]

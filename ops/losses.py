@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from .kl import LOG_RATIO_CLAMP, kl_estimate
 from .masked import aggregate_loss, compute_dtype, masked_mean, masked_min_max, masked_var
 
-__all__ = ["dpo_loss", "entropy_loss", "kl_loss", "ppo_policy_loss", "value_loss"]
+__all__ = ["cispo_policy_loss", "dpo_loss", "entropy_loss", "gspo_policy_loss", "kl_loss", "ppo_policy_loss",
+           "value_loss"]
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
@@ -59,15 +60,9 @@ def ppo_policy_loss(
     """
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    cdt = compute_dtype(logprobs.dtype)
-    keep = mask != 0  # [B, T]
     # Padding is zeroed first, so NaN/inf there reaches neither the loss nor any gradient.
-    logprobs = _counted(logprobs.to(cdt), keep)
-    proximal_logprobs = _counted(proximal_logprobs.detach().to(cdt), keep)
-    advantages = _counted(advantages.detach().to(cdt), keep)
-
-    log_ratio = torch.clamp(logprobs - proximal_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
-    ratio = torch.exp(log_ratio)
+    logprobs, advantages, log_ratio, keep = _policy_inputs(logprobs, proximal_logprobs, advantages, mask)
+    ratio = torch.exp(log_ratio)  # [B, T]
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss_mat = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
@@ -78,21 +73,118 @@ def ppo_policy_loss(
         dual_clipped = (advantages < 0) & (pg_dual < loss_mat)
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, pg_dual), loss_mat)
     if is_weights is not None:
-        loss_mat = loss_mat * _counted(is_weights.detach().to(cdt), keep)
+        loss_mat = loss_mat * _counted(is_weights.detach().to(loss_mat.dtype), keep)
     loss = aggregate_loss(loss_mat, mask, agg, normalizer)
+    return loss, _ratio_stats(ratio, log_ratio, clipped, dual_clipped, keep)
 
-    with torch.no_grad():
-        r = ratio.detach()
-        ratio_min, ratio_max = masked_min_max(r, keep, 1.0)
-        stats = {
-            "clip_fraction": _f(masked_mean(clipped.to(cdt), keep)),
-            "dual_clip_fraction": _f(masked_mean(dual_clipped.to(cdt), keep)),
-            "approx_kl": _f(masked_mean((r - 1.0) - log_ratio.detach(), keep)),
-            "ratio_mean": _f(masked_mean(r, keep)),
-            "ratio_min": ratio_min,
-            "ratio_max": ratio_max,
-        }
-    return loss, stats
+
+@torch.no_grad()
+def _ratio_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, clipped: torch.Tensor,
+                 dual_clipped: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The statistics every policy loss reports, over the counted tokens ``keep`` [B, T]: the
+    clip fractions, approx KL = mean((r − 1) − log r) of the *token* ratio r = π_θ/π_prox (k3 of
+    KL(π_prox ‖ π_θ)), and the mean, min and max of the ratio the loss used (``ratio``)."""
+    cdt = ratio.dtype
+    r = ratio.detach()
+    token_log_ratio = log_ratio.detach()
+    ratio_min, ratio_max = masked_min_max(r, keep, 1.0)
+    return {
+        "clip_fraction": _f(masked_mean(clipped.to(cdt), keep)),
+        "dual_clip_fraction": _f(masked_mean(dual_clipped.to(cdt), keep)),
+        "approx_kl": _f(masked_mean((torch.exp(token_log_ratio) - 1.0) - token_log_ratio, keep)),
+        "ratio_mean": _f(masked_mean(r, keep)),
+        "ratio_min": ratio_min,
+        "ratio_max": ratio_max,
+    }
+
+
+def _policy_inputs(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log π_θ, detached A, the clamped token log-ratio log π_θ − log π_prox, keep), padding zeroed
+    first, in the compute dtype: what every policy loss starts from ([B, T] each)."""
+    cdt = compute_dtype(logprobs.dtype)
+    keep = mask != 0
+    logprobs = _counted(logprobs.to(cdt), keep)
+    proximal_logprobs = _counted(proximal_logprobs.detach().to(cdt), keep)
+    advantages = _counted(advantages.detach().to(cdt), keep)
+    log_ratio = torch.clamp(logprobs - proximal_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return logprobs, advantages, log_ratio, keep
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    is_weights: torch.Tensor | None = None,
+    agg: str = "seq_mean_token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, "Group sequence policy optimization",
+    the GSPO-token form) -> (loss, stats).
+
+    The ratio is the sequence's, the geometric mean of its token ratios against π_prox:
+
+    log s_i = mean_t (log π_θ − log π_prox) over the sequence's counted tokens          [B]
+    s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)]     (equal to s_i; its gradient is s_i ∇log π_θ(y_t))
+    l_t = w_t · max(−A_t s_{i,t}, −A_t clip(s_{i,t}, 1 − ε_low, 1 + ε_high))                 [B, T]
+
+    so a sequence is clipped whole: all its tokens or none. The clip range is that of a sequence's
+    mean per-token ratio, hence the paper's small defaults (3e-4, 4e-4). ``is_weights`` and ``agg``
+    / ``normalizer`` as in :func:`ppo_policy_loss` (the paper aggregates ``seq_mean_token_mean``;
+    verl's default has become ``token_mean``). log s_i is clamped to [−20, 20].
+    Stats as :func:`ppo_policy_loss`'s: ``clip_fraction`` over tokens (whole clipped sequences),
+    ``ratio_*`` of the sequence ratio at each token, ``approx_kl`` of the token ratios.
+    """
+    logprobs, advantages, log_ratio, keep = _policy_inputs(logprobs, proximal_logprobs, advantages, mask)
+    log_seq = masked_mean(log_ratio, keep, dim=-1).detach().unsqueeze(-1)               # [B, 1]
+    log_s = torch.clamp(logprobs - logprobs.detach() + log_seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    s = torch.exp(log_s)                                                                # [B, T]
+    pg_unclipped = -advantages * s
+    pg_clipped = -advantages * torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(pg_unclipped, pg_clipped)
+    if is_weights is not None:
+        loss_mat = loss_mat * _counted(is_weights.detach().to(loss_mat.dtype), keep)
+    loss = aggregate_loss(loss_mat, mask, agg, normalizer)
+    clipped = (pg_clipped > pg_unclipped) & keep
+    return loss, _ratio_stats(s, log_ratio, clipped, torch.zeros_like(clipped), keep)
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    is_weights: torch.Tensor | None = None,
+    agg: str = "token_mean",
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped IS-weight Policy Optimization (MiniMax 2025, "MiniMax-M1", §3.1) -> (loss, stats).
+
+    REINFORCE whose token weight is the clipped ratio, without a gradient through it:
+
+    r_t = exp(clamp(log π_θ − log π_prox, −20, 20))
+    l_t = −w_t · sg[clip(r_t, 1 − ε_low, 1 + ε_high)] · A_t · log π_θ(y_t)                   [B, T]
+
+    Unlike PPO's clip, which gives a token past 1 ± ε no gradient at all, every token keeps a
+    gradient (its weight bounded): rare tokens that the clip would drop (the "forks" of a
+    reasoning chain) still learn. At π_θ = π_prox the gradient is PPO's, −w_t A_t ∇log π_θ.
+    ``is_weights``, ``agg`` and ``normalizer`` as in :func:`ppo_policy_loss`. Stats as its:
+    ``clip_fraction`` = tokens whose ratio the clip changed.
+    """
+    logprobs, advantages, log_ratio, keep = _policy_inputs(logprobs, proximal_logprobs, advantages, mask)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    loss_mat = -advantages * weight * logprobs
+    if is_weights is not None:
+        loss_mat = loss_mat * _counted(is_weights.detach().to(loss_mat.dtype), keep)
+    loss = aggregate_loss(loss_mat, mask, agg, normalizer)
+    clipped = keep & ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high))
+    return loss, _ratio_stats(ratio, log_ratio, clipped, torch.zeros_like(clipped), keep)
 
 
 def value_loss(

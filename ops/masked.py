@@ -126,14 +126,21 @@ def masked_whiten(
     return torch.where(keep, whitened, torch.zeros_like(whitened))
 
 
-def _denominator(mask: torch.Tensor, agg: str) -> torch.Tensor:
-    """What ``aggregate_loss`` divides by: Σ m (``token_mean``) or the count of rows with Σ_t m ≠ 0."""
+def _denominator(mask: torch.Tensor, agg: str, norm_tokens: int | None = None) -> torch.Tensor:
+    """What ``aggregate_loss`` divides by: Σ m (``token_mean``), the count of rows with Σ_t m ≠ 0
+    (the other ``seq_mean_*`` modes), that count times ``norm_tokens`` (``seq_mean_token_sum_norm``;
+    None: the mask's length T)."""
     if agg not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {LOSS_AGG_MODES}")
     m = mask.to(compute_dtype(mask.dtype) if mask.is_floating_point() else torch.float32)
     if agg == "token_mean":
         return m.sum()
-    return (m.sum(dim=-1) != 0).to(m.dtype).sum()
+    rows = (m.sum(dim=-1) != 0).to(m.dtype).sum()
+    if agg == "seq_mean_token_sum_norm":
+        if norm_tokens is not None and not norm_tokens >= 1:
+            raise ValueError(f"norm_tokens must be >= 1 (or None), got {norm_tokens!r}")
+        return rows * float(norm_tokens if norm_tokens is not None else m.shape[-1])
+    return rows
 
 
 def aggregate_loss(
@@ -143,7 +150,12 @@ def aggregate_loss(
 
     - ``token_mean``: Σ_{b,t} m·l / Σ_{b,t} m (every counted token weighs the same);
     - ``seq_mean_token_sum``: mean over sequences of Σ_t m·l (Dr. GRPO-style sum per sequence);
-    - ``seq_mean_token_mean``: mean over sequences of (Σ_t m·l / Σ_t m) (GRPO paper).
+    - ``seq_mean_token_mean``: mean over sequences of (Σ_t m·l / Σ_t m) (GRPO paper);
+    - ``seq_mean_token_sum_norm``: mean over sequences of Σ_t m·l / C with a constant C (Dr. GRPO,
+      Liu et al. 2025, "Understanding R1-Zero-like training": no length normaliser that favours
+      long wrong answers; TRL's ``dr_grpo``). Without a ``normalizer`` C is the mask's length T;
+      pass ``loss_normalizer(mask, agg, norm_tokens=C)`` to fix it (the trainer uses the maximum
+      completion length, as the paper does).
 
     The sequence means run over rows with at least one counted token, so an all-masked row
     contributes nothing (neither to the numerator nor to the denominator).
@@ -160,7 +172,7 @@ def aggregate_loss(
         num = masked_sum(loss_mat, m)
     else:
         row_counted = (m.sum(dim=-1) != 0).to(m.dtype)  # [B]
-        if agg == "seq_mean_token_sum":
+        if agg in ("seq_mean_token_sum", "seq_mean_token_sum_norm"):
             per_row = masked_sum(loss_mat, m, dim=-1)  # [B]
         else:
             per_row = masked_mean(loss_mat, m, dim=-1)  # [B]
@@ -170,15 +182,16 @@ def aggregate_loss(
     return num / normalizer
 
 
-def loss_normalizer(mask: torch.Tensor, agg: str = "token_mean") -> float:
+def loss_normalizer(mask: torch.Tensor, agg: str = "token_mean", norm_tokens: int | None = None) -> float:
     """The denominator ``aggregate_loss(·, mask, agg)`` divides by, as a plain number -> float.
 
     ``token_mean``: Σ_{b,t} m (the counted tokens, mask values as weights); the ``seq_mean_*`` modes:
-    the rows with at least one counted token. Computed once over the whole batch and passed as
+    the rows with at least one counted token (times ``norm_tokens``, the constant C, for
+    ``seq_mean_token_sum_norm``; None: the mask's length T, as ``aggregate_loss`` uses). Computed once over the whole batch and passed as
     ``normalizer`` to every micro-batch's ``aggregate_loss`` (or ``ppo_policy_loss``), the
     micro-batch losses add up to the full-batch loss. An empty mask gives 1.0: its numerator is 0,
     so the loss is 0, as ``aggregate_loss`` gives without a normalizer (never 0/0).
     mask: [B, T], the full shape of the loss (no broadcasting here).
     """
-    den = float(_denominator(mask, agg))
+    den = float(_denominator(mask, agg, norm_tokens))
     return den if den != 0 else 1.0

@@ -197,6 +197,14 @@ class LearnerConfig(BaseModel):
             raise ValueError("algorithm.target_kl stops a step by its distance from pi_prox, but with "
                              "clip_anchor: behavior the ratio is taken against the behavior policy; "
                              "set target_kl: null or clip_anchor: proximal")
+        if alg.policy_loss != "ppo" and alg.dual_clip is not None:
+            raise ValueError(f"algorithm.dual_clip bounds PPO's surrogate, which "
+                             f"policy_loss: {alg.policy_loss} does not have; set dual_clip: null or "
+                             "policy_loss: ppo")
+        if alg.policy_loss == "gspo" and alg.clip_anchor == "behavior":
+            raise ValueError("algorithm.clip_anchor: behavior reweighs each token by mu/pi_prox, "
+                             "which a sequence ratio (policy_loss: gspo) cannot take; set "
+                             "clip_anchor: proximal or policy_loss: ppo")
         if self.evaluation.every and self.evaluation.data is None:
             raise ValueError("evaluation.every > 0 needs evaluation.data (held-out prompts); set "
                              "evaluation.data, or evaluation.every: 0")

@@ -24,6 +24,7 @@ from ops import (
     KL_KINDS,
     LOSS_AGG_MODES,
     PF_PPO_METHODS,
+    POLICY_LOSSES,
 )
 from protocol.messages import MAX_NEW_TOKENS_LIMIT
 
@@ -350,16 +351,29 @@ class AlgorithmSettings(BaseModel):
     """Discount per token (gae, reinforce_pp, vtrace)."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda."""
+    policy_loss: Literal[POLICY_LOSSES] = "ppo"
+    """The policy loss. ppo: the clipped surrogate (with clip_low/clip_high asymmetric, DAPO's
+    clip-higher). gspo: the ratio is the sequence's geometric mean, clipped per sequence (Zheng
+    et al. 2025; its clip range is that of a mean per-token ratio: the paper uses clip_low 3e-4,
+    clip_high 4e-4, and seq_mean_token_mean). cispo: REINFORCE weighted by the clipped ratio
+    without a gradient through it, so a clipped token still learns (MiniMax-M1; it sets a large
+    clip_low, e.g. 0.99, and tunes clip_high). Each works with every advantage estimator,
+    is_mode and loss_agg; gspo and cispo refuse dual_clip, gspo refuses clip_anchor: behavior."""
     clip_low: float = Field(0.2, ge=0, lt=1)
-    """PPO ratio clip below 1 (epsilon_low)."""
+    """Ratio clip below 1 (epsilon_low)."""
     clip_high: float = Field(0.2, ge=0)
-    """PPO ratio clip above 1 (epsilon_high)."""
+    """Ratio clip above 1 (epsilon_high)."""
     dual_clip: float | None = Field(None, gt=1)
     """PPO dual-clip c > 1 bounding the loss of negative advantages at c·|A| (null = off)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus: the policy loss minus entropy_coef times the aggregated entropy."""
     loss_agg: Literal[LOSS_AGG_MODES] = "token_mean"
-    """How token losses are aggregated."""
+    """How token losses are aggregated: token_mean (every token weighs the same, DAPO),
+    seq_mean_token_sum, seq_mean_token_mean (GRPO), seq_mean_token_sum_norm (Dr. GRPO: a
+    sequence's token sum over a constant, loss_norm_tokens)."""
+    loss_norm_tokens: int | None = Field(None, ge=1)
+    """The constant of loss_agg: seq_mean_token_sum_norm (null = sampling.max_new_tokens, the
+    longest completion, as in Dr. GRPO)."""
     target_kl: float | None = Field(None, gt=0)
     """Stop the step's remaining updates once a mini-batch's approx KL exceeds this (null = never)."""
     recompute_logprobs: bool = True
@@ -382,6 +396,11 @@ class AlgorithmSettings(BaseModel):
     0's gain in the policy's reward and behavior 1.48 (1.27-1.70 per seed; tests/bench/
     bench_staleness_reward.py). At eta 0 the two are the same update. pg_* ratio stats are taken
     against the anchor; refused beside target_kl."""
+    icepop_low: float = Field(0.5, gt=0, le=1)
+    """is_mode icepop: a token whose weight pi_prox/mu is below this is masked (IcePop's alpha;
+    0.5 as in INTELLECT-3)."""
+    icepop_high: float = Field(5.0, ge=1)
+    """is_mode icepop: a token whose weight is above this is masked (IcePop's beta)."""
     is_veto: float = Field(1e-4, gt=0, lt=1)
     """geo_mis per-token veto: a sequence with one token of weight below this is masked whole."""
     m2po_threshold: float | None = Field(None, ge=0)

@@ -263,7 +263,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.algorithm.is_mode != "none" or not any_flagged:
             w, keep, st = ops.importance_weights(proximal, behavior, mask, mode=cfg.algorithm.is_mode,
-                                                 cap=cfg.algorithm.is_cap, veto=cfg.algorithm.is_veto)
+                                                 cap=cfg.algorithm.is_cap, veto=cfg.algorithm.is_veto,
+                                                 bounds=(cfg.algorithm.icepop_low, cfg.algorithm.icepop_high))
             return w, keep, [(st, (mask != 0).sum())]
         weights = torch.zeros_like(proximal)                                       # (b, L-1)
         keep = torch.zeros_like(mask)
@@ -539,7 +540,8 @@ class Trainer:
         """Forward and backward of one mini-batch's micro-batches (gradients accumulate): this
         process's share of them, then its dummy passes."""
         cfg, bt = self.cfg, x.rows.bt
-        normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.algorithm.loss_agg)
+        normalizer = ops.loss_normalizer(bt.mask[torch.cat(micros)], cfg.algorithm.loss_agg,
+                                         cfg.algorithm.loss_norm_tokens or cfg.sampling.max_new_tokens)
         self.strategy.zero_grad()
         mb = MiniBatch()
         mine, dummies = self.strategy.share(micros)
@@ -594,9 +596,7 @@ class Trainer:
         anchor = prox
         if cfg.algorithm.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
             w, anchor = ops.behavior_anchored_weights(w, prox, behavior, mask), behavior
-        pg_loss, pg_stats = ops.ppo_policy_loss(
-            logprobs, anchor, take(x.returns.adv, rows, L), mask, clip_low=cfg.algorithm.clip_low, clip_high=cfg.algorithm.clip_high,
-            dual_clip=cfg.algorithm.dual_clip, is_weights=w, agg=cfg.algorithm.loss_agg, normalizer=normalizer)
+        pg_loss, pg_stats = self._policy_loss(logprobs, anchor, take(x.returns.adv, rows, L), mask, w, normalizer)
         total = pg_loss
         mb.add("pg_loss", pg_loss)
         if s.use_kl and not cfg.kl.in_reward:
@@ -611,6 +611,18 @@ class Trainer:
         self.strategy.backward(total, "policy")
         mb.add("loss", total)
         mb.pg_parts.append((pg_stats, n_tok))
+
+    def _policy_loss(self, logprobs: torch.Tensor, anchor: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                     w: torch.Tensor, normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The configured policy loss (``algorithm.policy_loss``) of one micro-batch -> (loss, stats)."""
+        alg = self.cfg.algorithm
+        common = dict(clip_low=alg.clip_low, clip_high=alg.clip_high, is_weights=w, agg=alg.loss_agg,
+                      normalizer=normalizer)
+        if alg.policy_loss == "gspo":
+            return ops.gspo_policy_loss(logprobs, anchor, adv, mask, **common)
+        if alg.policy_loss == "cispo":
+            return ops.cispo_policy_loss(logprobs, anchor, adv, mask, **common)
+        return ops.ppo_policy_loss(logprobs, anchor, adv, mask, dual_clip=alg.dual_clip, **common)
 
     def _reference_kl(self, s: StepPlan, x: UpdateInputs, log: UpdateLog) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-token mean, per-sample sum mean) of the KL estimate between the step's starting

@@ -234,3 +234,20 @@ def test_a_non_finite_float_setting_is_one_line(tmp_path, capsys, value):
     assert main(["learner", "--config", str(f)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert "learner.optimizer.lr" in line and "finite" in line, line
+
+
+@pytest.mark.parametrize("algorithm,says", [
+    ({"policy_loss": "gspo", "dual_clip": 3.0}, "dual_clip"),
+    ({"policy_loss": "cispo", "dual_clip": 3.0}, "dual_clip"),
+    ({"policy_loss": "gspo", "clip_anchor": "behavior"}, "clip_anchor"),
+    ({"policy_loss": "grpo"}, "policy_loss"),
+    ({"is_mode": "icepop", "icepop_low": 1.5}, "icepop_low"),
+    ({"loss_agg": "seq_mean_token_sum_norm", "loss_norm_tokens": 0}, "loss_norm_tokens"),
+])
+def test_a_refused_policy_loss_combination_is_one_line(tmp_path, capsys, algorithm, says):
+    """issue 27.2: a combination that makes no sense is refused before anything starts."""
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"model": NO_MODEL, "learner": {"algorithm": algorithm}}))
+    assert main(["learner", "--config", str(f)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert says in line, line

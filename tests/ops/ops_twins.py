@@ -55,7 +55,8 @@ def masked_var_loop(x, mask, unbiased=True) -> float:
     return sum((v - mu) ** 2 for v in vals) / (n - 1 if unbiased else n)
 
 
-def aggregate_loop(loss, mask, agg) -> float:
+def aggregate_loop(loss, mask, agg, norm_tokens=None) -> float:
+    """``norm_tokens``: the constant of seq_mean_token_sum_norm (None: the mask's length)."""
     rows = _rows(mask)
     if agg == "token_mean":
         return masked_mean_loop(loss, mask)
@@ -64,17 +65,25 @@ def aggregate_loop(loss, mask, agg) -> float:
         if not ts:
             continue
         s = sum(float(loss[b, t]) for t in ts)
-        per_row.append(s if agg == "seq_mean_token_sum" else s / len(ts))
+        if agg == "seq_mean_token_sum":
+            per_row.append(s)
+        elif agg == "seq_mean_token_sum_norm":
+            per_row.append(s / (norm_tokens if norm_tokens is not None else mask.shape[1]))
+        else:
+            per_row.append(s / len(ts))
     return sum(per_row) / len(per_row) if per_row else 0.0
 
 
-def loss_normalizer_loop(mask, agg) -> float:
+def loss_normalizer_loop(mask, agg, norm_tokens=None) -> float:
     """What the aggregation divides by, counted by hand: the mask weights (token_mean) or the rows
-    with a counted token (the seq_mean modes); 1.0 when nothing is counted."""
+    with a counted token (the seq_mean modes; times the constant for seq_mean_token_sum_norm);
+    1.0 when nothing is counted."""
     if agg == "token_mean":
         n = sum(float(mask[b, t]) for b, ts in enumerate(_rows(mask)) for t in ts)
     else:
         n = float(sum(1 for ts in _rows(mask) if ts))
+        if agg == "seq_mean_token_sum_norm":
+            n *= norm_tokens if norm_tokens is not None else mask.shape[1]
     return n if n != 0 else 1.0
 
 
@@ -195,7 +204,48 @@ def ppo_token_losses_loop(logprobs, proximal, advantages, mask, clip_low, clip_h
     return out
 
 
-def importance_loop(prox, behav, mask, mode, cap, veto=None):
+def gspo_loop(logprobs, proximal, advantages, mask, clip_low, clip_high, is_weights, agg):
+    """GSPO as the paper writes it, with the sequence ratio itself in the graph (not the token
+    form): s_i = exp(mean_t (log π − log π_prox)), l_t = w_t max(−A_t s_i, −A_t clip(s_i)), token by
+    token in float64, aggregated like ``aggregate_loop``. Returns a 0-dim tensor with a gradient
+    into ``logprobs`` (a float64 leaf the caller made)."""
+    terms, rows = [], _rows(mask)
+    for b, ts in enumerate(rows):
+        if not ts:
+            continue
+        log_s = sum(logprobs[b, t] - float(proximal[b, t]) for t in ts) / len(ts)
+        s = torch.exp(torch.clamp(log_s, -20.0, 20.0))
+        row = []
+        for t in ts:
+            a = float(advantages[b, t])
+            loss = torch.maximum(-a * s, -a * torch.clamp(s, 1 - clip_low, 1 + clip_high))
+            row.append(loss * (1.0 if is_weights is None else float(is_weights[b, t])))
+        terms.append(row)
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    if agg == "token_mean":
+        flat = [x for row in terms for x in row]
+        return sum(flat) / len(flat)
+    per_row = [sum(row) if agg == "seq_mean_token_sum" else sum(row) / len(row) for row in terms]
+    return sum(per_row) / len(per_row)
+
+
+def cispo_grad_loop(logprobs, proximal, advantages, mask, clip_low, clip_high, is_weights, normalizer):
+    """The CISPO gradient token by token: −w_t clip(r_t, 1 − ε_low, 1 + ε_high) A_t / normalizer
+    at every counted token (float64), the clipped ones included."""
+    B, T = logprobs.shape
+    out = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t] == 0:
+                continue
+            r = math.exp(min(max(float(logprobs[b, t]) - float(proximal[b, t]), -20.0), 20.0))
+            w = 1.0 if is_weights is None else float(is_weights[b, t])
+            out[b, t] = -w * min(max(r, 1 - clip_low), 1 + clip_high) * float(advantages[b, t]) / normalizer
+    return out
+
+
+def importance_loop(prox, behav, mask, mode, cap, veto=None, bounds=(0.5, 5.0)):
     """Returns (weights, keep) as float64 / bool tensors, per the mode definitions, token by token."""
     B, T = prox.shape
     w = torch.zeros(B, T, dtype=torch.float64)
@@ -217,6 +267,9 @@ def importance_loop(prox, behav, mask, mode, cap, veto=None):
                 w[b, t], keep[b, t] = 1.0, True
             elif mode.endswith("tis"):
                 w[b, t], keep[b, t] = min(x, cap), True
+            elif mode == "icepop":
+                if bounds[0] <= x <= bounds[1]:
+                    w[b, t], keep[b, t] = x, True
             elif 1.0 / cap <= x <= cap:
                 w[b, t], keep[b, t] = x, True
     return w, keep

@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops import (
+    cispo_policy_loss,
     entropy_loss,
     gae,
+    gspo_policy_loss,
     importance_weights,
     kl_loss,
     masked_whiten,
@@ -32,7 +34,10 @@ def _per_token_fns(agg):
         "vtrace": lambda a, b, c, d, m, s: vtrace(c, d, a, b, m, 0.99, 1.0, 1.0),
         "importance_tis": lambda a, b, c, d, m, s: importance_weights(d, c, m, "tis", 2.0)[:2],
         "importance_seq_mis": lambda a, b, c, d, m, s: importance_weights(d, c, m, "seq_mis", 1.5)[:2],
+        "importance_icepop": lambda a, b, c, d, m, s: importance_weights(d, c, m, "icepop", bounds=(0.8, 1.3))[:2],
         "ppo": lambda a, b, c, d, m, s: (ppo_policy_loss(d, c, a, m, 0.2, 0.28, 3.0, b.abs(), agg)[0],),
+        "gspo": lambda a, b, c, d, m, s: (gspo_policy_loss(d, c, a, m, 0.05, 0.08, b.abs(), agg)[0],),
+        "cispo": lambda a, b, c, d, m, s: (cispo_policy_loss(d, c, a, m, 0.2, 0.28, b.abs(), agg)[0],),
         "value": lambda a, b, c, d, m, s: (value_loss(a, b, c, m, 0.2, agg)[0],),
         "kl": lambda a, b, c, d, m, s: (kl_loss(d, c, m, "k3", agg)[0],),
         "entropy": lambda a, b, c, d, m, s: (entropy_loss(b.abs(), m, agg)[0],),

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_trainer import B, make_batch, make_trainer, params
 
-from ops import ADVANTAGE_METHODS, IS_MODES, LOSS_AGG_MODES
+from ops import ADVANTAGE_METHODS, IS_MODES, LOSS_AGG_MODES, POLICY_LOSSES
 
 VOCAB = 49
 FRACTIONS = ("pg_clip_fraction", "pg_dual_clip_fraction", "is_masked_fraction", "is_truncated_fraction",
@@ -64,7 +64,7 @@ def test_every_combination_trains_with_plausible_statistics(one_layer_model_dir,
     tr = make_trainer(one_layer_model_dir, advantage=advantage, kl_coef=0.05, micro_batch_samples=B,
                       lr=1e-3, max_grad_norm=1.0)
     combos = list(itertools.product(IS_MODES, (False, True), LOSS_AGG_MODES))
-    assert len(combos) == 6 * 2 * 3
+    assert len(combos) == 7 * 2 * 4
     for is_mode, kl_in_reward, loss_agg in combos:
         combo = f"{advantage}/{is_mode}/kl_in_reward={kl_in_reward}/{loss_agg}"
         cfg = tr.cfg
@@ -77,3 +77,36 @@ def test_every_combination_trains_with_plausible_statistics(one_layer_model_dir,
             assert ("kl_loss" in stats) == (not kl_in_reward), combo
             moved = any(not torch.equal(before[n], p) for n, p in params(tr).items())
             assert moved or stats["is_masked_fraction"] == 1.0, combo
+
+
+# Each policy loss beside PPO with a few of the modes: (policy_loss, is_mode, loss_agg, clip range).
+POLICY_COMBOS = (
+    ("gspo", "tis", "seq_mean_token_mean", (3e-4, 4e-4)),     # the paper's setting
+    ("gspo", "icepop", "token_mean", (0.05, 0.05)),
+    ("gspo", "geo_mis", "seq_mean_token_sum_norm", (0.05, 0.05)),
+    ("cispo", "icepop", "token_mean", (0.99, 0.28)),          # MiniMax-M1's clip: no lower bound
+    ("cispo", "seq_tis", "seq_mean_token_sum_norm", (0.2, 0.28)),
+)
+
+
+@pytest.mark.parametrize("advantage", ADVANTAGE_METHODS)
+def test_every_policy_loss_trains_with_every_estimator(one_layer_model_dir, advantage):
+    """issue 27.2: GSPO and CISPO through Trainer.step with every estimator, single- and
+    multi-update steps: finite statistics in range, the weights moved."""
+    assert {c[0] for c in POLICY_COMBOS} == set(POLICY_LOSSES) - {"ppo"}
+    tr = make_trainer(one_layer_model_dir, advantage=advantage, kl_coef=0.05, micro_batch_samples=B,
+                      lr=1e-3, max_grad_norm=1.0)
+    for policy_loss, is_mode, loss_agg, (low, high) in POLICY_COMBOS:
+        cfg = tr.cfg
+        cfg.algorithm.policy_loss, cfg.algorithm.is_mode, cfg.algorithm.loss_agg = policy_loss, is_mode, loss_agg
+        cfg.algorithm.clip_low, cfg.algorithm.clip_high = low, high
+        for multi in (False, True):
+            combo = f"{advantage}/{policy_loss}/{is_mode}/{loss_agg}/multi={multi}"
+            cfg.batch.ppo_epochs, cfg.batch.mini_batch_samples = (2, B // 2) if multi else (1, 0)
+            before = params(tr)
+            stats = tr.step(make_batch(spread=0.3))
+            check(stats, combo, multi)
+            moved = any(not torch.equal(before[n], p) for n, p in params(tr).items())
+            assert moved or stats["is_masked_fraction"] == 1.0, combo
+            if multi and policy_loss == "gspo" and low < 1e-3:
+                assert stats["pg_clip_fraction"] > 0, combo       # 3e-4 binds on the second update

@@ -108,7 +108,8 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         logp_grad = logp_grad.index_put((torch.full((t,), i), torch.arange(t)), lp)
         mask[i, :t] = True
     adv = group_advantages_loop([s.reward for s in samples], GROUP, cfg.algorithm.advantage)[:, None].expand(B, T)
-    w, keep = importance_loop(logp, behav, mask, cfg.algorithm.is_mode, cfg.algorithm.is_cap)
+    w, keep = importance_loop(logp, behav, mask, cfg.algorithm.is_mode, cfg.algorithm.is_cap,
+                              bounds=(cfg.algorithm.icepop_low, cfg.algorithm.icepop_high))
     flagged = torch.tensor(batch.needs_correction, dtype=torch.bool)
     if cfg.algorithm.is_mode == "none" and bool(flagged.any()):
         w_f, keep_f = importance_loop(logp, behav, mask, FLAGGED_IS_MODE, cfg.algorithm.is_cap)
@@ -125,15 +126,18 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         inside = ~(((adv > 0) & (r > 1 + cfg.algorithm.clip_high)) | ((adv < 0) & (r < 1 - cfg.algorithm.clip_low)))
     else:
         token_loss = ppo_token_losses_loop(logp, logp, adv, keep, cfg.algorithm.clip_low, cfg.algorithm.clip_high, None, w)
+    if cfg.algorithm.policy_loss == "cispo":    # −w · clip(r) · A · log π with r = 1 (GSPO's s = 1: PPO's)
+        token_loss = torch.where(keep, -w * adv * logp, torch.zeros_like(logp))
     # Masked tokens (mis) keep their place in the denominator with weight 0: aggregate over `mask`.
-    loss = aggregate_loop(token_loss, mask, cfg.algorithm.loss_agg)
+    C = cfg.algorithm.loss_norm_tokens or cfg.sampling.max_new_tokens
+    loss = aggregate_loop(token_loss, mask, cfg.algorithm.loss_agg, norm_tokens=C)
     # Gradient at ratio 1: d l_t / d log π_t = −w_t A_t (inside the clip range), so the surrogate
     # Σ_t c_t · (−w_t A_t) · exp(log π_t − sg(log π_t)) has the same value and the same gradient.
     rows = [int(m.sum()) for m in mask]
     coef = torch.zeros(B, T, dtype=torch.float64)
     for i, n in enumerate(rows):
         c = {"token_mean": 1.0 / sum(rows), "seq_mean_token_sum": 1.0 / B,
-             "seq_mean_token_mean": 1.0 / (B * n)}[cfg.algorithm.loss_agg]
+             "seq_mean_token_mean": 1.0 / (B * n), "seq_mean_token_sum_norm": 1.0 / (B * C)}[cfg.algorithm.loss_agg]
         coef[i, :n] = c
     wk = torch.where(keep & inside, w, torch.zeros_like(w))
     surrogate = (coef * (-wk * adv)).float() * torch.exp(logp_grad - logp_grad.detach())
@@ -167,6 +171,26 @@ def test_step_matches_reference_from_twins(tiny_model_dir, is_mode, loss_agg, fl
     assert stats["loss"] == pytest.approx(ref_loss, abs=1e-5)
     assert stats["pg_ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert stats["corrected_samples"] == float(sum(flags or []))
+    assert_close_dicts(grads(tr), ref_grads, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy_loss,is_mode,loss_agg", [
+    ("gspo", "tis", "seq_mean_token_mean"),
+    ("gspo", "icepop", "seq_mean_token_sum_norm"),
+    ("cispo", "icepop", "token_mean"),
+    ("cispo", "mis", "seq_mean_token_sum_norm"),
+])
+def test_policy_losses_step_matches_reference_from_twins(tiny_model_dir, policy_loss, is_mode, loss_agg):
+    """issue 27.2: GSPO and CISPO in one update (ratio 1): the loss each defines and the decoupled
+    gradient −w·A, IcePop's weights and Dr. GRPO's constant normaliser (max_new_tokens)."""
+    tr = make_trainer(tiny_model_dir, is_mode=is_mode, is_cap=1.5, loss_agg=loss_agg, micro_batch_samples=3,
+                      algorithm=dict(policy_loss=policy_loss, icepop_low=0.7, icepop_high=1.4))
+    batch = make_batch(spread=0.5)
+    ref_loss, w, keep, ref_grads = reference(tiny_model_dir, batch, tr.cfg)
+    assert (w[keep] != 1).any()                 # the weights really do something here
+    stats = tr.step(batch)
+    assert stats["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert stats["pg_ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert_close_dicts(grads(tr), ref_grads, atol=1e-5, rtol=1e-4)
 
 
@@ -364,3 +388,21 @@ def test_a_step_reads_its_statistics_once_not_per_micro_batch(tiny_model_dir, mo
         for k in s1:
             if k != "step_s" and not k.startswith("time_"):
                 assert s8[k] == pytest.approx(s1[k], abs=1e-6, rel=1e-6), k
+
+
+@pytest.mark.parametrize("micro", [1, 3, B])
+def test_gradient_clipping_binds_on_the_accumulated_gradient(tiny_model_dir, micro):
+    """issue 27.3: max_grad_norm clips the gradient of the whole mini-batch once, after the
+    micro-batches accumulated: the clipped gradient is the one-batch twin's scaled to the bound,
+    whatever the split (clipping each micro-batch would change its direction)."""
+    bound = 1e-3
+    tr = make_trainer(tiny_model_dir, max_grad_norm=bound, micro_batch_samples=micro)
+    batch = make_batch(spread=0.5)
+    _, _, _, ref_grads = reference(tiny_model_dir, batch, tr.cfg)
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    assert norm > 100 * bound                                  # the bound binds, by far
+    stats = tr.step(batch)
+    assert stats["grad_norm"] == pytest.approx(norm, rel=1e-4)  # reported before clipping
+    clipped = grads(tr)
+    assert float(torch.sqrt(sum((g.double() ** 2).sum() for g in clipped.values()))) == pytest.approx(bound, rel=1e-4)
+    assert_close_dicts(clipped, {n: g * (bound / norm) for n, g in ref_grads.items()}, atol=1e-9, rtol=1e-3)
