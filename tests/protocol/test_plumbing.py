@@ -149,7 +149,7 @@ def test_http_port_in_use_is_a_startup_error():
     first = HttpEndpoint(lambda: (b"", "text/plain"))
     port = first.serve("127.0.0.1", 0)
     try:
-        with pytest.raises(protocol.StartupError, match=rf"rollout\.metrics_port: port {port} .* in use"):
+        with pytest.raises(protocol.StartupError, match=rf"rollout\.network\.metrics_port: port {port} .* in use"):
             HttpEndpoint(lambda: (b"", "text/plain")).serve("127.0.0.1", port, "rollout.network.metrics_port")
     finally:
         first.close()
