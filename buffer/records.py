@@ -40,6 +40,8 @@ class Batch:
     staleness: list[int] = field(default_factory=list)
     needs_correction: list[bool] = field(default_factory=list)
     group_sizes: list[int] = field(default_factory=list)
+    uniform_dropped: int = 0
+    """Groups dynamic sampling dropped (every reward equal) since the batch before this one."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -61,7 +63,7 @@ class Batch:
 
 COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invalid", "expired",
                  "released", "preempted", "failed", "cancelled", "abandoned", "dropped_stale",
-                 "dropped_incomplete", "consumed", "corrected", "batches", "stale_late",
+                 "dropped_incomplete", "dropped_uniform", "consumed", "corrected", "batches", "stale_late",
                  "failed_reported")
 """The counters of :attr:`buffer.RolloutBuffer.counters` (a copy; all in samples but ``batches``)::
 
@@ -78,6 +80,8 @@ COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invali
     abandoned                in-flight samples whose group was dropped before they arrived
     dropped_stale            accepted samples later dropped for staleness
     dropped_incomplete       accepted samples dropped because their group cannot complete
+    dropped_uniform          accepted samples of complete groups whose rewards were all equal,
+                             dropped by dynamic sampling (``drop_uniform_groups``)
     consumed, corrected      samples trained / trained with needs_correction
     batches                  batches handed out
     stale_late               stale acks for samples of a group already dropped for staleness
@@ -86,7 +90,8 @@ COUNTER_NAMES = ("issued", "reissued", "accepted", "duplicate", "stale", "invali
 
 ``counters`` adds ``stale_dropped`` = stale + dropped_stale (every sample discarded for staleness).
 
-Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete``;
+Conservation: ``accepted == consumed + pending_samples + dropped_stale + dropped_incomplete +
+dropped_uniform``;
 and every issued slot ends once: ``issued == accepted + (stale - stale_late) + abandoned +
 (failed - failed_reported) + cancelled + inflight_samples`` (re-issues move no slot).
 """

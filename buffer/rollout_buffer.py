@@ -89,13 +89,17 @@ class RolloutBuffer:
             than the samples buffered plus in flight.
         length_bucketing: when more than a batch is ready, pick groups of similar length, the
             urgent and the oldest first (:func:`buffer.groups.select_groups`).
+        drop_uniform_groups: DAPO's dynamic sampling: a group that completes with every reward
+            equal (its group advantages are all 0: it teaches nothing) is dropped, its capacity
+            returned, so more work is issued in its place (``dropped_uniform``; settable at
+            runtime).
         clock: monotonic seconds, for lease deadlines.
     """
 
     def __init__(self, batch_samples: int, group_size: int, max_staleness: int | StalenessLimit = 1,
                  stale_policy: str = "drop", max_inflight: int | None = None,
                  lease_timeout_s: float = 600.0, max_attempts: int = 3, dedupe_window: int = 100_000,
-                 length_bucketing: bool = False,
+                 length_bucketing: bool = False, drop_uniform_groups: bool = False,
                  clock: Callable[[], float] = time.monotonic):
         if type(group_size) is not int or group_size < 1:
             raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
@@ -105,6 +109,9 @@ class RolloutBuffer:
         self.batch_samples = batch_samples
         self.group_size = group_size
         self.length_bucketing = bool(length_bucketing)
+        self.drop_uniform_groups = bool(drop_uniform_groups)
+        self.uniform_streak = 0
+        """Groups dropped as uniform since the last batch (dynamic sampling)."""
         self.gate = StalenessGate(batch_samples, max_staleness, max_inflight)
         self.gate.staleness.subscribe(self._eta_changed)
         self.leases = LeaseTable(lease_timeout_s, max_attempts, clock)
@@ -402,7 +409,7 @@ class RolloutBuffer:
         self.gate.on_accepted(size)
         self._n["accepted"] += size
         self.leases.complete(aid, by=sender)
-        self._set_ready(g)
+        self._completed(g)
         return True
 
     async def wake(self) -> None:
@@ -484,8 +491,19 @@ class RolloutBuffer:
             self.leases.extend(aid, by=sender)
             return _ACCEPTED, False
         self.leases.complete(aid, by=sender)
+        return _ACCEPTED, self._completed(g)
+
+    def _completed(self, g: Group) -> bool:
+        """``g`` has all its samples: queue it for a batch -> True; or, under dynamic sampling,
+        drop it when its rewards are all equal -> False."""
+        if self.drop_uniform_groups and g.size > 1:
+            first = g.slots[0].reward
+            if all(x.reward == first for x in g.slots):
+                self.uniform_streak += 1
+                self._close(g, "uniform")
+                return False
         self._set_ready(g)
-        return _ACCEPTED, True
+        return True
 
     def _set_ready(self, g: Group) -> None:
         """``g`` has all its samples: queue it for a batch."""
@@ -496,8 +514,9 @@ class RolloutBuffer:
     def _close(self, g: Group, reason: str, unlink: bool = True) -> None:
         """Remove a group that will not be trained; return its capacity.
 
-        ``reason``: "stale", "failed" (a member failed), "exhausted" (out of attempts) or
-        "cancelled". With ``unlink=False`` the caller removes it from the ready queue.
+        ``reason``: "stale", "failed" (a member failed), "exhausted" (out of attempts),
+        "cancelled" or "uniform" (complete, every reward equal: dynamic sampling). With
+        ``unlink=False`` the caller removes it from the ready queue.
         """
         rem = g.size - g.resolved
         if rem:
@@ -506,7 +525,7 @@ class RolloutBuffer:
             self._n[{"exhausted": "failed", "cancelled": "cancelled"}.get(reason, "abandoned")] += rem
         if g.filled:
             self.gate.on_dropped(g.filled)
-            self._n["dropped_stale" if reason == "stale" else "dropped_incomplete"] += g.filled
+            self._n[{"stale": "dropped_stale", "uniform": "dropped_uniform"}.get(reason, "dropped_incomplete")] += g.filled
             self._pending -= g.filled
         if g.ready:
             self._ready_samples -= g.size
@@ -514,8 +533,7 @@ class RolloutBuffer:
                 self._ready.remove(g)
         self.leases.complete(g.assignment_id)
         del self._groups[g.assignment_id]
-        self._closed.add(g.assignment_id, "stale" if reason == "stale" else
-                         "cancelled" if reason == "cancelled" else "failed")
+        self._closed.add(g.assignment_id, reason if reason in ("stale", "cancelled", "uniform") else "failed")
 
     def _sweep(self, version: int) -> None:
         """Apply the staleness limit to everything buffered, once per (version, η, policy)."""
@@ -547,6 +565,7 @@ class RolloutBuffer:
         groups = select_groups(self._ready, version, self.gate.max_staleness,
                                self.batch_samples // self.group_size, self.length_bucketing)
         batch = assemble_batch(groups, version, self.gate.max_staleness)
+        batch.uniform_dropped, self.uniform_streak = self.uniform_streak, 0
         hist = self._hist
         for st in batch.staleness:
             hist[st] = hist.get(st, 0) + 1

@@ -140,7 +140,8 @@ def assemble(cfg: LearnerConfig, *, run_id: str, process: LearnerProcess) -> Par
     buffer = RolloutBuffer(batch_samples=cfg.batch.batch_samples, group_size=cfg.batch.group_size,
                            max_staleness=staleness, stale_policy=cfg.staleness.stale_policy,
                            lease_timeout_s=cfg.servers.lease_timeout_s, max_attempts=cfg.servers.max_attempts,
-                           dedupe_window=cfg.servers.dedupe_window, length_bucketing=cfg.batch.length_bucketing)
+                           dedupe_window=cfg.servers.dedupe_window, length_bucketing=cfg.batch.length_bucketing,
+                           drop_uniform_groups=cfg.batch.dynamic_sampling)
     metrics.watch_buffer(buffer)
     weights = WeightsServer(cfg.weights.chunk_bytes)
     endpoints: dict[str, str] = {}        # filled as the sockets bind (LearnerService._open)
@@ -156,7 +157,7 @@ def assemble(cfg: LearnerConfig, *, run_id: str, process: LearnerProcess) -> Par
     publisher = Publisher(weights, admission, stopped=process.stopping.is_set, metrics=metrics,
                           log=log)
     sample_watch = SampleWatch(metrics=metrics, on_stop=process.stop_no_valid_samples, servers=cfg.servers,
-                               log=log)
+                               batch=cfg.batch, log=log)
     records = StepRecords(run=state, metrics=metrics, log=log, buffer=buffer, admission=admission,
                           algorithm=cfg.algorithm, clock=time.time, on_write_failure=checkpoints.write_failed)
     control = Control(cfg, buffer, metrics=metrics, staleness=staleness, process=process,

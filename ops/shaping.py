@@ -15,6 +15,7 @@ __all__ = [
     "clip_rewards",
     "last_token_index",
     "length_penalty",
+    "overlong_penalty",
     "shape_token_rewards",
 ]
 
@@ -77,6 +78,26 @@ def length_penalty(scores: torch.Tensor, lengths: torch.Tensor, coef: float, max
         return scores
     cdt = compute_dtype(scores.dtype)
     return scores.to(cdt) - coef * lengths.to(cdt) / max_length
+
+
+def overlong_penalty(scores: torch.Tensor, lengths: torch.Tensor, max_length: int, buffer: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, §3.4): s + R(n) with
+
+        R(n) = 0                               n ≤ n_max − buffer
+             = −factor · (n − (n_max − buffer)) / buffer     n_max − buffer < n ≤ n_max
+             = −factor                         n > n_max
+
+    so a completion is penalised linearly over the last ``buffer`` tokens before the limit
+    ``max_length`` (verl's ``overlong_buffer``). scores, lengths: [B] -> [B] (buffer = 0: unchanged).
+    """
+    if buffer == 0:
+        return scores
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"buffer must be in (0, max_length={max_length}], got {buffer}")
+    cdt = compute_dtype(scores.dtype)
+    exceed = lengths.to(cdt) - (max_length - buffer)                                  # [B]
+    return scores.to(cdt) - factor * torch.clamp(exceed / buffer, min=0.0, max=1.0)
 
 
 def batch_normalize(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

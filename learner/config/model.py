@@ -205,6 +205,10 @@ class LearnerConfig(BaseModel):
             raise ValueError("algorithm.clip_anchor: behavior reweighs each token by mu/pi_prox, "
                              "which a sequence ratio (policy_loss: gspo) cannot take; set "
                              "clip_anchor: proximal or policy_loss: ppo")
+        if self.reward.overlong_buffer_tokens > self.sampling.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer_tokens={self.reward.overlong_buffer_tokens} is more "
+                             f"than sampling.max_new_tokens={self.sampling.max_new_tokens}: the "
+                             "penalty starts that many tokens before the limit")
         if self.evaluation.every and self.evaluation.data is None:
             raise ValueError("evaluation.every > 0 needs evaluation.data (held-out prompts); set "
                              "evaluation.data, or evaluation.every: 0")

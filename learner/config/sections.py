@@ -312,6 +312,16 @@ class BatchSettings(BaseModel):
     """When more than a batch of groups is ready, take the groups about to go stale first, then
     the oldest, then those closest to it in length (buffer.groups.select_groups), so a batch pads
     less; false: the oldest groups."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (all its group advantages 0:
+    it teaches nothing) is dropped when it completes and another prompt is issued in its place, so
+    every batch is full of groups that carry a gradient. Counted (buffer counter dropped_uniform,
+    the step stat dynamic_sampling_dropped_groups); the staleness gate's bound holds as for any
+    dropped work."""
+    dynamic_sampling_max_drops: int = Field(1000, ge=0)
+    """Stop the run (exit code 5, one line) when dynamic sampling has dropped this many groups in
+    a row without completing a batch: every prompt gets the same reward on all its completions
+    (a reward that is constant, a task far too easy or too hard). 0 = never."""
 
     @property
     def batch_samples(self) -> int:
@@ -459,6 +469,15 @@ class RewardSettings(BaseModel):
 
     length_penalty: float = Field(0.0, ge=0)
     """Reward minus length_penalty * completion_tokens / max_new_tokens."""
+    overlong_buffer_tokens: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment: a completion longer than max_new_tokens minus this many
+    tokens loses overlong_penalty * (its excess / this), up to overlong_penalty at the limit
+    (0 = off; verl's overlong_buffer.len)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The most the overlong punishment takes (verl's overlong_buffer.penalty_factor)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: a completion cut at max_new_tokens (finish_reason length) is
+    not trained on (loss mask 0); its reward still counts in its group's baseline."""
     clip: float | None = Field(None, gt=0)
     """Clip rewards to [-reward_clip, reward_clip] after the length penalty (null = off)."""
     norm: Literal[REWARD_NORMS] = "none"

@@ -201,6 +201,8 @@ class Intake:
         if self.watch is not None:
             error = refused[0][2] if refused else self.buffer.last_invalid_reason if invalid else ""
             self.watch.observe(self._valid, failed, invalid, error)
+            if self.buffer.uniform_streak:
+                self.watch.uniform(self.buffer.uniform_streak)
         return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
 
     def _put_each(self, samples: list[protocol.Sample], version: int, mins: list[int] | None = None,

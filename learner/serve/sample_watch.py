@@ -17,7 +17,9 @@ this module said nothing and never stopped. Here, for every result the intake re
   kept arriving, or once more than ``max_refused_share`` of the last ``refused_share_window``
   samples were bad: ``on_stop(reason)`` with a one-line reason (the service logs it as a
   ``no_valid_samples`` error event, prints it on stderr, stops as for ``ctl stop`` and exits with
-  :data:`EXIT_NO_VALID_SAMPLES`).
+  :data:`EXIT_NO_VALID_SAMPLES`); also when dynamic sampling (``learner.batch.dynamic_sampling``)
+  has dropped ``dynamic_sampling_max_drops`` groups in a row, all rewards equal in each, without a
+  batch (:meth:`SampleWatch.uniform`): valid samples, none worth training on.
 
 The time is measured from the first bad sample after the last valid one (or after the start), and
 only a bad sample's arrival can end the run: a learner that waits for servers, or whose step
@@ -59,10 +61,11 @@ class SampleWatch:
     use; ``on_stop(reason)`` is called once."""
 
     def __init__(self, *, metrics: LearnerMetrics, on_stop: Callable[[str], None],
-                 servers: Any, log: Callable[..., None] = lambda event, **fields: None,
+                 servers: Any, batch: Any = None, log: Callable[..., None] = lambda event, **fields: None,
                  clock: Callable[[], float] = time.monotonic):
         self.metrics, self.on_stop, self.log, self.clock = metrics, on_stop, log, clock
         self.settings = servers
+        self.batch = batch                             # learner.batch (dynamic_sampling_max_drops)
         self.failed: Counter[str] = Counter()          # reason -> samples reported failed
         self.invalid = 0                               # samples acked invalid
         self.valid = 0
@@ -165,6 +168,19 @@ class SampleWatch:
             reasons = ", ".join(filter(None, [reasons, f"invalid {self.invalid}"]))
         self.stopped = f"{reason} [{reasons}]; last error: {self.last_error}"
         self._report(now)
+        self.on_stop(self.stopped)
+
+    def uniform(self, streak: int) -> None:
+        """Dynamic sampling has dropped ``streak`` groups in a row (all rewards equal in each)
+        since the last batch: stop at ``learner.batch.dynamic_sampling_max_drops``."""
+        limit = 0 if self.batch is None else self.batch.dynamic_sampling_max_drops
+        if self.stopped is not None or not limit or streak < limit:
+            return
+        self.stopped = (f"dynamic sampling dropped {streak} groups in a row without a batch "
+                        f"(learner.batch.dynamic_sampling_max_drops {limit}): every completion of each "
+                        "prompt got the same reward; check the reward, or set "
+                        "learner.batch.dynamic_sampling: false")
+        self.log("samples_uniform", level="error", dropped_groups=streak, limit=limit)
         self.on_stop(self.stopped)
 
     def status(self) -> dict[str, Any]:

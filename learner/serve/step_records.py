@@ -134,9 +134,12 @@ class StepRecords:
         every = np.concatenate(versions) if versions else np.zeros(0, np.int32)
         empty = any(len(v) == 0 for v in versions)
         oldest = -1 if empty or not len(every) else int(every.min())
-        return {"trained_on_version": float(self.run.version),
-                "token_version_min": float(oldest),
-                "token_version_max": float(every.max(initial=0))}
+        out = {"trained_on_version": float(self.run.version),
+               "token_version_min": float(oldest),
+               "token_version_max": float(every.max(initial=0))}
+        if self.buffer.drop_uniform_groups:          # dynamic sampling: groups dropped before it
+            out["dynamic_sampling_dropped_groups"] = float(batch.uniform_dropped)
+        return out
 
     def step(self, stats: dict[str, float]) -> None:
         """A trained step: its gauges, the sanity check, the rows and the event."""

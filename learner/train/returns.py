@@ -1,8 +1,9 @@
 """From the batch's rewards to per-token advantages and critic targets (docs/design.md §4), as the
 config says; the math is ``ops``, this module only chooses and orders it.
 
-    score_i   = clip(r_i − length_penalty · n_i / max_new_tokens, ±reward_clip), then normalized
-                (none | batch mean/std | running moments over the run)
+    score_i   = clip(r_i − length_penalty · n_i / max_new_tokens + overlong_i, ±reward_clip), then
+                normalized (none | batch mean/std | running moments over the run); overlong_i is
+                DAPO's soft overlong punishment (ops.overlong_penalty)
     reward_it = −β · KL_it on every completion token (kl_in_reward) + score_i on the last one
     advantage = group estimators (grpo, dr_grpo, rloo) on Σ_t reward_it per sample, broadcast to its
                 tokens | reinforce_pp on the token rewards | gae with the critic's values;
@@ -28,6 +29,8 @@ def sequence_scores(cfg: TrainerConfig, rewards: torch.Tensor, lengths: torch.Te
     """Scores (B,) from raw rewards (B,) and completion lengths (B,); updates ``moments`` under
     ``reward_norm: running`` (the running statistics include this batch, as TRL's)."""
     s = ops.length_penalty(rewards.float(), lengths, cfg.reward.length_penalty, cfg.sampling.max_new_tokens)
+    s = ops.overlong_penalty(s, lengths, cfg.sampling.max_new_tokens, cfg.reward.overlong_buffer_tokens,
+                             cfg.reward.overlong_penalty)
     s = ops.clip_rewards(s, cfg.reward.clip)
     if cfg.reward.norm == "batch":
         s = ops.batch_normalize(s)

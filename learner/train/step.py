@@ -92,6 +92,7 @@ class StepRows:
     flagged: torch.Tensor                          # (B,) bool
     any_flagged: bool                              # flagged.any(), known on the host
     plan: list = field(default_factory=list)       # empty until drawn (after PF-PPO's resampling)
+    truncated: tuple[bool, ...] = ()               # rows cut at max_new_tokens (finish_reason length)
 
 
 @dataclass(frozen=True)

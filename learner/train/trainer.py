@@ -23,6 +23,7 @@ unless it is given another (:class:`learner.train.distributed.DeepSpeedStrategy`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -389,7 +390,8 @@ class Trainer:
             plan = plan_updates(B, cfg.batch.ppo_epochs, mini, cfg.batch.micro_batch_samples, generator,
                                 bt.seq_lens, cfg.batch.micro_batch_tokens)
         flagged = torch.tensor(flags, dtype=torch.bool, device=self.device)
-        return s, StepRows(bt=bt, flagged=flagged, any_flagged=any_flagged, plan=plan)
+        truncated = tuple(smp.finish_reason == "length" for smp in batch.samples)
+        return s, StepRows(bt=bt, flagged=flagged, any_flagged=any_flagged, plan=plan, truncated=truncated)
 
     @staticmethod
     def _first_micro_batches(rows: StepRows) -> list[torch.Tensor]:
@@ -436,8 +438,18 @@ class Trainer:
         rewards_t = token_rewards(scores, bt.mask, kl_tok, s.beta)                  # (B, L-1)
         adv, targets = advantages_and_targets(cfg, rewards_t, bt.mask, s.group_sizes, passes.old_values,
                                               bt.behavior_logprobs, early_prox)
+        filter_stats = {}
+        if cfg.reward.mask_truncated:
+            # DAPO's overlong filtering: the advantages above counted every reward of each group;
+            # from here on a truncated row has no token in the loss (nor in its denominators).
+            cut = torch.tensor(rows.truncated, dtype=torch.bool, device=bt.mask.device)
+            filter_stats["truncated_masked_samples"] = float(sum(rows.truncated))
+            if any(rows.truncated):
+                bt = dataclasses.replace(bt, mask=torch.where(cut[:, None], torch.zeros_like(bt.mask), bt.mask))
+                rows = dataclasses.replace(rows, bt=bt)
         if cfg.reward.batch_filter != "pf_ppo":
-            return rows, passes, Returns(scores=scores, rewards_t=rewards_t, adv=adv, targets=targets)
+            return rows, passes, Returns(scores=scores, rewards_t=rewards_t, adv=adv, targets=targets,
+                                         filter_stats=filter_stats)
         B = len(bt)
         w = ops.pf_ppo_weights(rewards_t.sum(dim=-1), cfg.reward.pf_ppo_method, cfg.reward.pf_ppo_weight_pow)
         idx = ops.pf_ppo_resample(w.cpu(), B, generator=s.generator)               # (B,) CPU generator
@@ -447,11 +459,13 @@ class Trainer:
         bt = bt.select(idx)
         plan = plan_updates(B, cfg.batch.ppo_epochs, s.mini, cfg.batch.micro_batch_samples, s.generator,
                             bt.seq_lens, cfg.batch.micro_batch_tokens)
-        rows = StepRows(bt=bt, flagged=rows.flagged[idx], any_flagged=rows.any_flagged, plan=plan)
+        rows = StepRows(bt=bt, flagged=rows.flagged[idx], any_flagged=rows.any_flagged, plan=plan,
+                        truncated=tuple(rows.truncated[i] for i in idx.tolist()))
         passes = Passes(ref_lp=pick(passes.ref_lp), old_values=pick(passes.old_values),
                         prox_pass=pick(passes.prox_pass))
         return rows, passes, Returns(scores=scores, rewards_t=rewards_t[idx], adv=adv[idx], targets=pick(targets),
-                                     filter_stats={"pf_ppo_unique_fraction": len(set(idx.tolist())) / B})
+                                     filter_stats={**filter_stats,
+                                                   "pf_ppo_unique_fraction": len(set(idx.tolist())) / B})
 
     def _proximal_and_weights(self, s: StepPlan, rows: StepRows, passes: Passes, phases: Phases) -> Weights:
         """The proximal pass over the first mini-batch's micro-batches (when it has not run yet),

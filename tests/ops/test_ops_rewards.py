@@ -147,3 +147,19 @@ def test_length_penalty_and_batch_normalize():
     torch.testing.assert_close(out, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
     assert batch_normalize(torch.tensor([5.0])).tolist() == [0.0]
     assert batch_normalize(torch.tensor([2.0, 2.0])).tolist() == [0.0, 0.0]
+
+
+def test_overlong_penalty_is_dapos_piecewise_linear_punishment():
+    """DAPO §3.4 with n_max = 16, buffer 4, factor 0.5: nothing up to 12 tokens, then linear to
+    −0.5 at the limit."""
+    from ops import overlong_penalty
+
+    lengths = torch.tensor([0.0, 12.0, 13.0, 14.0, 16.0, 20.0])
+    scores = torch.ones(6)
+    out = overlong_penalty(scores, lengths, max_length=16, buffer=4, factor=0.5)
+    expected = [1.0 - 0.5 * min(1.0, max(0.0, (n - 12) / 4)) for n in lengths.tolist()]
+    torch.testing.assert_close(out, torch.tensor(expected))
+    assert overlong_penalty(scores, lengths, 16, 0) is scores            # off
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="buffer"):
+            overlong_penalty(scores, lengths, 16, bad)

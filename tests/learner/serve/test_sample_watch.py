@@ -74,3 +74,23 @@ def test_the_bad_share_of_the_window_stops_the_run():
     assert not stops and watch.share() == 0.5
     watch.observe(0, ["reward r: x"] * 3, 0)                 # window: last 10 = 3 valid, 7 bad
     assert watch.share() == 0.7 and stops and "70% of the last 10 samples" in stops[0]
+
+
+def test_dynamic_sampling_dropping_every_group_stops_once():
+    """issue 27.1: groups dropped in a row by dynamic sampling (all rewards equal) stop the run at
+    learner.batch.dynamic_sampling_max_drops, once; 0 never stops."""
+    metrics = LearnerMetrics()
+    stops: list[str] = []
+    servers = SimpleNamespace(no_valid_sample_timeout_s=0, max_refused_share=1.0, refused_share_window=10)
+    batch = SimpleNamespace(dynamic_sampling_max_drops=5)
+    watch = SampleWatch(metrics=metrics, on_stop=stops.append, servers=servers, batch=batch)
+    for streak in range(1, 5):
+        watch.uniform(streak)
+    assert not stops
+    watch.uniform(5)
+    watch.uniform(6)
+    assert len(stops) == 1 and "dropped 5 groups in a row" in stops[0] and "dynamic_sampling_max_drops 5" in stops[0]
+    batch.dynamic_sampling_max_drops = 0
+    never = SampleWatch(metrics=LearnerMetrics(), on_stop=stops.append, servers=servers, batch=batch)
+    never.uniform(10**6)
+    assert len(stops) == 1

@@ -107,7 +107,18 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
         lp = torch.log_softmax(logits / tau, dim=-1).gather(-1, tokens[:, None])[:, 0]
         logp_grad = logp_grad.index_put((torch.full((t,), i), torch.arange(t)), lp)
         mask[i, :t] = True
-    adv = group_advantages_loop([s.reward for s in samples], GROUP, cfg.algorithm.advantage)[:, None].expand(B, T)
+    scores = [s.reward for s in samples]
+    cache, n_max = cfg.reward.overlong_buffer_tokens, cfg.sampling.max_new_tokens
+    if cache:                                            # DAPO's soft overlong punishment, by hand
+        for i, s in enumerate(samples):
+            n = len(s.completion_token_ids)
+            if n > n_max - cache:
+                scores[i] -= cfg.reward.overlong_penalty * min(1.0, (n - (n_max - cache)) / cache)
+    adv = group_advantages_loop(scores, GROUP, cfg.algorithm.advantage)[:, None].expand(B, T)
+    if cfg.reward.mask_truncated:                        # overlong filtering: after the advantages
+        for i, s in enumerate(samples):
+            if s.finish_reason == "length":
+                mask[i] = False
     w, keep = importance_loop(logp, behav, mask, cfg.algorithm.is_mode, cfg.algorithm.is_cap,
                               bounds=(cfg.algorithm.icepop_low, cfg.algorithm.icepop_high))
     flagged = torch.tensor(batch.needs_correction, dtype=torch.bool)
@@ -135,9 +146,12 @@ def reference(model_dir: str, batch: Batch, cfg: LearnerConfig):
     # Σ_t c_t · (−w_t A_t) · exp(log π_t − sg(log π_t)) has the same value and the same gradient.
     rows = [int(m.sum()) for m in mask]
     coef = torch.zeros(B, T, dtype=torch.float64)
+    counted = sum(1 for n in rows if n)                  # rows with a token in the loss
     for i, n in enumerate(rows):
-        c = {"token_mean": 1.0 / sum(rows), "seq_mean_token_sum": 1.0 / B,
-             "seq_mean_token_mean": 1.0 / (B * n), "seq_mean_token_sum_norm": 1.0 / (B * C)}[cfg.algorithm.loss_agg]
+        if not n:
+            continue
+        c = {"token_mean": 1.0 / sum(rows), "seq_mean_token_sum": 1.0 / counted,
+             "seq_mean_token_mean": 1.0 / (counted * n), "seq_mean_token_sum_norm": 1.0 / (counted * C)}[cfg.algorithm.loss_agg]
         coef[i, :n] = c
     wk = torch.where(keep & inside, w, torch.zeros_like(w))
     surrogate = (coef * (-wk * adv)).float() * torch.exp(logp_grad - logp_grad.detach())
@@ -406,3 +420,30 @@ def test_gradient_clipping_binds_on_the_accumulated_gradient(tiny_model_dir, mic
     clipped = grads(tr)
     assert float(torch.sqrt(sum((g.double() ** 2).sum() for g in clipped.values()))) == pytest.approx(bound, rel=1e-4)
     assert_close_dicts(clipped, {n: g * (bound / norm) for n, g in ref_grads.items()}, atol=1e-9, rtol=1e-3)
+
+
+def test_dapo_overlong_punishment_and_filtering_match_reference(tiny_model_dir):
+    """issue 27.1: the soft overlong punishment shapes the scores before the group baseline, and
+    overlong filtering drops truncated completions from the loss after it (their rewards still
+    count in their groups' advantages)."""
+    tr = make_trainer(tiny_model_dir, max_new_tokens=6, micro_batch_samples=3,
+                      reward=dict(overlong_buffer_tokens=3, overlong_penalty=0.5, mask_truncated=True))
+    samples = make_samples()
+    for smp in samples:
+        if len(smp.completion_token_ids) == 6:           # rows 2 and 6 hit the limit
+            smp.finish_reason = "length"
+    batch = Batch(samples, version=3, staleness=[1] * B, needs_correction=[False] * B, group_sizes=[GROUP] * (B // GROUP))
+    ref_loss, _, _, ref_grads = reference(tiny_model_dir, batch, tr.cfg)
+    stats = tr.step(batch)
+    assert stats["truncated_masked_samples"] == 2.0
+    assert stats["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert_close_dicts(grads(tr), ref_grads, atol=1e-5, rtol=1e-4)
+    # Neither is a no-op: without them the step's gradient is another one.
+    plain = make_trainer(tiny_model_dir, max_new_tokens=6, micro_batch_samples=3)
+    plain.step(batch)
+    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(grads(plain).values(), ref_grads.values(), strict=True))
+
+
+def test_overlong_buffer_longer_than_the_completion_limit_is_refused():
+    with pytest.raises(ValueError, match="overlong_buffer_tokens"):
+        LearnerConfig(**nested(max_new_tokens=8, reward=dict(overlong_buffer_tokens=9)))
