@@ -94,8 +94,9 @@ class LearnerConfig(BaseModel):
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
     metrics_sinks: list[Literal[METRICS_SINKS]] = Field(default_factory=lambda: ["jsonl"])
-    """Where step statistics go besides Prometheus: jsonl (RUN_DIR/metrics.jsonl, always written)
-    and tensorboard (RUN_DIR/tensorboard/<run id>/, needs the tensorboard extra)."""
+    """Where step statistics go besides Prometheus: jsonl (RUN_DIR/metrics.jsonl, always written),
+    tensorboard (RUN_DIR/tensorboard/<run id>/, needs the tensorboard extra) and wandb (Weights &
+    Biases, the wandb extra; WANDB_MODE=offline keeps it on disk under RUN_DIR/wandb/)."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter (PEFT) instead of the full model; the reference is the base model
     (adapter disabled) and publishes carry the adapter only (null = full fine-tuning)."""

@@ -169,7 +169,7 @@ class LearnerSecurity(BaseModel):
         return self
 
 
-METRICS_SINKS = ("jsonl", "tensorboard")
+METRICS_SINKS = ("jsonl", "tensorboard", "wandb")
 
 class LoraSettings(BaseModel):
     """LoRA adapters through PEFT (``learner.lora``): only the adapter is trained and published."""

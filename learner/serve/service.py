@@ -152,7 +152,7 @@ class LearnerService:
             # Version 0 is published too: a server still holding another run's weights (this
             # learner started without --resume) must find something to fetch (learner.serve.admission).
             await self.publish()
-            self.records.open(self.run_dir, self.cfg.metrics_sinks)
+            self.records.open(self.run_dir, self.cfg.metrics_sinks, config=self.cfg.model_dump(mode="json"))
             self.checkpoints.mark_resumed(self.records.trained_ids)
             if self.rollout_log is not None:      # after a resume: untrained samples come back
                 await self.rollout_log.open(self.checkpoints.resumed_from)

@@ -44,9 +44,9 @@ class StepRecords:
         self.lost: dict[str, int] = {}        # file name -> rows lost in its current failing streak
         self._stat_children: dict[str, object] = {}   # slipstream_train_stat{name} children
 
-    def open(self, run_dir: Path, sinks: list[str]) -> None:
+    def open(self, run_dir: Path, sinks: list[str], config: dict | None = None) -> None:
         self.jsonl = self._open(run_dir / "metrics.jsonl")
-        self.sinks = open_sinks(sinks, run_dir, self.run.run_id)
+        self.sinks = open_sinks(sinks, run_dir, self.run.run_id, config)
         self.trained_ids = self._open(run_dir / "trained_ids.jsonl")
 
     def _open(self, path: Path) -> JsonlLog:
