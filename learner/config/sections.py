@@ -415,6 +415,13 @@ class AlgorithmSettings(BaseModel):
     """geo_mis per-token veto: a sequence with one token of weight below this is masked whole."""
     m2po_threshold: float | None = Field(None, ge=0)
     """M2PO: mask tokens of largest (log w)^2 until its batch mean is <= this (null = off; paper: 0.04)."""
+    sanity_every: int = Field(16, ge=0)
+    """The sanity check without a separate proximal pass (one update a step, the default): at
+    every version divisible by this, one no-grad eval-mode forward of the step's first
+    micro-batch is compared with the gradient forward (ratio 1, KL 0), so a train-mode forward
+    that differs from eval mode (dropout left on) is caught in the default setup too; amortised
+    over 16 steps it costs the demo's step ~1 %. 0 = never. With a separate pass the check runs
+    every step."""
     sanity_ratio_tolerance: float = Field(1e-3, gt=0)
     """Sanity check (first mini-batch, proximal pass): a max |ratio - 1| above this warns."""
     sanity_kl_tolerance: float = Field(1e-6, gt=0)

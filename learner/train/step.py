@@ -81,6 +81,7 @@ class StepPlan:
     separate: bool                                 # a proximal pass of its own (not the shortcut)
     sanity_on: bool
     moments_before: dict                           # the reward moments, restored by a skip
+    sanity_pass: bool = False                      # the check's own pass (no separate proximal pass)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Weights:
     weights: torch.Tensor | None = None            # (B, L-1) M2PO applied
     is_parts: tuple = ()                           # the importance statistics' parts
     m2po_stats: dict = field(default_factory=dict)
+    sanity: torch.Tensor | None = None             # (B, L-1) the sanity pass, on sanity_rows only
+    sanity_rows: torch.Tensor | None = None        # the micro-batch it covers (StepPlan.sanity_pass)
 
 
 @dataclass(frozen=True)

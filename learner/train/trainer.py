@@ -379,11 +379,14 @@ class Trainer:
         needed_early = (use_kl and cfg.kl.in_reward) or (self.critic is not None and cfg.critic.targets == "vtrace")
         separate = current_rows and (needed_early or (train_policy and (
             n_updates > 1 or cfg.algorithm.m2po_threshold is not None)))
+        every = cfg.algorithm.sanity_every
+        sanity_on = cfg.algorithm.recompute_logprobs and train_policy and (
+            separate or (every > 0 and version % every == 0))
         s = StepPlan(version=version, lr=lr, critic_lr=critic_lr, train_policy=train_policy,
                      generator=generator, mini=mini, n_updates=n_updates, beta=beta, use_kl=use_kl,
                      group_sizes=list(batch.group_sizes) or [cfg.batch.group_size] * (B // cfg.batch.group_size),
                      current_rows=current_rows, needed_early=needed_early, separate=separate,
-                     sanity_on=separate and cfg.algorithm.recompute_logprobs and train_policy,
+                     sanity_on=sanity_on, sanity_pass=sanity_on and not separate,
                      moments_before=self.reward_moments.state_dict())
         plan = []
         if cfg.reward.batch_filter != "pf_ppo":     # else drawn on the resampled batch (_advantages)
@@ -476,6 +479,11 @@ class Trainer:
         if s.separate and prox_pass is None:
             with phases("proximal"):
                 prox_pass = self._proximal_pass(bt, self._first_micro_batches(rows))
+        sanity = sanity_rows = None
+        if s.sanity_pass:                 # the check's own pass: the first micro-batch only
+            sanity_rows = self._first_micro_batches(rows)[0]
+            with phases("proximal"):
+                sanity = self._proximal_pass(bt, [sanity_rows])
         with phases("advantages"):
             proximal = None
             if prox_pass is not None:
@@ -483,7 +491,7 @@ class Trainer:
             elif not s.current_rows:
                 proximal = bt.behavior_logprobs
             if proximal is None or not s.train_policy:
-                return Weights(proximal=proximal)
+                return Weights(proximal=proximal, sanity=sanity, sanity_rows=sanity_rows)
             weights, kept, is_parts = self._importance(proximal, bt.behavior_logprobs, bt.mask,
                                                        rows.flagged, rows.any_flagged)
             m2po_stats: dict = {}
@@ -606,7 +614,10 @@ class Trainer:
         else:
             prox, w = take(w8.proximal, rows, L), take(w8.weights, rows, L)
         if first and s.sanity_on:
-            log.sanity.add(current, prox, mask)
+            if w8.proximal is not None:
+                log.sanity.add(current, prox, mask)
+            elif w8.sanity_rows is not None and torch.equal(rows, w8.sanity_rows):
+                log.sanity.add(current, take(w8.sanity, rows, L), mask)
         anchor = prox
         if cfg.algorithm.clip_anchor == "behavior":       # the trust region around the sampler (config doc)
             w, anchor = ops.behavior_anchored_weights(w, prox, behavior, mask), behavior

@@ -19,7 +19,8 @@ micro-batches), ``ppo`` (critic + KL to the reference + 2 epochs × 2 mini-batch
 pass accounted for). Timing: median of ``--repeats`` interleaved rounds (each configuration once
 per round) after warm-up; one torch thread by default (see ``bench_ops.py`` for why).
 Where the update's time goes is measured with cProfile over the same steps (``--profile``).
-``--longtail``: a batch of completions of 2–65 tokens (builtin:longtail's lengths) under the demo's
+``--sanity``: ``grpo_demo`` with ``algorithm.sanity_every`` 1 and 0: what one sanity check costs
+(it runs every 16th step by default). ``--longtail``: a batch of completions of 2–65 tokens (builtin:longtail's lengths) under the demo's
 learner settings, in one pass against ``learner.batch.micro_batch_tokens`` budgets (rows of like lengths
 per pass, less padding), interleaved, × the one pass.
 
@@ -218,6 +219,8 @@ def main() -> None:
     ap.add_argument("--precision", action="store_true",
                     help="also the demo's learner settings under autocast bfloat16, none and auto "
                          "(learner.runtime.autocast; auto: bfloat16 only where the CPU computes it natively)")
+    ap.add_argument("--sanity", action="store_true",
+                    help="also grpo_demo with the sanity check at every step and never (its cost per check)")
     ap.add_argument("--longtail", action="store_true",
                     help="also a long-tail batch (completions of 2-65 tokens) in one pass against "
                          "learner.batch.micro_batch_tokens budgets")
@@ -236,6 +239,8 @@ def main() -> None:
         configs.update({f"demo_{attn}": dict(DEMO_SETTINGS, attn_implementation=attn) for attn in ("sdpa", "eager")})
     if args.precision:
         configs.update({f"demo_ac_{ac}": dict(DEMO_SETTINGS, autocast=ac) for ac in ("bfloat16", "none", "auto")})
+    if args.sanity:        # the default shortcut's sanity check on every step, and never
+        configs.update({f"demo_sanity_{n}": dict(algorithm={"sanity_every": n}) for n in (1, 0)})
     trainers = {name: Trainer(TrainerConfig.of(LearnerConfig(**nested(threads=args.threads, **kw))), str(tmp)) for name, kw in configs.items()}
     servers = {name: WeightsServer(64 << 20) for name in configs}
     versions = dict.fromkeys(configs, 0)

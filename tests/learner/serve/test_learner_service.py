@@ -341,8 +341,12 @@ def test_batch_versions_are_the_oldest_and_newest_token_of_the_batch():
     cases += [[list(rng.integers(0, 50, rng.integers(0, 9))) for _ in range(4)] for _ in range(50)]
     for versions in cases:
         samples = [sample(i, v) for i, v in enumerate(versions)]
-        got = StepRecords.batch_versions(SimpleNamespace(run=SimpleNamespace(version=9)), Batch(samples=samples, version=9))
+        records = SimpleNamespace(run=SimpleNamespace(version=9), buffer=SimpleNamespace(drop_uniform_groups=False))
+        got = StepRecords.batch_versions(records, Batch(samples=samples, version=9, uniform_dropped=2))
         assert got == reference(9, samples), versions
+        records.buffer.drop_uniform_groups = True       # dynamic sampling: the groups dropped before it
+        got = StepRecords.batch_versions(records, Batch(samples=samples, version=9, uniform_dropped=2))
+        assert got == {**reference(9, samples), "dynamic_sampling_dropped_groups": 2.0}, versions
 
 
 def test_the_buffer_options_come_from_the_config(tmp_path):

@@ -74,6 +74,30 @@ def test_single_step_shortcut_has_no_pass_and_no_sanity_values(tiny_model_dir):
 
 
 @pytest.mark.parametrize("disable", [False, True])
+def test_single_step_shortcut_checks_sanity_every_n_steps(tiny_model_dir, tmp_path, disable):
+    """issue 27.7: under the default one-update step, at a version divisible by sanity_every one
+    eval-mode forward of the first micro-batch checks the gradient forward: it passes with dropout
+    disabled (the default) and fires with dropout left on; other versions make no extra pass."""
+    model_dir = dropout_model_dir(tiny_model_dir, tmp_path)
+    tr = make_trainer(model_dir, micro_batch_samples=3, disable_dropout=disable, algorithm=dict(sanity_every=3))
+    counts = count_forwards(tr.model)
+    stats = tr.step(make_batch())                            # version 3: due
+    assert counts == {"eval": 1, "train": 3}
+    assert stats["proximal_pass"] == 0.0 and stats["sanity_applicable"] == 1.0
+    if disable:
+        assert stats["sanity_failed"] == 0.0 and stats["sanity_ratio_dev_max"] <= 1e-6 and stats["sanity_kl"] <= 1e-10
+    else:
+        assert stats["sanity_failed"] == 1.0
+        assert stats["sanity_ratio_dev_max"] > tr.cfg.algorithm.sanity_ratio_tolerance
+    batch = make_batch()
+    batch.version = 4                                        # not due: no extra pass, no values
+    counts.update(eval=0, train=0)
+    stats = tr.step(batch)
+    assert counts == {"eval": 0, "train": 3} and stats["sanity_applicable"] == 0.0
+    assert "sanity_failed" not in stats
+
+
+@pytest.mark.parametrize("disable", [False, True])
 def test_sanity_check_fires_when_dropout_is_left_on(tiny_model_dir, tmp_path, disable):
     """The seeds' failure: dropout on in the gradient forward (the proximal pass is in eval
     mode), so the ratio at the first mini-batch is noise and the check fires; the default
