@@ -5,7 +5,8 @@ it and exits with code 2 (no traceback), like every other :class:`protocol.Start
 
 A built-in task names the reward it is scored with (:attr:`learner.data.tasks.Task.reward`): unless the
 config sets ``rollout.reward`` (its ``fn``), the servers use the task's reward, so the task stays the one place
-that says how it is scored.
+that says how it is scored. A mixture (``learner.data.datasets``) fills ``rollout.reward.by_dataset``
+with each dataset's ``reward`` (or its task's), unless the rollout section names that dataset itself.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class SlipstreamConfig(BaseModel):
 
     @model_validator(mode="after")
     def _task_reward(self) -> SlipstreamConfig:
-        if is_builtin(self.learner.data.dataset):
+        if is_builtin(self.learner.data.dataset) and not self.learner.data.datasets:
             try:
                 task = get_task(self.learner.data.dataset)
             except StartupError as e:
@@ -85,6 +86,20 @@ class SlipstreamConfig(BaseModel):
             if "fn" not in self.rollout.reward.model_fields_set:
                 reward = self.rollout.reward.model_copy(update={"fn": task.reward})
                 self.rollout = self.rollout.model_copy(update={"reward": reward})
+        routes = {}                     # a mixture: each dataset's reward, or its task's
+        for entry in self.learner.data.datasets:
+            spec = entry.reward
+            if spec is None and is_builtin(entry.path):
+                try:
+                    spec = get_task(entry.path).reward
+                except StartupError as e:
+                    raise ValueError(str(e)) from None
+            if spec is not None:
+                routes[entry.label] = spec
+        if routes:
+            by_dataset = {**routes, **self.rollout.reward.by_dataset}     # the rollout section's own win
+            reward = self.rollout.reward.model_copy(update={"by_dataset": by_dataset})
+            self.rollout = self.rollout.model_copy(update={"reward": reward})
         return self
 
 

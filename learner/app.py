@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from buffer import RolloutBuffer, StalenessController, StalenessLimit
 from learner.config import LearnerConfig
 from learner.data.evaluation import Evaluation
-from learner.data.prompts import PromptSource
+from learner.data.prompts import MixedSource, PromptSource, open_prompts
 from learner.loop import Batches, TrainLoop, TrainThread
 from learner.metrics import LearnerMetrics
 from learner.serve.admission import Admission
@@ -109,7 +109,7 @@ class ModelParts:
     """What needs the loaded model: its vocabulary, its tokenizer, the trainer itself."""
 
     intake: Intake
-    prompts: PromptSource
+    prompts: PromptSource | MixedSource
     evaluation: Evaluation | None
     batches: Batches
     ingress: ResultIngress
@@ -201,8 +201,8 @@ def assemble_model(p: Parts, cfg: LearnerConfig, trainer: Any) -> ModelParts:
     # The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
     # tokenizer (learner.data.prompts).
     tok, encode = trainer.tokenizer, trainer.encode_prompt
-    prompts = PromptSource.from_config(cfg.data, seed=cfg.seed, batch_prompts=cfg.batch.batch_prompts,
-                                       tokenizer=tok, encode=encode, on_skip=p.metrics.prompt_skipped)
+    prompts = open_prompts(cfg.data, seed=cfg.seed, batch_prompts=cfg.batch.batch_prompts,
+                           tokenizer=tok, encode=encode, on_skip=p.metrics.prompt_skipped)
     evaluation = None
     if cfg.evaluation.every:              # its work joins dispatch through Admission.side_work
         evaluation = Evaluation.from_config(

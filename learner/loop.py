@@ -127,6 +127,7 @@ class TrainLoop:
                 await self.admission.dispatch()
                 continue
             stats.update(self.records.batch_versions(batch))
+            stats.update(self.records.batch_datasets(batch))
             self.records.trained(batch)
             if self.rollout_log is not None:
                 self.waiting.enter("rollout_log")

@@ -106,6 +106,10 @@ class LearnerMetrics:
             "slipstream_weights_superseded", "Versions never announced: a newer snapshot arrived "
             "while they waited for the one being prepared", registry=r)
         self.reward_mean = Gauge("slipstream_reward_mean", "Mean reward of the last batch", registry=r)
+        self.dataset_reward_mean = Gauge(
+            "slipstream_dataset_reward_mean", "Mean reward of the last batch's samples of each dataset "
+            "of a mixture (learner.data.datasets; datasets without samples in it keep their value)",
+            ["dataset"], registry=r)
         self.staleness_mean = Gauge("slipstream_staleness_mean",
                                     "Mean staleness (policy steps) of the last batch", registry=r)
         self.staleness_limit = Gauge("slipstream_max_staleness", "Current staleness limit eta", registry=r)

@@ -77,6 +77,10 @@ _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype
 _ndarray = np.ndarray
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+DATASET_KEY = "slipstream_dataset"
+"""An assignment's metadata key naming the dataset of a mixture its prompt came from
+(``learner.data.datasets``): the rollout server picks the reward by it
+(``rollout.reward.by_dataset``), the learner counts per-dataset statistics by it."""
 SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior log-probs, versions
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")

@@ -194,6 +194,10 @@ class RewardSettings(BaseModel):
     """Seconds one reward call may take; a slower one marks its sample failed (counted)."""
     options: RewardOptions = Field(default_factory=RewardOptions)
     """Options of the built-in rewards."""
+    by_dataset: dict[str, str | list[str]] = Field(default_factory=dict)
+    """The reward of each dataset of a learner's mixture (learner.data.datasets), by its name:
+    a prompt whose assignment names one (metadata slipstream_dataset) is scored by it, any other by
+    fn. A config file with both sections fills it from the datasets' reward keys."""
 
     @model_validator(mode="before")
     @classmethod

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.messages import DATASET_KEY
 from rollout_server.config import RewardOptions
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -329,18 +330,27 @@ class Rewarder:
     A function with ``batched = True`` (the reward-model scorer) is called once per batch as
     ``fn.score_batch(prompts, completions, metadatas) -> list[float]``; any other function once
     per sample, the samples of a batch concurrently. Functions run in the order configured; a
-    sample that failed one is not given to the next.
+    sample that failed one is not given to the next. ``by_dataset``: other functions for the
+    samples whose metadata names a dataset of a mixture (``protocol.DATASET_KEY``); the rest get
+    ``specs``.
     """
 
     def __init__(self, specs: str | list[str], weights: dict[str, float] | None = None,
-                 options: RewardOptions | None = None, threads: int = 4, timeout_s: float = 60.0):
-        specs = [specs] if isinstance(specs, str) else list(specs)
-        if not specs:
-            raise ValueError("rollout.reward: name at least one reward function")
-        self.fns = [(_part_name(s), load_reward(s, options)) for s in specs]
+                 options: RewardOptions | None = None, threads: int = 4, timeout_s: float = 60.0,
+                 by_dataset: dict[str, str | list[str]] | None = None):
+        self.fns = self._load(specs, options)
+        self.routes = {name: self._load(spec, options, f"by_dataset.{name}")
+                       for name, spec in (by_dataset or {}).items()}
         self.weights = dict(weights or {})
         self.timeout_s = timeout_s
         self.pool = RewardPool(threads)
+
+    @staticmethod
+    def _load(specs: str | list[str], options: RewardOptions | None, where: str = "fn") -> list:
+        specs = [specs] if isinstance(specs, str) else list(specs)
+        if not specs:
+            raise ValueError(f"{where}: name at least one reward function")
+        return [(_part_name(s), load_reward(s, options)) for s in specs]
 
     async def _call(self, fn: Callable, *args: Any) -> Any:
         """One reward call, off the event loop unless it is an inline built-in or a coroutine."""
@@ -361,7 +371,22 @@ class Rewarder:
         return f"reward {name}: {type(e).__name__}: {e}", False
 
     async def score_many(self, items: list[tuple[str, str, dict]]) -> list[Scored]:
-        """Score ``(prompt, completion, metadata)`` items; failures are per sample."""
+        """Score ``(prompt, completion, metadata)`` items; failures are per sample. Items of a
+        dataset with a reward of its own (``by_dataset``) are scored by it, apart."""
+        if not self.routes:
+            return await self._score(items, self.fns)
+        groups: dict[str | None, list[int]] = {}
+        for i, item in enumerate(items):
+            name = item[2].get(DATASET_KEY)
+            groups.setdefault(name if name in self.routes else None, []).append(i)
+        out: list[Scored | None] = [None] * len(items)
+        for name, idx in groups.items():
+            scored = await self._score([items[i] for i in idx], self.fns if name is None else self.routes[name])
+            for i, sc in zip(idx, scored, strict=True):
+                out[i] = sc
+        return out
+
+    async def _score(self, items: list[tuple[str, str, dict]], fns: list) -> list[Scored]:
         parts: list[dict[str, float]] = [{} for _ in items]
         failed: list[str | None] = [None] * len(items)
         timed_out = [False] * len(items)
@@ -372,7 +397,7 @@ class Rewarder:
             except PLUGIN_ERRORS as e:
                 failed[i], timed_out[i] = self._failure(name, e)
 
-        for name, fn in self.fns:
+        for name, fn in fns:
             live = [i for i in range(len(items)) if not failed[i]]
             if not live:
                 break

@@ -152,7 +152,8 @@ class RolloutService:
             # Then the models: a reward model (builtin:reward_model), the policy.
             try:
                 self.rewarder = Rewarder(cfg.reward.fn, cfg.reward.weights, cfg.reward.options,
-                                         threads=cfg.reward.threads, timeout_s=cfg.reward.timeout_s)
+                                         threads=cfg.reward.threads, timeout_s=cfg.reward.timeout_s,
+                                         by_dataset=cfg.reward.by_dataset)
             except ValueError as e:        # a spec, an import or a reward model that cannot work
                 raise protocol.StartupError(f"rollout.reward: {e}") from None
             if cfg.threads:

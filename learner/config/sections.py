@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointSettings",
     "CriticSettings",
     "DataSettings",
+    "DatasetMix",
     "DeepSpeedSettings",
     "EvaluationSettings",
     "FSYNC_POLICIES",
@@ -551,6 +552,43 @@ class StalenessSettings(BaseModel):
     """Adaptive controller: healthy steps in a row before eta grows back by one."""
 
 
+DATASET_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+"""A mixture entry's name: it labels metrics and metadata."""
+
+
+class DatasetMix(BaseModel):
+    """One dataset of ``learner.data.datasets``: a prompt source with its share of the mixture."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
+
+    path: str
+    """The prompt source, as learner.data.dataset takes it (builtin:NAME, a file, a datasets directory)."""
+    name: str | None = Field(None, pattern=DATASET_NAME)
+    """Its name in metrics (dataset_reward_mean/NAME) and in each prompt's metadata
+    (slipstream_dataset); null = the built-in task's name or the file's stem."""
+    weight: float = Field(1.0, gt=0)
+    """Its share of the prompts: weight / the sum of the weights (a seeded draw per prompt)."""
+    reward: str | list[str] | None = None
+    """The rollout servers' reward for its prompts (a rollout.reward.fn value); `slipstream run`
+    and a config file with both sections put it into rollout.reward.by_dataset. null = the
+    servers' reward (a built-in task's own reward when it is one)."""
+    prompt_key: str | None = None
+    """Its prompt column (null = learner.data.prompt_key)."""
+    answer_key: str | None = None
+    """Its answer column (null = learner.data.answer_key)."""
+    split: str | None = None
+    """Its split of a datasets directory (null = learner.data.dataset_split)."""
+
+    @property
+    def label(self) -> str:
+        """The name, or one made from the path."""
+        if self.name:
+            return self.name
+        from pathlib import PurePath
+        stem = self.path.split(":", 1)[1] if self.path.startswith("builtin:") else PurePath(self.path).stem
+        return "".join(c if c.isalnum() or c in "_.-" else "_" for c in stem)[:64] or "dataset"
+
+
 class DataSettings(BaseModel):
     """``learner.data``: The training prompts: where they come from and how they are formatted and ordered."""
 
@@ -582,6 +620,29 @@ class DataSettings(BaseModel):
     length_buckets: int = Field(0, ge=0)
     """Sample prompts of similar length together: rows are sorted into this many length buckets
     and each batch's prompts come from one bucket (0 = off)."""
+    datasets: list[DatasetMix] = Field(default_factory=list)
+    """A mixture instead of dataset: [{path, weight, name, reward, prompt_key, answer_key}, ...];
+    each prompt is drawn from one of them with probability weight / total (seeded; the position
+    of every dataset is in the checkpoint), tagged with its name for the per-dataset reward and
+    metrics. Each dataset is endless (a file starts a new seeded order when it is used up), so
+    epochs and length_buckets stay 0 beside it, and dataset is not used."""
+
+    @model_validator(mode="after")
+    def _mixture(self) -> DataSettings:
+        if not self.datasets:
+            return self
+        if self.dataset != DataSettings.model_fields["dataset"].default:   # (a resolved config has the default)
+            raise ValueError("set learner.data.dataset or learner.data.datasets (a mixture), not both")
+        for key in ("epochs", "length_buckets"):
+            if getattr(self, key):
+                raise ValueError(f"learner.data.{key} is not available with learner.data.datasets (each "
+                                 f"dataset of a mixture is endless); set {key}: 0")
+        labels = [d.label for d in self.datasets]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"learner.data.datasets: the name {twice[0]!r} is used twice; give each a "
+                             "distinct name")
+        return self
 
 
 class EvaluationSettings(BaseModel):

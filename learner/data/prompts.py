@@ -77,6 +77,7 @@ import numpy as np
 from learner.config import DataSettings
 from learner.data.tasks import get_task, is_builtin
 from protocol.errors import ProtocolError, StartupError
+from protocol.messages import DATASET_KEY
 from protocol.schema import check_plain
 
 WHAT = "learner.data.dataset"
@@ -540,9 +541,121 @@ class PromptSource:
         self.skipped = Counter({str(k): int(v) for k, v in state.get("skipped", {}).items()})
 
 
+# ---- a mixture ------------------------------------------------------------------------------------
+
+
+
+class MixedSource:
+    """``learner.data.datasets``: prompt ``i`` comes from dataset ``k`` drawn with probability
+    weight_k / Σ weight by ``Random(seed * 104_729 + i)`` — so the sequence of datasets depends only
+    on (seed, i) — and is that dataset's next prompt. Each dataset is an endless
+    :class:`PromptSource` with a seed of its own (``seed + 1 + k``; a file reshuffled every pass).
+    A prompt keeps its dataset's fields and gets ``prompt_id`` ``p<i>`` and
+    ``metadata["slipstream_dataset"]`` = the dataset's name. The position (prompts drawn, and each
+    dataset's) is the checkpoint's; a state for another mixture is refused in one line."""
+
+    finite = False
+    exhausted = False
+    total = None
+    unused = 0
+
+    def __init__(self, entries: list, seed: int, sources: list[PromptSource]):
+        self.names = [e.label for e in entries]
+        self.weights = [float(e.weight) for e in entries]
+        self.seed, self.sources = seed, sources
+        self.position = 0
+        self.drawn = Counter()                         # name -> prompts drawn from it
+        self._cum = list(np.cumsum(self.weights))
+
+    @classmethod
+    def from_config(cls, data: DataSettings, *, seed: int, tokenizer=None, encode=None,
+                    on_skip: Callable[[str, int], None] = lambda reason, n: None) -> MixedSource:
+        sources = []
+        for k, e in enumerate(data.datasets):
+            sources.append(PromptSource(
+                e.path, seed + 1 + k, split=e.split or data.dataset_split, prompt_key=e.prompt_key or data.prompt_key,
+                answer_key=e.answer_key or data.answer_key, chat_template=data.chat_template,
+                system_prompt=data.system_prompt, max_prompt_tokens=data.max_prompt_tokens,
+                shuffle=data.shuffle, epochs=0, tokenizer=tokenizer, encode=encode, on_skip=on_skip,
+                what=f"{WHAT}s[{k}] ({e.label})"))
+        return cls(data.datasets, seed, sources)
+
+    def attach(self, tokenizer, encode: Callable[[str], np.ndarray] | None = None) -> None:
+        for source in self.sources:
+            source.attach(tokenizer, encode)
+
+    def pick(self, i: int) -> int:
+        """The dataset of prompt ``i`` (its index)."""
+        x = random.Random(self.seed * 104_729 + i).random() * self._cum[-1]
+        return min(int(np.searchsorted(self._cum, x, side="right")), len(self._cum) - 1)
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        i = self.position
+        k = self.pick(i)
+        item = next(self.sources[k])
+        self.position += 1
+        self.drawn[self.names[k]] += 1
+        item["prompt_id"] = f"p{i}"
+        item["metadata"] = {**item["metadata"], DATASET_KEY: self.names[k]}
+        return item
+
+    def take(self, n: int) -> list[dict]:
+        return [next(self) for _ in range(n)]
+
+    @property
+    def skipped(self) -> Counter:
+        out: Counter[str] = Counter()
+        for source in self.sources:
+            out.update(source.skipped)
+        return out
+
+    @property
+    def rows(self) -> None:
+        return None
+
+    @property
+    def epoch(self) -> int:
+        return 0
+
+    def status(self) -> dict:
+        return {"datasets": {n: {"weight": w, "drawn": self.drawn[n], **s.status()}
+                             for n, w, s in zip(self.names, self.weights, self.sources, strict=True)},
+                "position": self.position, "exhausted": False, "skipped": dict(self.skipped)}
+
+    def state_dict(self) -> dict:
+        return {"mixture": list(self.names), "weights": list(self.weights), "seed": self.seed,
+                "position": self.position, "drawn": dict(self.drawn),
+                "sources": [s.state_dict() for s in self.sources]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` was; refuses a state of another mixture (or of one dataset)."""
+        mine = {"mixture": self.names, "weights": self.weights, "seed": self.seed}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise StartupError(f"{WHAT}s: the saved prompt position is for {key} {state.get(key)!r}, "
+                                   f"this run has {value!r} (resume with the same mixture and seed, or start "
+                                   "a new run)")
+        for source, saved in zip(self.sources, state["sources"], strict=True):
+            source.load_state_dict(saved)
+        self.position = int(state["position"])
+        self.drawn = Counter({str(k): int(v) for k, v in state.get("drawn", {}).items()})
+
+
+def open_prompts(data: DataSettings, *, seed: int, batch_prompts: int = 1, tokenizer=None, encode=None,
+                 on_skip: Callable[[str, int], None] = lambda reason, n: None) -> PromptSource | MixedSource:
+    """The training stream of ``learner.data``: one dataset, or a mixture of ``datasets``."""
+    if data.datasets:
+        return MixedSource.from_config(data, seed=seed, tokenizer=tokenizer, encode=encode, on_skip=on_skip)
+    return PromptSource.from_config(data, seed=seed, batch_prompts=batch_prompts, tokenizer=tokenizer,
+                                    encode=encode, on_skip=on_skip)
+
+
 def check_dataset(data: DataSettings, eval_data: str | None, *, seed: int, batch_prompts: int) -> None:
-    """Open (and so check) the training dataset and the held-out ``eval_data``, without a
-    tokenizer: what ``slipstream`` runs before it starts anything."""
-    PromptSource.from_config(data, seed=seed, batch_prompts=batch_prompts)
+    """Open (and so check) the training dataset (or every dataset of a mixture) and the held-out
+    ``eval_data``, without a tokenizer: what ``slipstream`` runs before it starts anything."""
+    open_prompts(data, seed=seed, batch_prompts=batch_prompts)
     if eval_data is not None:
         PromptSource.from_config(data, seed=seed, eval_data=eval_data)

@@ -149,11 +149,17 @@ class Intake:
         """Write the temperature the learner asked for into ``s.sampling_temperature`` (the
         server's own value is replaced; no assignment of ours: no value of theirs, None): the
         trainer recomputes the sample's log-probs at the temperature it was sampled at, even after
-        a live ``ctl set temperature``."""
+        a live ``ctl set temperature``. ``s.metadata[protocol.DATASET_KEY]`` becomes the
+        assignment's dataset of a mixture, or is removed: a server's word for it is not kept."""
         if assignment is False:
             assignment = self.assignment(s.assignment_id)
         s.sampling_temperature = (None if assignment is None
                                   else float(assignment.sampling.temperature))
+        dataset = None if assignment is None else assignment.metadata.get(protocol.DATASET_KEY)
+        if dataset is not None:              # a mixture's dataset: the learner's word, not the server's
+            s.metadata = {**s.metadata, protocol.DATASET_KEY: dataset}
+        elif protocol.DATASET_KEY in s.metadata:
+            s.metadata = {k: v for k, v in s.metadata.items() if k != protocol.DATASET_KEY}
 
     async def receive(self, msg: protocol.RolloutResult) -> protocol.Ack:
         """Check and put every sample of ``msg``; the Ack to send back (one status per sample).

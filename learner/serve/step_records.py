@@ -25,6 +25,7 @@ from buffer import Batch, RolloutBuffer, StalenessDecision
 from learner.metrics import JsonlLog, LearnerMetrics
 from learner.serve.sinks import open_sinks
 from learner.state.run_state import RunState
+from protocol import DATASET_KEY
 
 
 class StepRecords:
@@ -139,6 +140,23 @@ class StepRecords:
                "token_version_max": float(every.max(initial=0))}
         if self.buffer.drop_uniform_groups:          # dynamic sampling: groups dropped before it
             out["dynamic_sampling_dropped_groups"] = float(batch.uniform_dropped)
+        return out
+
+    def batch_datasets(self, batch: Batch) -> dict[str, float]:
+        """Per dataset of a mixture (learner.data.datasets; the intake stamps each sample's):
+        ``dataset_reward_mean/NAME`` and ``dataset_samples/NAME`` of the batch, and the gauge
+        ``slipstream_dataset_reward_mean{dataset}``; nothing without a mixture."""
+        rewards: dict[str, list[float]] = {}
+        for s in batch.samples:
+            name = s.metadata.get(DATASET_KEY) if s.metadata else None
+            if name is not None:
+                rewards.setdefault(str(name), []).append(s.reward)
+        out: dict[str, float] = {}
+        for name, values in sorted(rewards.items()):
+            mean = float(np.mean(values))
+            out[f"dataset_reward_mean/{name}"] = mean
+            out[f"dataset_samples/{name}"] = float(len(values))
+            self.metrics.dataset_reward_mean.labels(dataset=name).set(mean)
         return out
 
     def step(self, stats: dict[str, float]) -> None:

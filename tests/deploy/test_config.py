@@ -174,3 +174,17 @@ def test_the_task_names_the_reward_unless_the_config_does(tmp_path):
         load_config(None, ["learner.data.dataset=builtin:arithmetic"])
     assert "unknown built-in task 'builtin:arithmetic'; known: builtin:arith" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_mixture_names_each_datasets_reward_for_the_servers(tmp_path):
+    """issue 27.5: learner.data.datasets fills rollout.reward.by_dataset with each dataset's reward
+    (a built-in task's own when it names none); the rollout section's own entries win."""
+    f = tmp_path / "c.yaml"
+    f.write_text("learner:\n  data:\n    datasets:\n"
+                 "      - {path: 'builtin:arith', weight: 2}\n"
+                 "      - {path: 'facts.jsonl', name: facts, reward: 'builtin:exact_match'}\n"
+                 "      - {path: 'other.jsonl'}\n")
+    assert load_config(f).rollout.reward.by_dataset == {"arith": "builtin:exact_numeric",
+                                                         "facts": "builtin:exact_match"}
+    g = load_config(f, ["rollout.reward.by_dataset.facts=mine:score"])
+    assert g.rollout.reward.by_dataset == {"arith": "builtin:exact_numeric", "facts": "mine:score"}

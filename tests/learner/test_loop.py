@@ -94,6 +94,9 @@ class Parts:
             def batch_versions(self, batch):
                 return {}
 
+            def batch_datasets(self, batch):
+                return {}
+
             def trained(self, batch):
                 calls("records.trained")
 

@@ -228,3 +228,23 @@ async def test_sync_rewards_run_in_a_bounded_pool_builtins_inline():
         r.close()
     finally:
         del sys.modules[mod.__name__]
+
+
+async def test_each_dataset_of_a_mixture_is_scored_by_its_own_reward(plugin_module):
+    """issue 27.5: rollout.reward.by_dataset: an item whose metadata names a dataset with a reward
+    of its own is scored by it (failures and all), the others by fn, in the items' order."""
+    from protocol import DATASET_KEY
+
+    m = plugin_module
+    r = Rewarder("builtin:exact_numeric", by_dataset={"facts": "builtin:exact_match", "odd": f"{m}:boom"})
+    items = [("q", "#### 3", {"answer": "3", DATASET_KEY: "arith"}),      # no route: fn
+             ("q", "paris", {"answer": "paris", DATASET_KEY: "facts"}),
+             ("q", "#### 3", {"answer": "3", DATASET_KEY: "facts"}),      # exact_match: not "3"
+             ("q", "bad", {DATASET_KEY: "odd"}),
+             ("q", "#### 4", {"answer": "4"})]
+    out = await r.score_many(items)
+    assert [s.parts for s in out[:3]] == [{"exact_numeric": 1.0}, {"exact_match": 1.0}, {"exact_match": 0.0}]
+    assert "RuntimeError: cannot score" in out[3].failed
+    assert out[4].total == 1.0 and out[4].parts == {"exact_numeric": 1.0}
+    with pytest.raises(ValueError, match="by_dataset.facts"):
+        Rewarder("builtin:exact_numeric", by_dataset={"facts": []})
