@@ -16,7 +16,10 @@ Selection (:func:`select_groups`), over the complete groups in completion order:
 - with ``length_bucketing`` (``learner.batch.length_bucketing``): first the groups that would be over the limit at the next
   version (staleness already == η), oldest first; then the oldest group (so nothing starves);
   then the groups closest to it in length (longest sample, in tokens). The batch keeps them in
-  completion order.
+  completion order;
+- when the prompts carry a length bucket (``learner.data.length_buckets``: the assignment's
+  ``protocol.BUCKET_KEY``), :func:`select_bucket`: a batch is the groups of one bucket; the
+  buffer waits for one to fill, unless none can (see ``RolloutBuffer.poll_batch``).
 
 Staleness (docs/design.md §3) of a sample in a batch at learner version ``v``:
 ``v − min(token_versions)``, 0 without tokens; a group's is that of its oldest member.
@@ -37,10 +40,11 @@ class Group:
     """The samples of one assignment, by group_index. ``resolved`` slots are no longer in flight."""
 
     __slots__ = ("assignment_id", "size", "slots", "mins", "filled", "resolved", "min_version",
-                 "max_len", "ready")
+                 "max_len", "ready", "bucket")
 
-    def __init__(self, assignment_id: str, size: int):
+    def __init__(self, assignment_id: str, size: int, bucket: int | None = None):
         self.assignment_id = assignment_id
+        self.bucket = bucket                     # its prompt's length bucket (learner.data.length_buckets)
         self.size = size
         self.slots: list[Sample | None] = [None] * size
         self.mins: list[int] = [-1] * size      # min token version per slot (-1: no tokens)
@@ -86,6 +90,28 @@ def select_groups(ready: deque[Group], version: int, eta: int, batch_groups: int
     chosen_set = set(take)
     ready.clear()
     ready.extend(g for i, g in enumerate(groups) if i not in chosen_set)
+    return [groups[i] for i in sorted(take)]
+
+
+def select_bucket(ready: deque[Group], version: int, eta: int, batch_groups: int) -> list[Group] | None:
+    """One batch of ``batch_groups`` groups of one length bucket out of ``ready``, or None when no
+    bucket has that many ready. The bucket is that of the most urgent ready group (staleness
+    already == η) among the buckets that can fill a batch, else that of the oldest such group;
+    within it, its urgent groups first, then the oldest. The batch keeps completion order."""
+    groups = list(ready)
+    members: dict[int | None, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g.bucket, []).append(i)
+    full = {b: idx for b, idx in members.items() if len(idx) >= batch_groups}
+    if not full:
+        return None
+    candidates = sorted(i for idx in full.values() for i in idx)
+    urgent = [i for i in candidates if groups[i].staleness(version) >= eta]
+    bucket = groups[(urgent or candidates)[0]].bucket
+    take = sorted(full[bucket], key=lambda i: (groups[i].staleness(version) < eta, i))[:batch_groups]
+    chosen = set(take)
+    ready.clear()
+    ready.extend(g for i, g in enumerate(groups) if i not in chosen)
     return [groups[i] for i in sorted(take)]
 
 

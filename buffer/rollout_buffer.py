@@ -55,16 +55,19 @@ import numpy as np
 
 from buffer.dedupe import RecentKeys
 from buffer.gate import StalenessGate
-from buffer.groups import NO_TOKENS, Group, assemble_batch, select_groups
+from buffer.groups import NO_TOKENS, Group, assemble_batch, select_bucket, select_groups
 from buffer.leases import Lease, LeaseTable
 from buffer.plain import from_plain, pack_payload, to_plain, unpack_payload
 from buffer.records import COUNTER_NAMES, AckStatus, Batch
 from buffer.staleness import StalenessLimit
-from protocol import Sample
+from protocol import BUCKET_KEY, Sample
 
 STATE_FORMAT = 2         # the checkpoint's layout; 2: samples stored in protocol 2.0 wire form
 
 STALE_POLICIES = ("drop", "correct")
+BUCKET_REPOLL_S = 1.0
+"""With length buckets, a waiting ``next_batch`` looks again this often: the buckets can get stuck
+(``RolloutBuffer._bucket_stuck``) without a group completing, when a failure closes one."""
 
 _min = np.minimum.reduce         # ndarray.min without its Python-level wrapper (hot path)
 
@@ -129,6 +132,7 @@ class RolloutBuffer:
         self._swept: tuple[int, int, str] | None = None
         self._cond = asyncio.Condition()
         self._waiting = 0
+        self._buckets_seen = False                   # an assignment carried a length bucket
         self.last_invalid_reason = ""
 
     # -- configuration at runtime -----------------------------------------------------------------
@@ -256,7 +260,11 @@ class RolloutBuffer:
                 raise ValueError(f"issue({assignment_id!r}): {n} samples exceed the gate's capacity "
                                  f"{room} at version {self._version}; check capacity(version) first")
         lease = self.leases.issue(assignment_id, holder, n, payload, self._version)
-        self._groups[assignment_id] = Group(assignment_id, n)
+        bucket = getattr(payload, "metadata", None)
+        bucket = bucket.get(BUCKET_KEY) if isinstance(bucket, dict) else None
+        self._groups[assignment_id] = Group(assignment_id, n, bucket if type(bucket) is int else None)
+        if bucket is not None:
+            self._buckets_seen = True
         self.gate.on_issued(n)
         self._n["issued"] += n
         return lease
@@ -562,8 +570,12 @@ class RolloutBuffer:
         self._sweep(version)
         if not self._batch_ready():
             return None
-        groups = select_groups(self._ready, version, self.gate.max_staleness,
-                               self.batch_samples // self.group_size, self.length_bucketing)
+        k, eta = self.batch_samples // self.group_size, self.gate.max_staleness
+        groups = select_bucket(self._ready, version, eta, k) if self._buckets_seen else None
+        if groups is None:
+            if self._buckets_seen and not self._bucket_stuck(version, k):
+                return None                  # a bucket can still fill: wait for it
+            groups = select_groups(self._ready, version, eta, k, self.length_bucketing or self._buckets_seen)
         batch = assemble_batch(groups, version, self.gate.max_staleness)
         batch.uniform_dropped, self.uniform_streak = self.uniform_streak, 0
         hist = self._hist
@@ -581,6 +593,18 @@ class RolloutBuffer:
         self._n["corrected"] += sum(batch.needs_correction)
         self._n["batches"] += 1
         return batch
+
+    def _bucket_stuck(self, version: int, k: int) -> bool:
+        """No length bucket can fill a batch: none has ``k`` groups ready and in flight together,
+        and the gate cannot issue a group. Then the batch is the ready groups of nearest lengths
+        (as ``length_bucketing``), so a run whose buckets came apart (dropped or failed groups,
+        replaced from other buckets) never waits forever."""
+        if self.gate.capacity(version) >= self.group_size:
+            return False
+        count: dict[int | None, int] = {}
+        for g in self._groups.values():
+            count[g.bucket] = count.get(g.bucket, 0) + 1
+        return all(n < k for n in count.values())
 
     async def next_batch(self, version: int, max_wait_s: float | None = None) -> Batch:
         """Wait for and return the next batch at learner version ``version``.
@@ -609,7 +633,13 @@ class RolloutBuffer:
                     batch = self.poll_batch(version)
                     if batch is not None:
                         return batch
-                    await self._cond.wait()
+                    if self._buckets_seen:   # a bucket may get stuck without a group completing
+                        try:
+                            await asyncio.wait_for(self._cond.wait(), BUCKET_REPOLL_S)
+                        except asyncio.TimeoutError:
+                            pass
+                    else:
+                        await self._cond.wait()
             finally:
                 self._waiting -= 1
 
@@ -628,7 +658,7 @@ class RolloutBuffer:
             "stale_policy": self._policy,
             "gate": self.gate.state_dict(),
             "leases": self.leases.state_dict(lambda p: pack_payload(p, binary)),
-            "groups": [{"assignment_id": g.assignment_id, "size": g.size,
+            "groups": [{"assignment_id": g.assignment_id, "size": g.size, "bucket": g.bucket,
                         "samples": [to_plain(s.to_wire(), binary) for s in g.slots if s is not None]}
                        for g in groups],
             "seen": [k for k, _ in self._seen.items()],
@@ -658,7 +688,9 @@ class RolloutBuffer:
         self._ready_samples = self._pending = 0
         in_flight = 0
         for gd in state["groups"]:
-            g = Group(gd["assignment_id"], int(gd["size"]))
+            bucket = gd.get("bucket")
+            g = Group(gd["assignment_id"], int(gd["size"]), bucket if type(bucket) is int else None)
+            self._buckets_seen |= g.bucket is not None
             for w in gd["samples"]:
                 s = Sample.from_wire(from_plain(w), "buffer state sample")
                 tv = s.token_versions

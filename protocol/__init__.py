@@ -17,6 +17,7 @@ from protocol.errors import ProtocolError, StartupError
 from protocol.ids import parse_sample_id, sample_id
 from protocol.messages import (
     ACK_STATUSES,
+    BUCKET_KEY,
     DATASET_KEY,
     FINISH_REASONS,
     MESSAGE_TYPES,
@@ -42,7 +43,7 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "ACK_STATUSES", "DATASET_KEY", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Ack", "Assignment",
+    "ACK_STATUSES", "BUCKET_KEY", "DATASET_KEY", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Ack", "Assignment",
     "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "LoraSpec", "Message", "ProtocolError",
     "RolloutResult", "Sample", "SamplingParams", "StartupError", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
     "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",

@@ -77,6 +77,9 @@ _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype
 _ndarray = np.ndarray
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+BUCKET_KEY = "slipstream_bucket"
+"""An assignment's metadata key holding the length bucket of its prompt (``learner.data.length_buckets``):
+the learner's buffer makes each batch of one bucket."""
 DATASET_KEY = "slipstream_dataset"
 """An assignment's metadata key naming the dataset of a mixture its prompt came from
 (``learner.data.datasets``): the rollout server picks the reward by it

@@ -618,8 +618,9 @@ class DataSettings(BaseModel):
     """Passes over a file dataset (0 = endless; built-in tasks always are); the run ends after the
     last full batch when they are used up (a partial last batch is never generated)."""
     length_buckets: int = Field(0, ge=0)
-    """Sample prompts of similar length together: rows are sorted into this many length buckets
-    and each batch's prompts come from one bucket (0 = off)."""
+    """Sample prompts of similar length together: rows (or a built-in task's draws) are sorted
+    into this many length buckets, each batch's prompts come from one bucket, and the learner
+    trains each batch of one bucket whatever order its groups complete in (0 = off)."""
     datasets: list[DatasetMix] = Field(default_factory=list)
     """A mixture instead of dataset: [{path, weight, name, reward, prompt_key, answer_key}, ...];
     each prompt is drawn from one of them with probability weight / total (seeded; the position

@@ -84,6 +84,8 @@ WHAT = "learner.data.dataset"
 FORMATS = ".jsonl, .json, .parquet or a datasets save_to_disk directory"
 MAX_BUILTIN_SKIPS = 10_000
 """Consecutive built-in draws over max_prompt_tokens before the stream gives up."""
+BUILTIN_EDGE_DRAWS = 512
+"""Draws (a seed of their own) whose token lengths set a built-in task's length-bucket edges."""
 RENDER_CACHE = 4096
 """Formatted built-in prompts remembered by their text (PromptSource._render)."""
 
@@ -327,6 +329,11 @@ class PromptSource:
         self._texts: list[str] | None = None
         self._kept: list[int] | None = None            # rows within max_prompt_tokens
         self._buckets: list[list[int]] | None = None
+        self._bucket_of: dict[int, int] = {}            # row -> its bucket id this epoch
+        self._edges: list[int] | None = None            # built-ins: token-length bucket edges
+        self._pending: list[list[int]] = []             # built-ins: draws waiting, per bucket
+        self._run: list[tuple[int, int]] = []           # built-ins: (draw, bucket) to hand out
+        self._draws = 0                                 # built-ins with buckets: draws made
         if is_builtin(spec):
             self.task = get_task(spec)
             self._rows = None
@@ -368,6 +375,15 @@ class PromptSource:
             else:
                 raise StartupError(f"{self.what}: the first 100 prompts of {self.spec} are all longer "
                                    f"than learner.data.max_prompt_tokens={self.max_prompt_tokens}")
+            if self.length_buckets > 1:
+                # Edges at the quantiles of a fixed sample of draws (its own seed: the stream's
+                # draws stay those of an unbucketed run, only their order changes).
+                examples = [self.task.example(random.Random(f"{self.spec} length edges {self.seed} {j}"))
+                            for j in range(BUILTIN_EDGE_DRAWS)]
+                lengths = sorted(len(self._render(ex.prompt, j)[1]) for j, ex in enumerate(examples))
+                cuts = np.quantile(lengths, np.linspace(0, 1, self.length_buckets + 1)[1:-1])
+                self._edges = sorted({int(c) for c in cuts})
+                self._pending = [[] for _ in range(len(self._edges) + 1)]
             return
         where = self._where
         rendered = [self._format(r["prompt"], where(i)) for i, r in enumerate(self._rows)]
@@ -433,6 +449,8 @@ class PromptSource:
         if self.exhausted:
             raise StopIteration
         if self._rows is None:
+            if self._edges is not None:
+                return self._next_bucketed()
             for _ in range(MAX_BUILTIN_SKIPS):
                 i = self.position
                 self.position += 1
@@ -451,7 +469,33 @@ class PromptSource:
         if self._ids is not None:
             item["prompt"] = self._texts[r]
             item["prompt_token_ids"] = self._ids[r]
+        if self._buckets is not None:
+            item["bucket"] = self._bucket_of[r]
         return item
+
+    def _next_bucketed(self) -> dict:
+        """A built-in task with ``length_buckets``: draws go to the bucket of their token length
+        (:attr:`_edges`) and leave in runs of ``batch_prompts`` from one bucket, in the order the
+        runs fill up. The draws are the unbucketed stream's; the position is the prompts handed
+        out, the draws made and the ones waiting (state_dict)."""
+        for _ in range(MAX_BUILTIN_SKIPS * self.batch_prompts * (len(self._pending) + 1)):
+            if self._run:
+                d, b = self._run.pop(0)
+                item = self._draw(d, count=False)
+                item["prompt_id"], item["bucket"] = f"p{self.position}", b
+                self.position += 1
+                return item
+            d = self._draws
+            self._draws += 1
+            item = self._draw(d)
+            if item is None:
+                continue
+            b = int(np.searchsorted(self._edges, len(item["prompt_token_ids"]), side="right"))
+            self._pending[b].append(d)
+            if len(self._pending[b]) == self.batch_prompts:
+                self._run, self._pending[b] = [(x, b) for x in self._pending[b]], []
+        raise RuntimeError(f"{self.spec}: no bucket filled a batch in many draws "
+                           f"(learner.data.length_buckets={self.length_buckets})")
 
     def _draw(self, i: int, count: bool = True) -> dict | None:
         """Built-in draw ``i``, formatted; None when it is over max_prompt_tokens (counted)."""
@@ -497,19 +541,23 @@ class PromptSource:
         return self._epoch_order
 
     def _bucketed(self, rng: random.Random) -> list[int]:
+        """This epoch's order: runs of ``batch_prompts`` rows of one bucket (each row's bucket id
+        in :attr:`_bucket_of`; a run of the remainders, of near lengths, is a bucket of its own)."""
         bp, batches, rest = self.batch_prompts, [], []
-        for bucket in self._buckets:
+        for b, bucket in enumerate(self._buckets):
             rows = list(bucket)
             if self.shuffle:
                 rng.shuffle(rows)
             full = len(rows) // bp * bp
-            batches += [rows[k:k + bp] for k in range(0, full, bp)]
+            batches += [(b, rows[k:k + bp]) for k in range(0, full, bp)]
             rest += rows[full:]
         rest.sort(key=lambda i: (len(self._ids[i]), i))
-        batches += [rest[k:k + bp] for k in range(0, len(rest), bp)]
+        nb = len(self._buckets)
+        batches += [(nb + k // bp, rest[k:k + bp]) for k in range(0, len(rest), bp)]
+        self._bucket_of = {r: b for b, rows in batches for r in rows}
         if self.shuffle:
             rng.shuffle(batches)
-        return [i for b in batches for i in b]
+        return [i for _, rows in batches for i in rows]
 
     def take(self, n: int) -> list[dict]:
         """The next ``n`` prompts (fewer if the stream ends first)."""
@@ -527,8 +575,12 @@ class PromptSource:
                 "skipped": dict(self.skipped), "unused": self.unused}
 
     def state_dict(self) -> dict:
-        return {"spec": self.spec, "seed": self.seed, "position": self.position, "rows": self.rows,
-                "skipped": dict(self.skipped)}
+        out = {"spec": self.spec, "seed": self.seed, "position": self.position, "rows": self.rows,
+               "skipped": dict(self.skipped)}
+        if self._edges is not None:        # a bucketed built-in: the draws and who waits where
+            out["buckets"] = {"edges": list(self._edges), "draws": self._draws,
+                              "pending": [list(p) for p in self._pending], "run": [list(x) for x in self._run]}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` was (see the module docstring); refuses another dataset's."""
@@ -539,6 +591,13 @@ class PromptSource:
                                    "dataset and seed, or start a new run)")
         self.position = int(state["position"])
         self.skipped = Counter({str(k): int(v) for k, v in state.get("skipped", {}).items()})
+        saved = state.get("buckets")
+        if self._edges is not None and saved is not None and saved["edges"] == self._edges:
+            self._draws = int(saved["draws"])
+            self._pending = [[int(d) for d in p] for p in saved["pending"]]
+            self._run = [(int(d), int(b)) for d, b in saved["run"]]
+        elif self._edges is not None:      # an older position: go on from its draws, unbucketed so far
+            self._draws = self.position
 
 
 # ---- a mixture ------------------------------------------------------------------------------------

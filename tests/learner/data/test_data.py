@@ -320,3 +320,44 @@ def test_the_config_keys_reach_the_stream(tmp_path, tok):
     assert src.rows == 6 and src.total == 12 and len(src._buckets) == 3 and src.skipped == {"too_long": 2}
     first = [len(p["prompt_token_ids"]) for p in src.take(6)]
     assert [max(first[k:k + 2]) - min(first[k:k + 2]) for k in range(0, 6, 2)] == [1, 1, 1]
+
+
+def test_every_run_of_a_batch_carries_one_bucket_id(tmp_path, tok):
+    """issue 27.4: with length_buckets each prompt says its bucket (the learner puts it in the
+    assignment; its buffer makes a batch of one bucket): a run of batch_prompts shares one id, a
+    run of remainders has an id of its own, and the ids follow the lengths."""
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 40, size=30).tolist()
+    path = write(tmp_path, "jsonl", rows(30, length=lambda i: lengths[i]))
+    src = PromptSource(path, seed=2, tokenizer=tok, length_buckets=3, batch_prompts=4)
+    items = src.take(30)
+    count = Counter(p["bucket"] for p in items)
+    # 3 buckets of 10 rows: two runs of 4 each (id 0-2), the 6 left over in runs of their own (id >= 3)
+    assert sorted(n for b, n in count.items() if b < 3) == [8, 8, 8]
+    assert sorted(n for b, n in count.items() if b >= 3) == [2, 4]
+    span = {}
+    for p in items:
+        lo, hi = span.get(p["bucket"], (10**9, 0))
+        span[p["bucket"]] = (min(lo, len(p["prompt_token_ids"])), max(hi, len(p["prompt_token_ids"])))
+    full = sorted((lo, hi) for b, (lo, hi) in span.items() if b < 3)
+    assert all(a[1] <= b[0] for a, b in zip(full, full[1:], strict=False))       # buckets do not overlap
+    assert any(b >= 3 for b in span)                                             # 30 = 3 x 10: remainders
+    assert "bucket" not in PromptSource(path, seed=2, tokenizer=tok).take(1)[0]
+
+
+def test_a_built_in_task_is_bucketed_too_and_resumes_exactly(tok):
+    """issue 27.4: built-in draws go to the bucket of their length and leave in runs of
+    batch_prompts from one bucket (the draws are the unbucketed stream's, reordered); the
+    position, with the draws still waiting, continues exactly from a checkpoint."""
+    src = PromptSource("builtin:longtail", seed=4, tokenizer=tok, length_buckets=3, batch_prompts=4)
+    items = src.take(48)
+    runs = [items[k:k + 4] for k in range(0, 48, 4)]
+    assert all(len({p["bucket"] for p in run}) == 1 for run in runs)
+    assert len({p["bucket"] for p in items}) >= 2
+    plain = PromptSource("builtin:longtail", seed=4, tokenizer=tok).take(200)
+    assert {p["prompt"] for p in items} <= {p["prompt"] for p in plain}
+    state = json.loads(json.dumps(src.state_dict()))
+    rest = [(p["prompt_id"], p["prompt"], p["bucket"]) for p in src.take(40)]
+    again = PromptSource("builtin:longtail", seed=4, tokenizer=tok, length_buckets=3, batch_prompts=4)
+    again.load_state_dict(state)
+    assert [(p["prompt_id"], p["prompt"], p["bucket"]) for p in again.take(40)] == rest
