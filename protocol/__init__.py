@@ -21,6 +21,7 @@ from protocol.messages import (
     DATASET_KEY,
     FINISH_REASONS,
     MESSAGE_TYPES,
+    SEED_MAX,
     Ack,
     Assignment,
     ControlReply,
@@ -43,7 +44,7 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "ACK_STATUSES", "BUCKET_KEY", "DATASET_KEY", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "Ack", "Assignment",
+    "ACK_STATUSES", "BUCKET_KEY", "DATASET_KEY", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "SEED_MAX", "Ack", "Assignment",
     "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "LoraSpec", "Message", "ProtocolError",
     "RolloutResult", "Sample", "SamplingParams", "StartupError", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
     "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",

@@ -74,6 +74,7 @@ _I32_NON_NEGATIVE = Array("int32", non_negative=True)
 _TEMPERATURE_MIN, _TEMPERATURE_MAX = 1e-6, 1e6
 _TEMPERATURE = Float(min_value=_TEMPERATURE_MIN, max_value=_TEMPERATURE_MAX)
 _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype("<f4")
+SEED_MAX = (1 << 63) - 1     # SamplingParams.seed: what msgpack and torch.Generator both take
 _ndarray = np.ndarray
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -224,6 +225,10 @@ class SamplingParams(Struct):
     top_p: float = wire(Float(min_value=1e-9, max_value=1.0), default=1.0)
     top_k: int = wire(_NAT, default=0)  # 0 = no top-k truncation
     max_new_tokens: int = wire(Int(1, MAX_NEW_TOKENS_LIMIT), default=16)
+    # The seed of the assignment's completions (protocol 3.4; None: the engine's own randomness).
+    # Completion i is drawn from a generator of its own seeded by (seed, i), so the same
+    # assignment on the same weights gives the same completions whatever else the server runs.
+    seed: int | None = wire(Optional(Int(0, SEED_MAX)), default=None)
 
 
 @record

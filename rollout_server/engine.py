@@ -30,13 +30,14 @@ class GenRequest:
     top_p: float = _SAMPLING.top_p
     top_k: int = _SAMPLING.top_k   # 0 = no top-k
     max_new_tokens: int = _SAMPLING.max_new_tokens
+    seed: int | None = None        # completion i drawn from a generator seeded by (seed, i)
 
     @classmethod
     def from_sampling(cls, prompt_token_ids: np.ndarray, n: int,
                       sampling: protocol.SamplingParams) -> GenRequest:
         """The request for an assignment: its sampling parameters, unchanged."""
         return cls(prompt_token_ids, n, temperature=sampling.temperature, top_p=sampling.top_p,
-                   top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens)
+                   top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens, seed=sampling.seed)
 
 
 @dataclass

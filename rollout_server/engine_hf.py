@@ -60,6 +60,23 @@ def _check_tensors(expected: dict[str, torch.Tensor], got: dict[str, torch.Tenso
             raise ValueError(f"{what}: {name} has shape {tuple(got[name].shape)}, expected {tuple(t.shape)}")
 
 
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of an assignment seeded ``seed`` (both engines' rule for
+    the HF engine; vLLM seeds a request's n completions itself)."""
+    return (seed * 1_000_003 + index) % (1 << 63)
+
+
+def seeded_draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` (N, V): the inverse CDF at a uniform from the row's own
+    generator (on the CPU, so the draw is the same on every device) -> (N,) long."""
+    # u in (0, 1]: the first token whose CDF reaches u·total always has a positive probability
+    u = 1.0 - torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in gens]).to(probs.device)
+    cdf = probs.double().cumsum(-1)                                                  # (N, V)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
 class HFEngine(TokenizerEngine):
     """transformers engine: model work runs in a worker thread (``*_sync`` methods)."""
 
@@ -222,7 +239,10 @@ class HFEngine(TokenizerEngine):
         with self.lock:
             for (temperature, top_p, top_k, max_new), idx in by_params.items():
                 rows = [(i, requests[i].prompt_token_ids) for i in idx for _ in range(requests[i].n)]
-                comps = self._generate_rows([p for _, p in rows], temperature, top_p, top_k, max_new)
+                seeds = [None if requests[i].seed is None else row_seed(requests[i].seed, k)
+                         for i in idx for k in range(requests[i].n)]
+                comps = self._generate_rows([p for _, p in rows], temperature, top_p, top_k, max_new,
+                                            seeds if any(x is not None for x in seeds) else None)
                 for i in idx:
                     results[i] = []
                 for (i, _), c in zip(rows, comps):
@@ -264,8 +284,16 @@ class HFEngine(TokenizerEngine):
         return seq.to(self.device), attn.to(self.device)
 
     def _generate_rows(self, prompts: list[np.ndarray], temperature: float, top_p: float, top_k: int,
-                       max_new: int) -> list[Completion]:
+                       max_new: int, seeds: list[int | None] | None = None) -> list[Completion]:
+        """``seeds``: a seed per row (None for a row of an unseeded request): a seeded row draws
+        each token by inverting its CDF at a uniform from a generator of its own, so its
+        completion depends on its seed and the logits alone (not on the other rows, nor on what
+        ran before); without seeds, ``torch.multinomial`` on the process's generator."""
         self.generate_calls += 1
+        gens = None
+        if seeds is not None:
+            gens = [torch.Generator().manual_seed(x if x is not None else int(torch.randint(0, 2**62, ())))
+                    for x in seeds]
         n = len(prompts)
         # Rows with the same prompt (a group: n completions of one prompt) share its prefill: each
         # distinct prompt is run once and its KV cache and logits are copied to its rows (vLLM's
@@ -291,7 +319,10 @@ class HFEngine(TokenizerEngine):
         toks, lps, vers = [], [], []
         for step in range(max_new):
             scores = procs(seq, logits)                                              # (N, V) processed
-            nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)    # (N,)
+            if gens is None:
+                nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)    # (N,)
+            else:
+                nxt = seeded_draw(torch.softmax(scores, dim=-1), gens)
             lp = torch.log_softmax(scores, dim=-1).gather(1, nxt[:, None]).squeeze(1)
             nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
             toks.append(nxt)

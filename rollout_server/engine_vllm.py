@@ -208,7 +208,7 @@ class VLLMEngine(TokenizerEngine):
 
         return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k if r.top_k > 0 else -1, max_tokens=max_tokens,
-                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, seed=r.seed)
 
     async def _run(self, prompt: list[int], params, lora: _Lora | None):
         """Submit one vLLM request and return its final ``RequestOutput``."""

@@ -677,6 +677,12 @@ class SamplingSettings(BaseModel):
     """Nucleus sampling threshold; only 1.0 (the recompute has no truncation: see the validator)."""
     max_new_tokens: int = Field(4, ge=1, le=MAX_NEW_TOKENS_LIMIT)
     """Completion length limit sent with every assignment; a longer completion is refused."""
+    seed_per_assignment: bool = False
+    """Each assignment's completions are drawn from a seed of their own (learner.seed and the
+    assignment's number; completion i from a generator seeded by it and i): the same assignment
+    on the same weights gives the same completions whatever else a server generates, so a
+    resumed run replays an uninterrupted one's samples. vLLM draws seeded requests on a slower
+    path; false: the engines' own randomness."""
 
 
 class WeightsSettings(BaseModel):

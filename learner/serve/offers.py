@@ -53,10 +53,13 @@ class LearnerOffers:
         if p is None:
             return None                       # a finite dataset is used up (learner.data.prompts)
         run.assignment_counter += 1
+        sampling = self.sampling()
+        if self.cfg.sampling.seed_per_assignment:
+            sampling.seed = (self.cfg.seed * 1_000_003 + run.assignment_counter) % (protocol.SEED_MAX + 1)
         return protocol.Assignment(
             assignment_id=f"{run.run_id}-a{run.assignment_counter}", prompt_id=p["prompt_id"],
             prompt_token_ids=p["prompt_token_ids"], group_size=self.cfg.batch.group_size,
-            version=run.version, prompt_text=p["prompt"], sampling=self.sampling(),
+            version=run.version, prompt_text=p["prompt"], sampling=sampling,
             metadata={"answer": p["answer"], **p.get("metadata", {}),
                       **({protocol.BUCKET_KEY: p["bucket"]} if "bucket" in p else {})},
             deadline_s=self.cfg.servers.lease_timeout_s)

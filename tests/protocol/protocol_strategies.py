@@ -131,7 +131,8 @@ def acks(draw) -> Ack:
 
 sampling_params = st.builds(
     SamplingParams, temperature=st.floats(1e-6, 1e6), top_p=st.floats(1e-9, 1.0),
-    top_k=nats, max_new_tokens=st.integers(1, MAX_NEW_TOKENS_LIMIT))
+    top_k=nats, max_new_tokens=st.integers(1, MAX_NEW_TOKENS_LIMIT),
+    seed=st.none() | st.integers(0, (1 << 63) - 1))
 
 MESSAGE_STRATEGIES: dict[type, st.SearchStrategy] = {
     Hello: st.builds(Hello, server_id=ids, engine=texts, model=texts, version=nats,

@@ -57,7 +57,7 @@ def test_wire_field_order_is_pinned():
     assert {name: wire_field_names(cls) for name, cls in protocol.MESSAGE_TYPES.items()} == expected
     # nested records are positional too
     assert wire_field_names(protocol.SamplingParams) == ("temperature", "top_p", "top_k",
-                                                         "max_new_tokens")
+                                                         "max_new_tokens", "seed")   # seed: 3.4
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
     assert wire_field_names(protocol.LoraSpec) == ("r", "lora_alpha", "lora_dropout",
                                                    "target_modules", "bias", "use_rslora",
@@ -308,3 +308,22 @@ def test_array_dtypes_travel_with_every_sample_and_are_enforced():
     sample[SAMPLE_FIELDS.index("array_dtypes")] = "<i8,<i4,<f4,<i4"
     with pytest.raises(protocol.ProtocolError, match=r"samples\[0\]\.array_dtypes: '<i8"):
         decode([header, msgpack.packb(wire)])
+
+
+def test_a_3_3_assignment_has_no_seed_and_a_3_4_seed_round_trips():
+    """SamplingParams.seed (3.4, issue 27.9): absent from a 3.3 learner's assignment -> None (the
+    engine's own randomness); a seed round-trips; negative or past 2^63 - 1 is refused."""
+    a = protocol.Assignment(assignment_id="a-1", prompt_id="p", prompt_token_ids=np.arange(3, dtype=np.int32),
+                            group_size=2, version=0, sampling=protocol.SamplingParams(seed=protocol.SEED_MAX))
+    frames = encode(a)
+    assert decode(frames).sampling.seed == protocol.SEED_MAX
+    body = msgpack.unpackb(frames[1])
+    sampling_at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 5 and v[-1] == protocol.SEED_MAX)
+    older = list(body)
+    older[sampling_at] = body[sampling_at][:4]
+    assert decode(as_minor(frames, 3, older)).sampling.seed is None
+    for bad in (-1, protocol.SEED_MAX + 1):
+        worse = list(body)
+        worse[sampling_at] = [*body[sampling_at][:4], bad]
+        with pytest.raises(ProtocolError, match="seed"):
+            decode([frames[0], msgpack.packb(worse)])

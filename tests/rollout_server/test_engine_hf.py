@@ -98,3 +98,34 @@ def test_rows_of_one_prompt_share_its_prefill(engine):
     for prompt, comps in zip((a, b, a), out):
         lp, bt = _recompute(engine, prompt, comps, 1.0)
         assert torch.allclose(lp[bt.mask.bool()], bt.behavior_logprobs[bt.mask.bool()], atol=2e-4)
+
+
+def test_a_seeded_assignment_gives_the_same_completions_whatever_else_runs(engine):
+    """issue 27.9 (groundwork): SamplingParams.seed: each completion of a seeded request is drawn
+    from a generator of its own, so the request alone decides its tokens: the same in another
+    batch, after other draws, in another order; another seed gives others."""
+    a, b = _prompt(engine, "12+7="), _prompt(engine, "123+4567=")
+    seeded = GenRequest(a, 4, temperature=1.0, max_new_tokens=8, seed=11)
+    alone = engine.generate_sync([seeded])[0]
+    torch.manual_seed(999)                                   # the process RNG moved on
+    engine.generate_sync([GenRequest(b, 3, max_new_tokens=8)])
+    crowd = engine.generate_sync([GenRequest(b, 2, max_new_tokens=8), seeded,
+                                  GenRequest(b, 5, max_new_tokens=8, seed=12)])[1]
+    assert [c.token_ids.tolist() for c in crowd] == [c.token_ids.tolist() for c in alone]
+    np.testing.assert_allclose(np.concatenate([c.logprobs for c in crowd]),
+                               np.concatenate([c.logprobs for c in alone]), rtol=1e-5, atol=1e-5)
+    other = engine.generate_sync([GenRequest(a, 4, temperature=1.0, max_new_tokens=8, seed=12)])[0]
+    assert [c.token_ids.tolist() for c in other] != [c.token_ids.tolist() for c in alone]
+    assert len({tuple(c.token_ids.tolist()) for c in alone}) > 1       # the 4 rows differ
+
+
+def test_the_seeded_draw_is_the_categorical_distribution():
+    """The inverse-CDF draw samples the same distribution torch.multinomial does."""
+    from rollout_server.engine_hf import seeded_draw
+
+    probs = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0]])
+    gens = [torch.Generator().manual_seed(i) for i in range(20000)]
+    draws = torch.cat([seeded_draw(probs, [g]) for g in gens])
+    freq = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert torch.allclose(freq, probs[0].double(), atol=0.012), freq             # ~3.5 sd of 0.0035
+    assert int(draws.max()) <= 3                                                 # never a zero-probability token

@@ -196,6 +196,22 @@ async def test_top_k_and_top_p_logprobs_are_of_the_truncated_distribution(ctx):
     assert (behavior > lp + 1e-3).any()
 
 
+@shared_loop
+async def test_a_seeded_request_gives_the_same_completions_beside_other_work(ctx):
+    """issue 27.9 (groundwork): SamplingParams.seed reaches vLLM's per-request seed: the same
+    seeded request alone and beside other requests samples the same completions, its n rows
+    differ from each other, and another seed gives others."""
+    eng = ctx.engine
+    a, b = _prompt(eng, "12+7="), _prompt(eng, "3+4=")
+    seeded = GenRequest(a, 4, max_new_tokens=8, seed=11)
+    (alone,) = await eng.generate([seeded])
+    crowd = await eng.generate([GenRequest(b, 3, max_new_tokens=8), seeded, GenRequest(b, 2, max_new_tokens=8)])
+    assert [c.token_ids.tolist() for c in crowd[1]] == [c.token_ids.tolist() for c in alone]
+    (other,) = await eng.generate([GenRequest(a, 4, max_new_tokens=8, seed=12)])
+    assert [c.token_ids.tolist() for c in other] != [c.token_ids.tolist() for c in alone]
+    assert len({tuple(c.token_ids.tolist()) for c in alone}) > 1
+
+
 # ---- full weights ---------------------------------------------------------------------------
 
 @shared_loop
