@@ -600,9 +600,11 @@ class DataSettings(BaseModel):
     dataset_split: str = "train"
     """Split to read from a datasets directory holding a DatasetDict."""
     prompt_key: str = "prompt"
-    """Column (key) of a row holding the prompt: a string, or a list of chat messages."""
+    """Column (key) of a row holding the prompt: a string, or a list of chat messages; a dotted
+    name reaches into a nested column."""
     answer_key: str = "answer"
-    """Column (key) of a row holding the answer the reward function checks."""
+    """Column (key) of a row holding the answer the reward function checks; a dotted name reaches
+    into a nested column (verl's RL parquet: reward_model.ground_truth)."""
     chat_template: Literal["auto", "always", "never"] = "auto"
     """Format prompts with the tokenizer's chat template: auto (when the prompt is a list of
     messages, or system_prompt is set, and the tokenizer has a template), always (refuse to start

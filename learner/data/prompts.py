@@ -115,13 +115,34 @@ def _messages(value: Any) -> bool:
                     and isinstance(m.get("content"), str) for m in value))
 
 
+_MISSING = object()
+
+
+def _lookup(record: dict, key: str) -> Any:
+    """``record[key]``, or, for a dotted ``key`` that is not a column itself, the nested field it
+    names (``reward_model.ground_truth``: verl's RL parquet keeps the answer there); ``_MISSING``
+    when there is none."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split(".") if "." in key else ():
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value if "." in key else _MISSING
+
+
 def make_row(record: Any, where: str, prompt_key: str = "prompt", answer_key: str = "answer",
              what: str = WHAT) -> dict:
-    """One checked row ``{"prompt": str | messages, "answer": str, "metadata": dict}``."""
-    if not isinstance(record, dict) or prompt_key not in record or answer_key not in record:
+    """One checked row ``{"prompt": str | messages, "answer": str, "metadata": dict}``. A key may
+    be a dotted path into a nested column (:func:`_lookup`); the metadata is every column but the
+    two named at the top level (a nested one stays whole: the reward may want its other fields)."""
+    prompt = _lookup(record, prompt_key) if isinstance(record, dict) else _MISSING
+    answer = _lookup(record, answer_key) if isinstance(record, dict) else _MISSING
+    if prompt is _MISSING or answer is _MISSING:
         raise StartupError(f"{what}: {where}: each row needs an object with {prompt_key!r} and "
-                           f"{answer_key!r} (learner.data.prompt_key / learner.data.answer_key name them)")
-    prompt, answer = record[prompt_key], record[answer_key]
+                           f"{answer_key!r} (learner.data.prompt_key / learner.data.answer_key name them; "
+                           "a dotted name reaches into a nested column)")
     if isinstance(prompt, (list, tuple)) or (isinstance(prompt, np.ndarray) and prompt.dtype == object):
         prompt = [_plain(m, where) for m in prompt]
         if not _messages(prompt):

@@ -361,3 +361,25 @@ def test_a_built_in_task_is_bucketed_too_and_resumes_exactly(tok):
     again = PromptSource("builtin:longtail", seed=4, tokenizer=tok, length_buckets=3, batch_prompts=4)
     again.load_state_dict(state)
     assert [(p["prompt_id"], p["prompt"], p["bucket"]) for p in again.take(40)] == rest
+
+
+def test_a_dotted_key_reaches_into_a_nested_column_as_verls_parquet_keeps_it(tmp_path, tok):
+    """issue 39.1: verl's RL parquet (chat-message prompt, data_source, ability, reward_model,
+    extra_info) loads with answer_key reward_model.ground_truth; every column reaches the reward;
+    a row without the nested field is one line naming it."""
+    rows_ = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
+              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i)},
+              "extra_info": {"index": i, "split": "train"}} for i in range(4)]
+    path = write(tmp_path, "parquet", rows_)
+    src = PromptSource(path, seed=0, answer_key="reward_model.ground_truth")
+    items = src.take(4)
+    assert sorted(it["answer"] for it in items) == ["0", "1", "2", "3"]
+    first = next(it for it in items if it["answer"] == "0")
+    assert first["metadata"]["reward_model"] == {"style": "rule", "ground_truth": "0"}
+    assert first["metadata"]["data_source"] == "openai/gsm8k" and first["metadata"]["extra_info"]["index"] == 0
+    # a column whose own name has a dot is taken as it is
+    dotted = write(tmp_path, "jsonl", [{"q.text": "q1", "answer": 1}])
+    assert PromptSource(dotted, seed=0, prompt_key="q.text").take(1)[0]["prompt"] == "q1"
+    bad = write(tmp_path, "jsonl", [{"prompt": "q", "reward_model": {"style": "rule"}}])
+    with pytest.raises(StartupError, match=r"d.jsonl:1: .*'reward_model.ground_truth'"):
+        PromptSource(bad, seed=0, answer_key="reward_model.ground_truth")
