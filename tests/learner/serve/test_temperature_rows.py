@@ -123,3 +123,25 @@ def test_intake_stamps_the_learners_temperature_over_the_servers():
     stray.assignment_id = "gone"
     intake.stamp(stray)
     assert stray.sampling_temperature is None
+
+
+def test_intake_takes_a_samples_dataset_from_its_assignment_never_from_the_server():
+    """A server that names a dataset of a mixture itself (to skew the per-dataset statistics, or
+    outside any mixture) is not believed: the assignment's name replaces it, and without one it
+    is removed; the server's other metadata stays."""
+    buf = RolloutBuffer(batch_samples=4, group_size=2, max_staleness=3)
+    mixed = protocol.Assignment(assignment_id="a1", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
+                                group_size=2, version=0, metadata={protocol.DATASET_KEY: "facts"})
+    plain = protocol.Assignment(assignment_id="a2", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
+                                group_size=2, version=0)
+    buf.issue("a1", "s", 2, payload=mixed)
+    buf.issue("a2", "s", 2, payload=plain)
+    intake = Intake(buf, vocab_size=50, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 1,
+                    metrics=LearnerMetrics())
+    lie = {protocol.DATASET_KEY: "arith", "other": 1}
+    s1 = samples_for(mixed, version=0, metadata=dict(lie))[0]
+    s2 = samples_for(plain, version=0, metadata=dict(lie))[0]
+    intake.stamp(s1)
+    intake.stamp(s2)
+    assert s1.metadata == {protocol.DATASET_KEY: "facts", "other": 1}
+    assert s2.metadata == {"other": 1}
