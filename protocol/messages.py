@@ -85,6 +85,10 @@ DATASET_KEY = "slipstream_dataset"
 """An assignment's metadata key naming the dataset of a mixture its prompt came from
 (``learner.data.datasets``): the rollout server picks the reward by it
 (``rollout.reward.by_dataset``), the learner counts per-dataset statistics by it."""
+PROMPT_MESSAGES_KEY = "slipstream_prompt_messages"
+"""An assignment's metadata key holding its prompt's chat messages as the dataset has them (set
+when the row's prompt is a list of messages; ``prompt_text`` is them after the chat template):
+TRL-style rewards get them as ``prompts``."""
 SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior log-probs, versions
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")

@@ -184,8 +184,10 @@ class RewardSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
 
     fn: str | list[str] = "builtin:exact_numeric"
-    """Reward function(s): builtin:exact_numeric|format|length_penalty|reward_model or
-    "module:function" (sync or async); a list adds their parts."""
+    """Reward function(s): builtin:exact_numeric|format|length_penalty|reward_model,
+    "module:function" (fn(prompt, completion, metadata), sync or async), "trl:module:function" (a
+    TRL GRPOTrainer reward, called as TRL calls it, once per group) or "verl:module:function" (a
+    verl compute_score); a list adds their parts."""
     weights: dict[str, float] = Field(default_factory=dict)
     """Weight per reward part name (e.g. {exact_numeric: 1.0, format: 0.1}); unnamed parts weigh 1."""
     threads: int = Field(4, ge=1)

@@ -25,7 +25,13 @@ Built-ins: ``exact_numeric`` (GSM8K ``#### 42`` / ``\\boxed{42}`` answer vs ``me
 (``-length_penalty_per_token · max(0, tokens - length_free_tokens)``, tokens from
 ``metadata["completion_tokens"]``, which the server sets), ``reward_model`` (see
 :class:`RewardModelScorer`). The service adds ``completion_tokens`` and ``finish_reason`` to a
-copy of the assignment's metadata before calling any reward.
+copy of the assignment's metadata before calling any reward, and ``completion_ids`` (the
+completion's token ids, an int32 array) and ``policy_version`` (the oldest version among its
+tokens).
+
+``trl:module:function`` and ``verl:module:function`` call a TRL or a verl reward function with
+its own conventions (:mod:`rollout_server.reward_adapters`). A ``module:function`` that cannot
+take ``(prompt, completion, metadata)`` is refused at start-up.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import Any
 
 from protocol.messages import DATASET_KEY
 from rollout_server.config import RewardOptions
+from rollout_server.reward_adapters import TrlReward, VerlReward, check_arity
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -100,11 +107,14 @@ def _inline(fn: Callable) -> Callable:
     return fn
 
 
-def _import(spec: str) -> Callable:
-    module_name, _, attr = spec.partition(":")
+def _import(target: str, spec: str | None = None) -> Callable:
+    """``module:function`` -> the callable; ``spec`` is the whole spec, for the error."""
+    spec = spec or target
+    module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise ValueError(f"reward {spec!r}: expected builtin:NAME (exact_numeric, format, "
-                         f"length_penalty, reward_model) or 'module:function'")
+                         f"length_penalty, reward_model), 'module:function', 'trl:module:function' "
+                         f"or 'verl:module:function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -137,7 +147,15 @@ def load_reward(spec: str, options: RewardOptions | None = None) -> Callable:
         raise ValueError(f"reward {spec!r}: unknown built-in; choose builtin:exact_numeric, "
                          f"builtin:exact_match, builtin:format, builtin:length_penalty or "
                          f"builtin:reward_model")
-    return _import(spec)
+    if spec.startswith("trl:"):
+        return TrlReward(_import(spec[4:], spec), spec)
+    if spec.startswith("verl:"):
+        return VerlReward(_import(spec[5:], spec), spec)
+    fn = _import(spec)
+    if not getattr(fn, "batched", False):
+        check_arity(fn, spec, "fn(prompt, completion, metadata); a TRL or verl function takes "
+                    "the trl: or verl: prefix")
+    return fn
 
 
 class RewardModelScorer:
@@ -233,7 +251,7 @@ class RewardModelScorer:
 
 
 def _part_name(spec: str) -> str:
-    return spec.partition(":")[2] or spec
+    return spec.rpartition(":")[2] or spec
 
 
 @dataclass
@@ -246,15 +264,26 @@ class Scored:
     timed_out: bool = False       # failed because a call exceeded reward_timeout_s
 
 
-def _as_parts(name: str, value: Any) -> dict[str, float]:
-    if isinstance(value, dict):
+def _as_parts(name: str, value: Any, score_key: str | None = None) -> tuple[dict[str, float], set[str]]:
+    """A function's value as parts, and the names among them reported beside the total but not in
+    it (a verl dict's keys other than ``score_key``)."""
+    info: set[str] = set()
+    if isinstance(value, dict) and score_key is not None:
+        if score_key not in value:
+            raise ValueError(f"returned a dict without {score_key!r}: keys {sorted(map(str, value))[:8]}")
+        parts = {name: float(value[score_key])}
+        for k, v in value.items():
+            if k != score_key and isinstance(v, (int, float)):     # verl's "pred" strings are left out
+                parts[f"{name}/{k}"] = float(v)
+                info.add(f"{name}/{k}")
+    elif isinstance(value, dict):
         parts = {str(k): float(v) for k, v in value.items()}
     else:
         parts = {name: float(value)}
     bad = {k: v for k, v in parts.items() if not math.isfinite(v)}
     if bad:
         raise ValueError(f"reward returned a non-finite value: {bad}")
-    return parts
+    return parts, info
 
 
 class RewardPool:
@@ -388,12 +417,22 @@ class Rewarder:
 
     async def _score(self, items: list[tuple[str, str, dict]], fns: list) -> list[Scored]:
         parts: list[dict[str, float]] = [{} for _ in items]
+        info: list[set[str]] = [set() for _ in items]     # parts reported, not summed
         failed: list[str | None] = [None] * len(items)
         timed_out = [False] * len(items)
+        skipped = [0] * len(items)                          # None answers of a TRL function
+
+        def add(i: int, name: str, fn: Callable, value: Any) -> None:
+            if value is None and getattr(fn, "none_skips", False):
+                skipped[i] += 1
+                return
+            p, names = _as_parts(name, value, getattr(fn, "score_key", None))
+            parts[i].update(p)
+            info[i] |= names
 
         async def one(i: int, name: str, fn: Callable) -> None:
             try:   # a user reward function may raise anything: that sample fails, we go on
-                parts[i].update(_as_parts(name, await self._call(fn, *items[i])))
+                add(i, name, fn, await self._call(fn, *items[i]))
             except PLUGIN_ERRORS as e:
                 failed[i], timed_out[i] = self._failure(name, e)
 
@@ -418,15 +457,18 @@ class Rewarder:
                 continue
             for i, v in zip(live, values):
                 try:
-                    parts[i].update(_as_parts(name, v))
+                    add(i, name, fn, v)
                 except PLUGIN_ERRORS as e:
                     failed[i], timed_out[i] = self._failure(name, e)
         out = []
         for i in range(len(items)):
+            if not failed[i] and skipped[i] and not parts[i]:
+                failed[i] = (f"reward: skipped: every reward function returned None for this sample "
+                             f"({skipped[i]} of {len(fns)}; TRL's 'does not apply')")
             if failed[i]:
                 out.append(Scored(failed=failed[i], parts={}, timed_out=timed_out[i]))
             else:
-                total = sum(self.weights.get(k, 1.0) * v for k, v in parts[i].items())
+                total = sum(self.weights.get(k, 0.0 if k in info[i] else 1.0) * v for k, v in parts[i].items())
                 out.append(Scored(total=total, parts=parts[i]))
         return out
 

@@ -589,6 +589,10 @@ class DatasetMix(BaseModel):
         return "".join(c if c.isalnum() or c in "_.-" else "_" for c in stem)[:64] or "dataset"
 
 
+PRESET_ANSWER_KEYS: dict[str, str | None] = {"verl": "reward_model.ground_truth", "trl": None}
+"""learner.data.preset: the answer_key each preset implies (prompt_key is "prompt" in both)."""
+
+
 class DataSettings(BaseModel):
     """``learner.data``: The training prompts: where they come from and how they are formatted and ordered."""
 
@@ -599,12 +603,20 @@ class DataSettings(BaseModel):
     datasets' save_to_disk; each row needs prompt_key and answer_key."""
     dataset_split: str = "train"
     """Split to read from a datasets directory holding a DatasetDict."""
+    preset: Literal["trl", "verl"] | None = None
+    """A dataset laid out as another trainer's, read as it is: verl (verl's RL parquet: prompt
+    chat messages, the answer at reward_model.ground_truth, data_source / ability / extra_info
+    passed on) or trl (TRL's prompt-only and conversational formats: a prompt column and no
+    answer column; every other column reaches the reward). It sets prompt_key and answer_key
+    where they are not given."""
     prompt_key: str = "prompt"
     """Column (key) of a row holding the prompt: a string, or a list of chat messages; a dotted
     name reaches into a nested column."""
-    answer_key: str = "answer"
-    """Column (key) of a row holding the answer the reward function checks; a dotted name reaches
-    into a nested column (verl's RL parquet: reward_model.ground_truth)."""
+    answer_key: str | None = "answer"
+    """Column (key) of a row holding the answer the reward function checks (the reward's
+    metadata["answer"]); a dotted name reaches into a nested column (verl's RL parquet:
+    reward_model.ground_truth); null: the rows have no answer column (TRL's datasets: the reward
+    reads its own columns)."""
     chat_template: Literal["auto", "always", "never"] = "auto"
     """Format prompts with the tokenizer's chat template: auto (when the prompt is a list of
     messages, or system_prompt is set, and the tokenizer has a template), always (refuse to start
@@ -629,6 +641,14 @@ class DataSettings(BaseModel):
     of every dataset is in the checkpoint), tagged with its name for the per-dataset reward and
     metrics. Each dataset is endless (a file starts a new seeded order when it is used up), so
     epochs and length_buckets stay 0 beside it, and dataset is not used."""
+
+    @model_validator(mode="after")
+    def _preset(self) -> DataSettings:
+        if self.preset is not None and "answer_key" not in self.model_fields_set:
+            # object.__setattr__: no validate_assignment recursion, and answer_key stays unset (a
+            # later preset change sets it again).
+            object.__setattr__(self, "answer_key", PRESET_ANSWER_KEYS[self.preset])
+        return self
 
     @model_validator(mode="after")
     def _mixture(self) -> DataSettings:

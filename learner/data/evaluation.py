@@ -186,7 +186,7 @@ class Evaluation:
             assignment_id=lease.assignment_id, prompt_id=p["prompt_id"],
             prompt_token_ids=p["prompt_token_ids"], group_size=1, version=self.version(),
             prompt_text=p["prompt"], sampling=self.sampling,
-            metadata={"answer": p["answer"], **p.get("metadata", {})},
+            metadata={**({"answer": p["answer"]} if p["answer"] is not None else {}), **p.get("metadata", {})},
             deadline_s=self.lease_timeout_s, attempt=lease.attempt)
 
     # ---- losing leases (called by Admission) -----------------------------------------------------

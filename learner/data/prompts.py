@@ -11,11 +11,14 @@ Sources (``learner.data.dataset``; ``learner.evaluation.data`` takes the same):
                          offline (nothing is fetched from the Hub)
 
 Rows. Each row needs ``prompt_key`` (a string, or a list of chat messages ``{"role", "content"}``)
-and ``answer_key`` (a string or number); every other field of the row goes unchanged into the
-prompt's ``metadata``, which travels with the assignment to the reward function (as plain msgpack
-values: NumPy scalars and arrays become numbers and lists). A stream item is::
+and ``answer_key`` (a string or number; none with ``answer_key: null``, TRL's datasets); every
+other field of the row goes unchanged into the prompt's ``metadata``, which travels with the
+assignment to the reward function (as plain msgpack values: NumPy scalars and arrays become
+numbers and lists), and so do a prompt's chat messages (``protocol.PROMPT_MESSAGES_KEY``).
+``learner.data.preset`` (trl, verl) sets the two keys for another trainer's layout. A stream
+item is::
 
-    {"prompt_id": "p<i>", "prompt": str, "answer": str, "metadata": dict,
+    {"prompt_id": "p<i>", "prompt": str, "answer": str | None, "metadata": dict,
      "prompt_token_ids": int32 array}          # the last one once a tokenizer is attached
 
 where ``prompt`` is the text the model sees (after the chat template). The learner sends these
@@ -77,7 +80,7 @@ import numpy as np
 from learner.config import DataSettings
 from learner.data.tasks import get_task, is_builtin
 from protocol.errors import ProtocolError, StartupError
-from protocol.messages import DATASET_KEY
+from protocol.messages import DATASET_KEY, PROMPT_MESSAGES_KEY
 from protocol.schema import check_plain
 
 WHAT = "learner.data.dataset"
@@ -132,16 +135,19 @@ def _lookup(record: dict, key: str) -> Any:
     return value if "." in key else _MISSING
 
 
-def make_row(record: Any, where: str, prompt_key: str = "prompt", answer_key: str = "answer",
+def make_row(record: Any, where: str, prompt_key: str = "prompt", answer_key: str | None = "answer",
              what: str = WHAT) -> dict:
-    """One checked row ``{"prompt": str | messages, "answer": str, "metadata": dict}``. A key may
-    be a dotted path into a nested column (:func:`_lookup`); the metadata is every column but the
-    two named at the top level (a nested one stays whole: the reward may want its other fields)."""
+    """One checked row ``{"prompt": str | messages, "answer": str | None, "metadata": dict}``. A
+    key may be a dotted path into a nested column (:func:`_lookup`); the metadata is every column
+    but the two named at the top level (a nested one stays whole: the reward may want its other
+    fields), and a prompt of chat messages also as they are (``protocol.PROMPT_MESSAGES_KEY``:
+    TRL's conversational rewards take them). ``answer_key`` None: no answer (None)."""
     prompt = _lookup(record, prompt_key) if isinstance(record, dict) else _MISSING
-    answer = _lookup(record, answer_key) if isinstance(record, dict) else _MISSING
+    answer = (None if answer_key is None else _lookup(record, answer_key)) if isinstance(record, dict) else _MISSING
     if prompt is _MISSING or answer is _MISSING:
-        raise StartupError(f"{what}: {where}: each row needs an object with {prompt_key!r} and "
-                           f"{answer_key!r} (learner.data.prompt_key / learner.data.answer_key name them; "
+        needs = repr(prompt_key) if answer_key is None else f"{prompt_key!r} and {answer_key!r}"
+        raise StartupError(f"{what}: {where}: each row needs an object with {needs} "
+                           f"(learner.data.prompt_key / learner.data.answer_key name them; "
                            "a dotted name reaches into a nested column)")
     if isinstance(prompt, (list, tuple)) or (isinstance(prompt, np.ndarray) and prompt.dtype == object):
         prompt = [_plain(m, where) for m in prompt]
@@ -152,18 +158,20 @@ def make_row(record: Any, where: str, prompt_key: str = "prompt", answer_key: st
         raise StartupError(f"{what}: {where}: {prompt_key!r} must be a string or a list of chat "
                            f"messages, got {type(prompt).__name__}")
     answer = _plain(answer, where)
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+    if answer_key is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
         raise StartupError(f"{what}: {where}: {answer_key!r} must be a string or a number, got "
                            f"{type(answer).__name__}")
     metadata = {str(k): _plain(v, where) for k, v in record.items() if k not in (prompt_key, answer_key)}
+    if isinstance(prompt, list):
+        metadata[PROMPT_MESSAGES_KEY] = prompt
     try:
         check_plain(metadata, "metadata")
     except ProtocolError as e:
         raise StartupError(f"{what}: {where}: {e} (metadata must be plain data)") from None
-    return {"prompt": prompt, "answer": str(answer), "metadata": metadata}
+    return {"prompt": prompt, "answer": None if answer is None else str(answer), "metadata": metadata}
 
 
-def read_jsonl(spec: str, prompt_key: str = "prompt", answer_key: str = "answer",
+def read_jsonl(spec: str, prompt_key: str = "prompt", answer_key: str | None = "answer",
                what: str = WHAT) -> list[dict]:
     """The rows of a JSONL dataset (checked: a bad line names its number)."""
     path = Path(spec)
@@ -238,7 +246,7 @@ def _read_saved(path: Path, split: str, what: str) -> list:
 
 
 def read_rows(spec: str, *, split: str = "train", prompt_key: str = "prompt",
-              answer_key: str = "answer", what: str = WHAT) -> list[dict]:
+              answer_key: str | None = "answer", what: str = WHAT) -> list[dict]:
     """The checked rows of a dataset file or directory (see the module docstring)."""
     path = Path(spec)
     if not path.exists():
@@ -330,7 +338,7 @@ class PromptSource:
     :meth:`attach` (or ``tokenizer=``) formats, tokenizes, filters and buckets it."""
 
     def __init__(self, spec: str, seed: int = 0, *, split: str = "train", prompt_key: str = "prompt",
-                 answer_key: str = "answer", chat_template: str = "auto",
+                 answer_key: str | None = "answer", chat_template: str = "auto",
                  system_prompt: str | None = None, max_prompt_tokens: int = 0, shuffle: bool = True,
                  epochs: int = 0, length_buckets: int = 0, batch_prompts: int = 1,
                  tokenizer=None, encode: Callable[[str], np.ndarray] | None = None,

@@ -60,6 +60,6 @@ class LearnerOffers:
             assignment_id=f"{run.run_id}-a{run.assignment_counter}", prompt_id=p["prompt_id"],
             prompt_token_ids=p["prompt_token_ids"], group_size=self.cfg.batch.group_size,
             version=run.version, prompt_text=p["prompt"], sampling=sampling,
-            metadata={"answer": p["answer"], **p.get("metadata", {}),
+            metadata={**({"answer": p["answer"]} if p["answer"] is not None else {}), **p.get("metadata", {}),
                       **({protocol.BUCKET_KEY: p["bucket"]} if "bucket" in p else {})},
             deadline_s=self.cfg.servers.lease_timeout_s)

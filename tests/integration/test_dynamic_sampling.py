@@ -6,13 +6,10 @@ and exit code 5 instead of issuing work forever."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-import yaml
 from config_kit import nested, rollout_nested
+from run_kit import slipstream_run
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +28,6 @@ def coin(prompt, completion, metadata):
 
 
 def _run(tmp_path, subprocess_env, process_groups, reward: str, steps: int, batch: dict):
-    (tmp_path / "ds_rewards.py").write_text(REWARDS)
     model = subprocess_env["TINY_MODEL_DIR"]
     cfg = {"model": model,
            "learner": nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
@@ -39,12 +35,7 @@ def _run(tmp_path, subprocess_env, process_groups, reward: str, steps: int, batc
                               "run_dir": str(tmp_path / "run"), "save_every": 0, "batch": batch}),
            "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 8, "reward": f"ds_rewards:{reward}"}),
            "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(subprocess_env, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), subprocess_env.get("PYTHONPATH")])))
-    proc = process_groups.popen([sys.executable, "-m", "deploy.cli", "run", "--config", str(tmp_path / "run.yaml")],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=300)
-    return proc.returncode, out
+    return slipstream_run(tmp_path, cfg, subprocess_env, process_groups, plugins={"ds_rewards.py": REWARDS})
 
 
 @pytest.fixture

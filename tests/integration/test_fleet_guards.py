@@ -20,19 +20,17 @@ return it does not starve the run, and a reward that always fails stops it with 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 import zmq
 import zmq.asyncio
 from config_kit import nested, rollout_nested
 from load_kit import control_status, hoarder, scrape, start_learner, total
+from run_kit import slipstream_run
 
 import protocol
 
@@ -122,7 +120,6 @@ def leave(prompt, completion, metadata):
 
 def test_a_reward_that_always_fails_stops_the_run_with_one_line(tmp_path, tiny_model_dir,
                                                                  subprocess_env, process_groups):
-    (tmp_path / "leaving_reward.py").write_text(EXITING_REWARD)
     cfg = {"model": tiny_model_dir,
            "learner": nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                               "total_steps": 50, "batch_prompts": 2, "group_size": 2, "max_new_tokens": 4,
@@ -130,18 +127,13 @@ def test_a_reward_that_always_fails_stops_the_run_with_one_line(tmp_path, tiny_m
                               "servers": {"no_valid_sample_timeout_s": 4.0}}),
            "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 4, "reward": "leaving_reward:leave"}),
            "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(subprocess_env, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path),
-                                                                        subprocess_env.get("PYTHONPATH")])))
     start = time.monotonic()
-    proc = process_groups.popen([sys.executable, "-m", "deploy.cli", "run", "--config", str(tmp_path / "run.yaml")],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=tmp_path)
-    out, _ = proc.communicate(timeout=180)
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups, timeout_s=180,
+                               plugins={"leaving_reward.py": EXITING_REWARD})
     took = time.monotonic() - start
     reasons = [line for line in out.splitlines() if "stopping: no valid sample" in line]
-    print(f"exit {proc.returncode} after {took:.1f} s; {reasons}")
-    assert proc.returncode == 5, out[-3000:]
+    print(f"exit {code} after {took:.1f} s; {reasons}")
+    assert code == 5, out[-3000:]
     assert len(reasons) == 1, out[-3000:]
     # why, by reason, and the plug-in's last error: "... [reward 1290]; last error: reward leave: SystemExit: 3"
     assert "[reward " in reasons[0] and reasons[0].endswith("reward leave: SystemExit: 3"), reasons

@@ -6,13 +6,10 @@ and sample count per step."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-import yaml
 from config_kit import nested, rollout_nested
+from run_kit import slipstream_run, step_rows
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +21,6 @@ def quarter(prompt, completion, metadata):
 
 
 def test_each_dataset_is_scored_by_its_reward_and_reported(tmp_path, tiny_model_dir, subprocess_env, process_groups):
-    (tmp_path / "mix_reward.py").write_text(REWARD)
     facts = tmp_path / "facts.jsonl"
     facts.write_text("\n".join(json.dumps({"question": f"{i}+{i}=", "answer": 2 * i}) for i in range(10)))
     steps = 4
@@ -38,13 +34,9 @@ def test_each_dataset_is_scored_by_its_reward_and_reported(tmp_path, tiny_model_
                                    "reward": "mix_reward:quarter"}]}}),
            "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 8}),
            "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    env = dict(subprocess_env, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), subprocess_env.get("PYTHONPATH")])))
-    proc = process_groups.popen([sys.executable, "-m", "deploy.cli", "run", "--config", str(tmp_path / "run.yaml")],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups, plugins={"mix_reward.py": REWARD})
+    assert code == 0, out[-3000:]
+    rows = step_rows(tmp_path / "run")
     assert len(rows) == steps
     for r in rows:
         counts = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("dataset_samples/")}

@@ -57,7 +57,10 @@ def _events(proc, until: str, timeout_s: float = 30) -> list[dict]:
     out, end = [], time.monotonic() + timeout_s
     while time.monotonic() < end:
         line = proc.stdout.readline()
-        assert line, "the probe exited"
+        if not line:                # say how it ended: a signal (-10: SIGUSR1 not handled) or its error
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"the probe exited ({proc.wait(timeout=10)}) waiting for {until!r} "
+                                 f"after {out}: {err[-2000:]}")
         ev = json.loads(line)
         out.append(ev)
         if ev["event"] == until:
@@ -77,7 +80,7 @@ def _wait_for(path: Path, text: str, timeout_s: float = 10) -> str:
 def test_sigusr1_writes_the_stacks_even_from_a_blocked_loop(tmp_path, process_groups):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = process_groups.popen([sys.executable, "-c", SCRIPT, str(tmp_path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _events(proc, "ready")
     threads_file = tmp_path / f"stacks-probe-{proc.pid}.threads.txt"
     assert threads_file.exists() and threads_file.stat().st_size == 0
@@ -114,7 +117,7 @@ def test_sigusr1_writes_the_stacks_even_from_a_blocked_loop(tmp_path, process_gr
 def test_an_unused_threads_file_is_removed_at_exit(tmp_path, process_groups):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = process_groups.popen([sys.executable, "-c", SCRIPT, str(tmp_path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     _events(proc, "ready")
     proc.stdin.write("0\n\n")
     proc.stdin.flush()

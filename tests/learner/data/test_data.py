@@ -383,3 +383,30 @@ def test_a_dotted_key_reaches_into_a_nested_column_as_verls_parquet_keeps_it(tmp
     bad = write(tmp_path, "jsonl", [{"prompt": "q", "reward_model": {"style": "rule"}}])
     with pytest.raises(StartupError, match=r"d.jsonl:1: .*'reward_model.ground_truth'"):
         PromptSource(bad, seed=0, answer_key="reward_model.ground_truth")
+
+
+def test_presets_read_verl_and_trl_layouts_as_they_are(tmp_path, chat_tok):
+    """issue 39.1: learner.data.preset sets the keys of another trainer's layout (an explicit key
+    wins); TRL's rows have no answer column, and a prompt of chat messages also travels as they are
+    (protocol.PROMPT_MESSAGES_KEY), for TRL's conversational rewards."""
+    from learner.config import DataSettings
+    from protocol import PROMPT_MESSAGES_KEY
+
+    assert DataSettings(preset="verl").answer_key == "reward_model.ground_truth"
+    assert DataSettings(preset="trl").answer_key is None
+    assert DataSettings(preset="verl", answer_key="extra_info.answer").answer_key == "extra_info.answer"
+    assert DataSettings().answer_key == "answer"
+    data = LearnerConfig.model_validate(nested({"data": {"dataset": "x.jsonl", "preset": "trl"}})).data
+    assert data.answer_key is None and data.prompt_key == "prompt"
+
+    msgs = [{"role": "user", "content": "q1"}]
+    trl_rows = [{"prompt": msgs, "solution": "1", "level": 2}, {"prompt": "plain q2", "solution": "2"}]
+    src = PromptSource(write(tmp_path, "jsonl", trl_rows), seed=0, shuffle=False, answer_key=None,
+                       tokenizer=chat_tok)
+    conv, plain = src.take(2)
+    assert conv["answer"] is None and conv["metadata"] == {"solution": "1", "level": 2, PROMPT_MESSAGES_KEY: msgs}
+    assert conv["prompt"] == "u:q1.a:"                               # the text the model sees
+    assert plain["metadata"] == {"solution": "2"}                     # a text prompt is its own text
+    bad = write(tmp_path, "jsonl", [{"question": "q"}])
+    with pytest.raises(StartupError, match=r"each row needs an object with 'prompt' \("):
+        PromptSource(bad, seed=0, answer_key=None)
