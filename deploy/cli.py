@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     p.add_argument("--keys", action="store_true", help="list every key: what it takes, its default, "
                                                       "whether ctl can set it live, what it does")
+    p.add_argument("--from-trl", metavar="FILE", help="translate a TRL GRPO config (YAML/JSON) or a `trl grpo` "
+                                                      "command line into a slipstream config (docs/migrating.md)")
+    p.add_argument("--from-verl", metavar="FILE", help="translate a verl PPO/GRPO YAML or a command line of its "
+                                                       "Hydra overrides into a slipstream config")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="with --from-trl: the processes TRL ran on (its batch sizes are per process)")
     p = sub.add_parser("keys", help="generate CURVE key pairs and allow-lists for a run")
     p.add_argument("dir", help="directory to write the keys into")
     p.add_argument("--client", action="append", default=None, metavar="NAME",
@@ -197,9 +203,42 @@ def _config(args) -> int:
 
     if args.keys:
         print(keys_markdown(), end="")
+    elif args.from_trl or args.from_verl:
+        print(_translate(args), end="")
     else:
         print(resolved_yaml(load_config(args.config, args.overrides)), end="")
     return 0
+
+
+def _translate(args) -> str:
+    """``config --from-trl`` / ``--from-verl``: the translation, checked by loading it."""
+    from deploy.config_file import load_config
+    from deploy.translate import from_trl, from_verl, read_trl, read_verl, render
+
+    if args.from_trl and args.from_verl:
+        raise StartupError("give --from-trl or --from-verl, not both")
+    if args.config or args.overrides:
+        raise StartupError("--from-trl / --from-verl translate a file of their own: drop --config and --set "
+                           "(apply them to the translation with slipstream run --config OUT --set ...)")
+    if args.from_trl:
+        settings, source = read_trl(args.from_trl)
+        if args.world_size is not None:
+            settings["num_processes"] = args.world_size
+        text = render(from_trl(settings, source))
+    else:
+        if args.world_size is not None:
+            raise StartupError("--world-size is for --from-trl (verl's batch sizes are global)")
+        settings, source = read_verl(args.from_verl)
+        text = render(from_verl(settings, source))
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(text)
+        f.flush()
+        try:
+            load_config(f.name)
+        except StartupError as e:
+            raise StartupError(f"the translation of {source} is not a valid slipstream config "
+                               f"(a bug: please report it with the file): {e}") from None
+    return text
 
 
 def _report(args) -> int:

@@ -10,12 +10,13 @@ A mode is an ``is_mode`` (none, tis, geo_mis, icepop, ...) or a named correction
 optionally ``/anchor`` (the ``clip_anchor``).
 
 How stale the data is: on the demo the server generates a batch (64 four-token completions) in a
-fraction of a training step, so generation always runs to the staleness gate's limit and every
-batch after the first η is trained exactly η versions after it was sampled; nothing has to be
-throttled. Measured, not assumed: the ``staleness`` column is the mean over the run's steps of
-the batch's mean per-sample lag (learner version − the oldest token version of the sample; a
-sample's tokens share one version here), which includes the first η steps' ramp (η = 16 over 200
-steps: ≈ 15.3).
+fraction of a training step, so generation runs ahead to the staleness gate's limit and a batch is
+trained about η versions after it was sampled; nothing has to be throttled. Measured, not assumed:
+the ``staleness`` column is the mean over the run's steps of the batch's mean per-sample lag
+(learner version − the oldest token version of the sample; a sample's tokens share one version
+here), the first η steps' ramp included (a run always at the limit: 3.9 at η = 4, 7.7 at 8, 15.3
+at 16 over 200 steps; measured 3.5, 6.5–7.2 and 13.3–14.4: at η ≥ 8 the server falls behind the
+limit now and then).
 
 Every run is the demo (``slipstream run``, the same overrides as tests/bench/bench_async.py: model,
 task, batch 8 × 8, learning rate, temperature, seeds, threads as ``slipstream run`` splits them)
@@ -117,34 +118,40 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 def table(runs: list[dict]) -> str:
     """The table: per (η, mode) the mean gains over seeds with their standard errors, the retention
-    (mean gain / η = 0 tis's mean gain; n/a when that is not positive) and each seed's ratio to its
-    own η = 0 run; then per η > 0 the best correction against its target (:data:`TARGETS`)."""
+    (mean gain / η = 0 tis's mean gain over the same seeds, with its standard error; n/a when that
+    is not positive) and each seed's ratio to its own η = 0 run; then per η > 0 the best correction against its target (:data:`TARGETS`)."""
     configs = sorted({(r["eta"], r["is_mode"]) for r in runs})
     base = [r for r in runs if r["eta"] == 0 and r["is_mode"] == "tis"]
     by_seed = {r["seed"]: r for r in base}
-    b = statistics.mean(r["policy_gain"] for r in base) if base else float("nan")
-    bt = statistics.mean(r["trained_gain"] for r in base) if base else float("nan")
     ratio = lambda x, y: x / y if y > 0 else float("nan")  # noqa: E731
-    lines = [f"{'run':<19} {'seeds':>5} {'staleness':>9} {'policy gain':>16} {'retention':>9} "
-             f"{'per seed':<28} {'trained-sample gain':>20} {'retention':>9}", "-" * 123]
+    lines = [f"{'run':<19} {'seeds':>5} {'staleness':>9} {'policy gain':>16} {'retention':>16} "
+             f"{'per seed':<28} {'trained-sample gain':>20} {'retention':>9}", "-" * 130]
     best: dict[int, tuple[float, str]] = {}
     for eta, mode in configs:
         rs = [r for r in runs if r["eta"] == eta and r["is_mode"] == mode]
         pg, pse = mean_se([r["policy_gain"] for r in rs])
         tg, tse = mean_se([r["trained_gain"] for r in rs])
         lag = statistics.mean(r["staleness_mean"] for r in rs)
+        # Against η = 0 on the same seeds (a seed's runs share their prompts and first samples).
+        paired = [by_seed[r["seed"]] for r in rs if r["seed"] in by_seed]
+        b, bse = mean_se([r["policy_gain"] for r in paired]) if paired else (float("nan"), float("nan"))
+        bt = statistics.mean(r["trained_gain"] for r in paired) if paired else float("nan")
         keep, keep_t = ratio(pg, b), ratio(tg, bt)
+        # The retention's standard error from the two means' (first order; 0 for the base itself).
+        keep_se = (0.0 if (eta, mode) == (0, "tis") else
+                   abs(keep) * math.sqrt((pse / pg) ** 2 + (bse / b) ** 2) if pg and b > 0 else float("nan"))
         per_seed = " ".join(f"{ratio(r['policy_gain'], by_seed[r['seed']]['policy_gain']):.2f}"
                             for r in rs if r["seed"] in by_seed)
-        lines.append(f"eta={eta:<3} {mode:<13} {len(rs):>5} {lag:>9.2f} {pg:+8.3f} ± {pse:.3f} {keep:>9.2f} "
+        lines.append(f"eta={eta:<3} {mode:<13} {len(rs):>5} {lag:>9.2f} {pg:+8.3f} ± {pse:.3f} {keep:>9.2f} ± {keep_se:.2f} "
                      f"{per_seed:<28} {tg:+12.3f} ± {tse:.3f} {keep_t:>9.2f}")
         if eta > 0 and (eta not in best or keep > best[eta][0]):
-            best[eta] = (keep, mode)
+            best[eta] = (keep, keep_se, mode)
     verdicts = []
-    for eta, (keep, mode) in sorted(best.items()):
+    for eta, (keep, keep_se, mode) in sorted(best.items()):
         target = TARGETS.get(eta)
         verdict = "" if target is None else (f" (target >= {target}): " + ("met" if keep >= target else "NOT met"))
-        verdicts.append(f"eta={eta}: the best correction, {mode}, keeps {keep:.2f} of eta=0's policy gain{verdict}")
+        verdicts.append(f"eta={eta}: the best correction, {mode}, keeps {keep:.2f} ± {keep_se:.2f} of eta=0's "
+                        f"policy gain{verdict}")
     return "\n".join(lines + [""] + verdicts)
 
 
@@ -169,7 +176,13 @@ def main() -> None:
                    help="extra slipstream --set for every run")
     p.add_argument("--run-timeout-s", type=float, default=1800)
     p.add_argument("--out", default=str(HERE.parents[1] / "bench_results" / "bench_staleness_reward.json"))
+    p.add_argument("--table", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: print the table of the runs in these JSON files together")
     args = p.parse_args()
+    if args.table:
+        runs = [r for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
+        print(table(runs))
+        return
     steps = args.samples // (bench_async.BATCH_PROMPTS * bench_async.GROUP)
     plan = [(eta, mode) for eta in map(int, args.etas.split(","))
             for mode in (["tis"] if eta == 0 else args.modes.split(","))]

@@ -181,3 +181,21 @@ def test_a_function_that_cannot_be_called_so_is_refused_in_one_line(plugins, spe
     with pytest.raises(ValueError, match=None) as e:
         load_reward(spec)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_reward_module_may_be_a_file_as_verls_custom_reward_function_path(tmp_path):
+    """verl names its reward by file (custom_reward_function.path): the spec takes a path/to/file.py;
+    the file's sibling modules import as they do under verl."""
+    (tmp_path / "helpers_for_reward.py").write_text("def same(a, b):\n    return str(a) == str(b)\n")
+    (tmp_path / "my_reward.py").write_text(
+        "from helpers_for_reward import same\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if same(solution_str.strip(), ground_truth) else 0.0\n")
+    (tmp_path / "broken.py").write_text("raise RuntimeError('no\\nway')\n")
+    got = score(f"verl:{tmp_path / 'my_reward.py'}:compute_score",
+                [item("4", conversational=False, answer="4"), item("5", conversational=False, answer="4")])
+    assert [s.total for s in got] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="no such file"):
+        load_reward(f"verl:{tmp_path / 'missing.py'}:compute_score")
+    with pytest.raises(ValueError, match=r"broken.py failed to load: RuntimeError: no$"):
+        load_reward(f"{tmp_path / 'broken.py'}:f")
