@@ -252,7 +252,7 @@ class Pipeline:
         texts = [self.decode(c.token_ids) for c in completions]
         start = self.clock()
         items = [(a.prompt_text, t, {**a.metadata, "completion_tokens": len(c.token_ids),
-                                     "finish_reason": c.finish_reason, "completion_ids": c.token_ids,
+                                     "finish_reason": c.finish_reason, "completion_ids": c.token_ids.tolist(),
                                      "policy_version": int(c.versions.min()) if len(c.versions) else a.version})
                  for t, c in zip(texts, completions)]
         scored = await self.score(items)

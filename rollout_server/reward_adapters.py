@@ -53,7 +53,7 @@ from typing import Any
 from protocol.messages import PROMPT_MESSAGES_KEY
 
 COMPLETION_IDS = "completion_ids"
-"""The metadata key (a copy per sample, set by the server) holding the completion's token ids."""
+"""The metadata key (a copy per sample, set by the server) holding the completion's token ids (a list)."""
 POLICY_VERSION = "policy_version"
 """The metadata key (set by the server) holding the policy version that generated the completion."""
 SERVER_KEYS = ("completion_tokens", "finish_reason", COMPLETION_IDS, POLICY_VERSION)

@@ -26,7 +26,7 @@ Built-ins: ``exact_numeric`` (GSM8K ``#### 42`` / ``\\boxed{42}`` answer vs ``me
 ``metadata["completion_tokens"]``, which the server sets), ``reward_model`` (see
 :class:`RewardModelScorer`). The service adds ``completion_tokens`` and ``finish_reason`` to a
 copy of the assignment's metadata before calling any reward, and ``completion_ids`` (the
-completion's token ids, an int32 array) and ``policy_version`` (the oldest version among its
+completion's token ids, a list of ints: plain data, as the rest of the metadata) and ``policy_version`` (the oldest version among its
 tokens).
 
 ``trl:module:function`` and ``verl:module:function`` call a TRL or a verl reward function with

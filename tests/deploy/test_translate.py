@@ -307,3 +307,19 @@ def test_the_command_prints_a_config_that_loads(tmp_path):
     assert "# - vllm_mode=colocate: slipstream's rollout servers are processes of their own" in r.stdout
     (tmp_path / "out.yaml").write_text(r.stdout)
     assert load_config(tmp_path / "out.yaml").learner.batch.batch_prompts == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--from-trl", "A", "--from-verl", "B"], "give --from-trl or --from-verl, not both"),
+    (["--from-verl", "X", "--world-size", "2"], "--world-size is for --from-trl"),
+    (["--from-trl", "X", "--set", "learner.lr=1"], "drop --config and --set"),
+])
+def test_conflicting_flags_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    from deploy.cli import main
+
+    for name in ("A", "B", "X"):
+        (tmp_path / name).write_text(TRL_YAML)
+    args = [str(tmp_path / a) if a in ("A", "B", "X") else a for a in args]
+    assert main(["config", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

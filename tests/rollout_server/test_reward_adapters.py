@@ -199,3 +199,20 @@ def test_a_reward_module_may_be_a_file_as_verls_custom_reward_function_path(tmp_
         load_reward(f"verl:{tmp_path / 'missing.py'}:compute_score")
     with pytest.raises(ValueError, match=r"broken.py failed to load: RuntimeError: no$"):
         load_reward(f"{tmp_path / 'broken.py'}:f")
+
+
+def test_a_trl_function_that_times_out_fails_its_group_as_a_native_one_would(plugins, monkeypatch):
+    import threading
+
+    release = threading.Event()
+
+    def stuck(completions, **kwargs):
+        release.wait(30)
+        return [1.0] * len(completions)
+
+    monkeypatch.setattr(plugins, "stuck", stuck, raising=False)
+    try:
+        got = score("trl:slipstream_test_trl_verl:stuck", [item("a"), item("b")], timeout_s=0.2)
+    finally:
+        release.set()
+    assert all(s.failed and "timed out after 0.2s" in s.failed and s.timed_out for s in got), got
