@@ -197,7 +197,8 @@ def assemble_model(p: Parts, cfg: LearnerConfig, trainer: Any) -> ModelParts:
     prompts, the checkpoint's parts); on the train thread (the prompts are tokenized here)."""
     intake = Intake(p.buffer, vocab_size=vocab_size(trainer), sampling=cfg.sampling, servers=cfg.servers,
                     version=p.state.current_version, metrics=p.metrics, log=p.log,
-                    release=p.admission.release_invalid, watch=p.sample_watch)
+                    release=p.admission.release_invalid, watch=p.sample_watch,
+                    distrusted=p.admission.distrusted)
     # The prompt stream (and the eval prompts), formatted and tokenized once with the policy's
     # tokenizer (learner.data.prompts).
     tok, encode = trainer.tokenizer, trainer.encode_prompt
@@ -207,6 +208,7 @@ def assemble_model(p: Parts, cfg: LearnerConfig, trainer: Any) -> ModelParts:
     if cfg.evaluation.every:              # its work joins dispatch through Admission.side_work
         evaluation = Evaluation.from_config(
             cfg.evaluation, cfg.data, seed=cfg.seed, max_new_tokens=cfg.sampling.max_new_tokens,
+            stop=cfg.sampling.stop, stop_token_ids=cfg.sampling.stop_token_ids,
             lease_timeout_s=cfg.servers.lease_timeout_s, tokenizer=tok, encode=encode,
             run_id=p.state.run_id, version=p.state.current_version, metrics=p.metrics,
             record=p.records.eval_round, log=p.log)

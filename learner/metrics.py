@@ -63,6 +63,13 @@ class LearnerMetrics:
         self.servers_dropped = Counter(
             "slipstream_rollout_servers_dropped", "Rollout servers dropped from dispatch by the "
             "circuit breaker (weights failed weights_failure_limit times in a row)", registry=r)
+        self.weights_checksum_mismatch = Counter(
+            "slipstream_weights_checksum_mismatch", "WeightsApplied reports whose checksum was not the "
+            "published one (the server gets no work until it applies the newest version rightly)",
+            registry=r)
+        self.servers_unverified = Gauge(
+            "slipstream_rollout_servers_unverified", "Rollout servers held from dispatch since they "
+            "reported weights with a wrong checksum", registry=r)
         self.servers_lost = Counter("slipstream_rollout_servers_lost",
                                     "Rollout servers dropped (timed out or unreachable)", ["reason"],
                                     registry=r)

@@ -75,6 +75,7 @@ _TEMPERATURE_MIN, _TEMPERATURE_MAX = 1e-6, 1e6
 _TEMPERATURE = Float(min_value=_TEMPERATURE_MIN, max_value=_TEMPERATURE_MAX)
 _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype("<f4")
 SEED_MAX = (1 << 63) - 1     # SamplingParams.seed: what msgpack and torch.Generator both take
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64   # SamplingParams.stop, stop_token_ids
 _ndarray = np.ndarray
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -233,6 +234,13 @@ class SamplingParams(Struct):
     # Completion i is drawn from a generator of its own seeded by (seed, i), so the same
     # assignment on the same weights gives the same completions whatever else the server runs.
     seed: int | None = wire(Optional(Int(0, SEED_MAX)), default=None)
+    # Stop conditions (protocol 3.5; issue 26.3): a completion ends with the token that completes
+    # one of the ``stop`` strings in its text, or that is one of ``stop_token_ids`` (besides the
+    # model's EOS); the stopping tokens are kept (they were sampled), finish_reason "stop".
+    stop: list[str] = wire(StrList(max_items=MAX_STOP_STRINGS, max_chars=MAX_STOP_CHARS, non_empty=True),
+                           default_factory=list)
+    stop_token_ids: list[int] = wire(IntList(max_items=MAX_STOP_TOKEN_IDS, max_value=2**31 - 1),
+                                     default_factory=list)
 
 
 @record

@@ -137,7 +137,14 @@ class Optional(Kind):
 
 
 class StrList(Kind):
+    """A list of strings: at most ``max_items``, each at most ``max_chars`` characters (and not
+    empty with ``non_empty``)."""
+
     name = "list of strings"
+
+    def __init__(self, max_items: int = MAX_LIST_ITEMS, max_chars: int = MAX_STR_CHARS,
+                 non_empty: bool = False):
+        self.max_items, self.max_chars, self.non_empty = max_items, max_chars, non_empty
 
     def pack(self, value: Any) -> list:
         return list(value)
@@ -145,21 +152,27 @@ class StrList(Kind):
     def unpack(self, value: Any, where: str) -> list[str]:
         if type(value) is not list:
             raise _type_error(where, "a list of strings", value)
-        if len(value) > MAX_LIST_ITEMS:
-            raise ProtocolError(f"{where}: {len(value)} items exceed {MAX_LIST_ITEMS}")
+        if len(value) > self.max_items:
+            raise ProtocolError(f"{where}: {len(value)} items exceed {self.max_items}")
         for i, item in enumerate(value):
             if type(item) is not str:
                 raise _type_error(f"{where}[{i}]", "a string", item)
-            if len(item) > MAX_STR_CHARS:
+            if len(item) > self.max_chars:
                 raise ProtocolError(f"{where}[{i}]: string of {len(item)} characters exceeds "
-                                    f"{MAX_STR_CHARS}")
+                                    f"{self.max_chars}")
+            if self.non_empty and not item:
+                raise ProtocolError(f"{where}[{i}]: an empty string")
         return value
 
 
 class IntList(Kind):
-    """A short list of non-negative integers (a tensor shape)."""
+    """A short list of non-negative integers (a tensor shape; token ids): at most ``max_items``,
+    each at most ``max_value``."""
 
     name = "list of integers"
+
+    def __init__(self, max_items: int = MAX_DIMS, max_value: int | None = None):
+        self.max_items, self.max_value = max_items, max_value
 
     def pack(self, value: Any) -> list:
         return [int(v) for v in value]
@@ -167,11 +180,13 @@ class IntList(Kind):
     def unpack(self, value: Any, where: str) -> list[int]:
         if type(value) is not list:
             raise _type_error(where, "a list of integers", value)
-        if len(value) > MAX_DIMS:
-            raise ProtocolError(f"{where}: {len(value)} items exceed {MAX_DIMS}")
+        if len(value) > self.max_items:
+            raise ProtocolError(f"{where}: {len(value)} items exceed {self.max_items}")
+        top = self.max_value
         for i, item in enumerate(value):
-            if type(item) is not int or item < 0:
-                raise ProtocolError(f"{where}[{i}]: expected a non-negative integer, got {item!r}")
+            if type(item) is not int or item < 0 or (top is not None and item > top):
+                bound = "" if top is None else f" <= {top}"
+                raise ProtocolError(f"{where}[{i}]: expected a non-negative integer{bound}, got {item!r}")
         return value
 
 

@@ -31,13 +31,16 @@ class GenRequest:
     top_k: int = _SAMPLING.top_k   # 0 = no top-k
     max_new_tokens: int = _SAMPLING.max_new_tokens
     seed: int | None = None        # completion i drawn from a generator seeded by (seed, i)
+    stop: tuple[str, ...] = ()     # a completion ends with the token that completes one (kept)
+    stop_token_ids: tuple[int, ...] = ()   # ... or that is one (kept), besides EOS
 
     @classmethod
     def from_sampling(cls, prompt_token_ids: np.ndarray, n: int,
                       sampling: protocol.SamplingParams) -> GenRequest:
         """The request for an assignment: its sampling parameters, unchanged."""
         return cls(prompt_token_ids, n, temperature=sampling.temperature, top_p=sampling.top_p,
-                   top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens, seed=sampling.seed)
+                   top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens, seed=sampling.seed,
+                   stop=tuple(sampling.stop), stop_token_ids=tuple(sampling.stop_token_ids))
 
 
 @dataclass

@@ -235,14 +235,16 @@ class HFEngine(TokenizerEngine):
         results: list[list[Completion] | None] = [None] * len(requests)
         by_params: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            by_params.setdefault((r.temperature, r.top_p, r.top_k, r.max_new_tokens), []).append(i)
+            by_params.setdefault((r.temperature, r.top_p, r.top_k, r.max_new_tokens, r.stop,
+                                  r.stop_token_ids), []).append(i)
         with self.lock:
-            for (temperature, top_p, top_k, max_new), idx in by_params.items():
+            for (temperature, top_p, top_k, max_new, stop, stop_ids), idx in by_params.items():
                 rows = [(i, requests[i].prompt_token_ids) for i in idx for _ in range(requests[i].n)]
                 seeds = [None if requests[i].seed is None else row_seed(requests[i].seed, k)
                          for i in idx for k in range(requests[i].n)]
                 comps = self._generate_rows([p for _, p in rows], temperature, top_p, top_k, max_new,
-                                            seeds if any(x is not None for x in seeds) else None)
+                                            seeds if any(x is not None for x in seeds) else None,
+                                            stop=stop, stop_token_ids=stop_ids)
                 for i in idx:
                     results[i] = []
                 for (i, _), c in zip(rows, comps):
@@ -284,11 +286,17 @@ class HFEngine(TokenizerEngine):
         return seq.to(self.device), attn.to(self.device)
 
     def _generate_rows(self, prompts: list[np.ndarray], temperature: float, top_p: float, top_k: int,
-                       max_new: int, seeds: list[int | None] | None = None) -> list[Completion]:
+                       max_new: int, seeds: list[int | None] | None = None, stop: tuple[str, ...] = (),
+                       stop_token_ids: tuple[int, ...] = ()) -> list[Completion]:
         """``seeds``: a seed per row (None for a row of an unseeded request): a seeded row draws
         each token by inverting its CDF at a uniform from a generator of its own, so its
         completion depends on its seed and the logits alone (not on the other rows, nor on what
-        ran before); without seeds, ``torch.multinomial`` on the process's generator."""
+        ran before); without seeds, ``torch.multinomial`` on the process's generator.
+
+        A row ends with EOS, a token of ``stop_token_ids``, or the token whose decoding completes
+        one of the ``stop`` strings (each step decodes the tail of a running row's tokens, long
+        enough to hold the longest string: a new occurrence ends at the newest token); that
+        token is kept, finish_reason "stop"."""
         self.generate_calls += 1
         gens = None
         if seeds is not None:
@@ -316,6 +324,9 @@ class HFEngine(TokenizerEngine):
             past.reorder_cache(index)                     # each layer's keys and values, by row
         logits_version = self.version
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
+        ends = torch.tensor(sorted({self.eos_id, *stop_token_ids} - {None}), dtype=torch.long, device=self.device)
+        stopped_at = [-1] * n                     # the step of each row's stopping token
+        tail = 4 * max((len(x) for x in stop), default=0) + 8    # tokens enough to hold any stop string
         toks, lps, vers = [], [], []
         for step in range(max_new):
             scores = procs(seq, logits)                                              # (N, V) processed
@@ -328,7 +339,16 @@ class HFEngine(TokenizerEngine):
             toks.append(nxt)
             lps.append(lp)
             vers.append(logits_version)
-            done |= nxt == self.eos_id
+            hit = ~done & torch.isin(nxt, ends)
+            if stop:
+                recent = torch.stack(toks[-tail:], dim=1).cpu()
+                for r in (~done & ~hit).nonzero().flatten().tolist():
+                    text = self.tokenizer.decode(recent[r], skip_special_tokens=False)
+                    if any(x in text for x in stop):
+                        hit[r] = True
+            for r in hit.nonzero().flatten().tolist():
+                stopped_at[r] = step
+            done |= hit
             seq = torch.cat([seq, nxt[:, None]], dim=1)
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=attn.device)], dim=1)
             if bool(done.all()) or step == max_new - 1:
@@ -344,9 +364,8 @@ class HFEngine(TokenizerEngine):
         versions = torch.tensor(vers, dtype=torch.int32)
         comps = []
         for r in range(n):
-            eos_pos = (new[r] == self.eos_id).nonzero()
-            if len(eos_pos):
-                length, reason = int(eos_pos[0]) + 1, "stop"
+            if stopped_at[r] >= 0:
+                length, reason = stopped_at[r] + 1, "stop"
             else:
                 length, reason = new.shape[1], "length"
             comps.append(Completion(

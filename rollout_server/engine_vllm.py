@@ -206,9 +206,13 @@ class VLLMEngine(TokenizerEngine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        # Stop strings and ids (issue 26.3): the stopping tokens stay in the output's token ids
+        # (what was sampled), and the text keeps the string too.
         return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p,
                               top_k=r.top_k if r.top_k > 0 else -1, max_tokens=max_tokens,
-                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, seed=r.seed)
+                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, seed=r.seed,
+                              stop=list(r.stop) or None, stop_token_ids=list(r.stop_token_ids) or None,
+                              include_stop_str_in_output=True)
 
     async def _run(self, prompt: list[int], params, lora: _Lora | None):
         """Submit one vLLM request and return its final ``RequestOutput``."""

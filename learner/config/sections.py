@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from buffer import STALE_POLICIES
 from ops import (
@@ -705,6 +705,26 @@ class SamplingSettings(BaseModel):
     on the same weights gives the same completions whatever else a server generates, so a
     resumed run replays an uninterrupted one's samples. vLLM draws seeded requests on a slower
     path; false: the engines' own randomness."""
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    """Stop strings: a completion ends with the token whose decoding completes one (kept in the
+    completion and trained, finish_reason stop), e.g. a tool call's closing tag (at most 16, each
+    1-256 characters)."""
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    """Token ids that end a completion besides the model's EOS (kept, finish_reason stop)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: list[str]) -> list[str]:
+        if any(not 1 <= len(x) <= 256 for x in v):
+            raise ValueError("each stop string has 1 to 256 characters")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        if any(not 0 <= x < 2**31 for x in v):
+            raise ValueError("stop token ids are in [0, 2^31)")
+        return v
 
 
 class WeightsSettings(BaseModel):

@@ -109,6 +109,7 @@ class Evaluation:
     @classmethod
     def from_config(cls, settings: EvaluationSettings, data: DataSettings, *, seed: int,
                     max_new_tokens: int, lease_timeout_s: float, tokenizer, encode, run_id: str,
+                    stop: list[str] | tuple = (), stop_token_ids: list[int] | tuple = (),
                     **kwargs) -> Evaluation:
         """The evaluation of ``learner.evaluation`` (``every`` > 0): ``prompts`` prompts of its
         ``data``, formatted and tokenized like the training prompts (``learner.data``)."""
@@ -121,7 +122,8 @@ class Evaluation:
         n = settings.prompts if rows is None else min(settings.prompts or rows, rows)   # each row once
         prompts = [{**p, "prompt_id": f"e{i}"} for i, p in enumerate(source.take(n))]
         sampling = protocol.SamplingParams(temperature=settings.temperature, top_p=1.0, top_k=0,
-                                           max_new_tokens=max_new_tokens)
+                                           max_new_tokens=max_new_tokens, stop=list(stop),
+                                           stop_token_ids=list(stop_token_ids))
         return cls(prompts, prefix=f"{run_id}-e", every=settings.every, sampling=sampling,
                    lease_timeout_s=lease_timeout_s, correct_threshold=settings.correct_threshold, **kwargs)
 

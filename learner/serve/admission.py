@@ -96,6 +96,15 @@ times in a row (fetch or update failed, manifest refused) is dropped from dispat
 keeps its connection and its leases, gets the manifest re-announced, and re-joins dispatch
 (``server_readmitted``) once it applies a published version.
 
+Wrong weights. A server whose ``WeightsApplied`` names a version with a checksum that is not the
+published one (its weights are not the learner's: a corrupted fetch it did not catch, another
+run's file, a bug or a lie) gets no work until it applies the newest published version with the
+right checksum (``server_verified``). At the mismatch its leases are released for re-issue, the
+event ``checksum_mismatch`` says so and ``slipstream_weights_checksum_mismatch_total`` counts it;
+the version is remembered (:meth:`Admission.distrusted`) and the intake refuses, as
+``unverified_weights``, every sample of that server with a token of such a version, whenever it
+arrives.
+
 Re-issue. Leases that expire (``RolloutBuffer.expire``, checked by :meth:`Admission.tick`) or whose
 holder was lost go to the next eligible server, same assignment id, attempt + 1, stamped with the
 current version. The buffer keeps the first copy of every sample and answers later ones
@@ -142,6 +151,7 @@ from learner.config import ServersSettings
 from learner.metrics import LearnerMetrics
 
 KEEP_CHECKSUMS = 8        # checksums of recent versions kept to check WeightsApplied against
+KEEP_DISTRUSTED = 64      # versions remembered per server whose weights it applied wrongly
 REFUSAL_LOG_EVERY_S = 1.0  # at most one server_refused event a second (a Hello flood), the rest counted
 
 
@@ -165,6 +175,7 @@ class ServerState:
     completed_mark: int = 0            # its completed leases at its last pre-emption (allowance grows past it)
     preempted: int = 0                 # pre-emptions in a row without a lease completed since
     hold_until: float = float("-inf")  # probation after a pre-emption: no new work before this
+    unverified: bool = False           # applied weights with a wrong checksum: no work until verified
 
 
 def _served(srv: ServerState) -> int:
@@ -248,6 +259,7 @@ class Admission:
         self.reissue: deque[Lease] = deque()
         self.latest: protocol.WeightsAvailable | None = None
         self._checksums: OrderedDict[int, str] = OrderedDict()
+        self._distrusted: dict[str, set[int]] = {}   # server_id -> versions applied with a wrong checksum
         self.closed = False
         self.versions_changed = asyncio.Event()   # set whenever a server's version changes or it leaves
         # Work outside the staleness gate (learner.data.evaluation): its own leases and namespace, but
@@ -309,7 +321,7 @@ class Admission:
     def eligible(self, srv: ServerState) -> bool:
         """May get new work: not lagging, not ahead of the learner (another run's weights), its
         circuit breaker closed, and under the operator's ``max_inflight_per_server`` cap."""
-        if srv.dropped or self.lagging(srv) or srv.version > self.version():
+        if srv.dropped or srv.unverified or self.lagging(srv) or srv.version > self.version():
             return False
         if srv.hold_until > self.clock():
             return False                          # on probation after a pre-emption
@@ -334,7 +346,7 @@ class Admission:
                               "allowance": self.allowance(s),
                               "completed": self.buffer.leases.delivery(s.server_id).completed,
                               "probation_s": round(max(0.0, s.hold_until - now), 3),
-                              "lagging": self.lagging(s), "dropped": s.dropped,
+                              "lagging": self.lagging(s), "dropped": s.dropped, "unverified": s.unverified,
                               "weights_failures": s.weights_failures}
                 for s in self.servers.values()}
 
@@ -430,20 +442,51 @@ class Admission:
             await self.dispatch()
 
     async def weights_applied(self, srv: ServerState, msg: protocol.WeightsApplied) -> bool:
-        """Record the server's new version; False if its checksum is not the published one."""
+        """Record the server's new version; False if its checksum is not the published one (the
+        server then gets no work until it applies the newest version rightly: module docstring,
+        Wrong weights)."""
         self._set_version(srv, msg.version)
         expected = self._checksums.get(msg.version)
         ok = expected is None or expected == msg.checksum
         if not ok:
-            self.log("checksum_mismatch", server=srv.server_id, server_version=msg.version,
-                     checksum=msg.checksum, expected=expected)
+            self._distrust(srv, msg.version, msg.checksum, expected)
         else:
             srv.weights_failures = 0
             if srv.dropped:
                 srv.dropped = False
                 self.log("server_readmitted", server=srv.server_id, server_version=msg.version)
+            if srv.unverified and expected is not None and (
+                    self.latest is None or msg.version >= self.latest.version):
+                srv.unverified = False
+                self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
+                self.log("server_verified", server=srv.server_id, server_version=msg.version)
         await self.dispatch()
         return ok
+
+    def _distrust(self, srv: ServerState, version: int, checksum: str, expected: str) -> None:
+        """``srv`` applied ``version`` with weights that are not the published ones."""
+        bad = self._distrusted.setdefault(srv.server_id, set())
+        bad.add(version)
+        while len(bad) > KEEP_DISTRUSTED:
+            bad.discard(min(bad))
+        released = self.buffer.release_holder(srv.server_id)
+        self.reissue.extend(released)
+        if released:
+            self.metrics.leases_released.labels(reason="unverified_weights").inc(len(released))
+        if self.side_work is not None:
+            self.side_work.release_holder(srv.server_id)
+        srv.unverified = True
+        self.metrics.weights_checksum_mismatch.inc()
+        self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
+        self.log("checksum_mismatch", level="warning", server=srv.server_id, server_version=version,
+                 checksum=str(checksum)[:100], expected=expected, released_assignments=len(released),
+                 hint="no work for this server until it applies the newest version with the published "
+                      "checksum; its samples of this version are refused")
+
+    def distrusted(self, server_id: str) -> set[int] | None:
+        """The versions ``server_id`` applied with a wrong checksum (its tokens of them are not
+        the learner's policy's), or None."""
+        return self._distrusted.get(server_id)
 
     async def weights_failed(self, srv: ServerState, message: str) -> None:
         """``srv`` could not fetch or apply announced weights; the circuit breaker counts it."""
@@ -684,6 +727,7 @@ class Admission:
         except KeyError:
             pass
         self.metrics.servers.set(len(self.servers))
+        self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
         self.metrics.servers_lost.labels(reason=reason).inc()
         self.versions_changed.set()
         self.log("server_lost", server=srv.server_id, reason=reason,

@@ -47,7 +47,7 @@ import protocol
 from buffer import AckStatus, RolloutBuffer
 from learner.metrics import LearnerMetrics
 
-REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt", "reward")
+REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt", "reward", "unverified_weights")
 
 
 class Intake:
@@ -63,12 +63,16 @@ class Intake:
         release: ``release(server_id, assignment_id)`` gives the lease of a refused sample back
             for re-issue (None: it waits for its deadline).
         watch: gets every result's outcome (a :class:`learner.serve.sample_watch.SampleWatch`).
+        distrusted: ``distrusted(server_id)``, the versions that server applied with a wrong
+            checksum (:meth:`learner.serve.admission.Admission.distrusted`): its samples with a
+            token of one are refused (``unverified_weights``).
     """
 
     def __init__(self, buffer: RolloutBuffer, *, vocab_size: int, sampling: Any,
                  version: Callable[[], int], metrics: LearnerMetrics, servers: Any = None,
                  log: Callable[..., None] = lambda event, **fields: None,
-                 release: Callable[[str, str], object] | None = None, watch: Any = None):
+                 release: Callable[[str, str], object] | None = None, watch: Any = None,
+                 distrusted: Callable[[str], set[int] | None] | None = None):
         self.buffer = buffer
         self.vocab_size = int(vocab_size)
         self.sampling, self.servers = sampling, servers
@@ -79,7 +83,7 @@ class Intake:
         self._children: dict[str, object] = {}
         self.group_size = buffer.group_size
         self._in_range_assignment: protocol.Assignment | None = None
-        self.release, self.watch = release, watch
+        self.release, self.watch, self.distrusted = release, watch, distrusted
         self._failed: list[str] = []      # Sample.failed of the failed samples of this result
         self._valid = 0                   # its samples accepted and not failed
 
@@ -172,6 +176,12 @@ class Intake:
         """
         version = self.version()
         samples = msg.samples
+        bad = self.distrusted(msg.server_id) if self.distrusted is not None else None
+        if bad:
+            hit = {i for i, x in enumerate(samples)
+                   if len(x.token_versions) and not bad.isdisjoint(np.unique(x.token_versions).tolist())}
+            if hit:
+                return await self._receive_distrusted(msg, hit)
         # Each run of one assignment's samples, up to a group, is checked and put as a result of
         # those samples alone would be (several runs: a burst's results merged by
         # ResultIngress.receive_held). One sample: check() as it is (the batch pass would only
@@ -210,6 +220,33 @@ class Intake:
             if self.buffer.uniform_streak:
                 self.watch.uniform(self.buffer.uniform_streak)
         return protocol.Ack(sample_ids=[s.sample_id for s in samples], statuses=statuses)
+
+    async def _receive_distrusted(self, msg: protocol.RolloutResult, hit: set[int]) -> protocol.Ack:
+        """A result some of whose samples (``hit``) carry tokens of a version the server applied
+        with a wrong checksum: those are refused (``unverified_weights``), their leases released;
+        the rest are received as a result of their own."""
+        samples = msg.samples
+        refused: list[tuple[str, str, str]] = []
+        why = ("unverified_weights", "generated on weights whose checksum is not the published one")
+        statuses = {i: self._refuse(samples[i], why, refused) for i in sorted(hit)}
+        self.metrics.samples.labels(status=INVALID).inc(len(hit))
+        self.metrics.rollouts_received.inc(len(hit))
+        sid, reason, message = refused[0]
+        self.log("samples_invalid", server=msg.server_id, count=len(refused), reason=reason,
+                 first=sid[:200], error=message)
+        rest = [x for i, x in enumerate(samples) if i not in hit]
+        if rest:
+            ack = await self.receive(protocol.RolloutResult(server_id=msg.server_id, samples=rest))
+            others = iter(ack.statuses)
+        else:
+            others = iter(())
+        if self.release is not None:
+            for aid in {samples[i].assignment_id for i in hit}:
+                self.release(msg.server_id, aid)
+        if self.watch is not None:
+            self.watch.observe(0, [], len(hit), message)
+        return protocol.Ack(sample_ids=[x.sample_id for x in samples],
+                            statuses=[statuses[i] if i in statuses else next(others) for i in range(len(samples))])
 
     def _put_each(self, samples: list[protocol.Sample], version: int, mins: list[int] | None = None,
                   sender: str | None = None) -> tuple[list[str], list[tuple[str, str, str]], bool]:

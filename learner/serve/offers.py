@@ -37,7 +37,8 @@ class LearnerOffers:
     def sampling(self) -> protocol.SamplingParams:
         s = self.cfg.sampling
         return protocol.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=0,
-                                       max_new_tokens=s.max_new_tokens)
+                                       max_new_tokens=s.max_new_tokens, stop=list(s.stop),
+                                       stop_token_ids=list(s.stop_token_ids))
 
     def next_assignment(self) -> protocol.Assignment | None:
         run = self.run

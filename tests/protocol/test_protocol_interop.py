@@ -57,7 +57,8 @@ def test_wire_field_order_is_pinned():
     assert {name: wire_field_names(cls) for name, cls in protocol.MESSAGE_TYPES.items()} == expected
     # nested records are positional too
     assert wire_field_names(protocol.SamplingParams) == ("temperature", "top_p", "top_k",
-                                                         "max_new_tokens", "seed")   # seed: 3.4
+                                                         "max_new_tokens", "seed",   # seed: 3.4
+                                                         "stop", "stop_token_ids")   # 3.5
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
     assert wire_field_names(protocol.LoraSpec) == ("r", "lora_alpha", "lora_dropout",
                                                    "target_modules", "bias", "use_rslora",
@@ -318,7 +319,7 @@ def test_a_3_3_assignment_has_no_seed_and_a_3_4_seed_round_trips():
     frames = encode(a)
     assert decode(frames).sampling.seed == protocol.SEED_MAX
     body = msgpack.unpackb(frames[1])
-    sampling_at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 5 and v[-1] == protocol.SEED_MAX)
+    sampling_at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 7 and v[4] == protocol.SEED_MAX)
     older = list(body)
     older[sampling_at] = body[sampling_at][:4]
     assert decode(as_minor(frames, 3, older)).sampling.seed is None
@@ -326,4 +327,29 @@ def test_a_3_3_assignment_has_no_seed_and_a_3_4_seed_round_trips():
         worse = list(body)
         worse[sampling_at] = [*body[sampling_at][:4], bad]
         with pytest.raises(ProtocolError, match="seed"):
+            decode([frames[0], msgpack.packb(worse)])
+
+
+def test_a_3_4_assignment_has_no_stops_and_3_5_stops_round_trip():
+    """SamplingParams.stop / stop_token_ids (3.5, issue 26.3): absent from a 3.4 learner's
+    assignment -> none; they round-trip; an empty string, too many or too long strings, and ids
+    outside [0, 2^31) are refused."""
+    sp = protocol.SamplingParams(seed=3, stop=["</tool>", "\n\n"], stop_token_ids=[7, 2**31 - 1])
+    a = protocol.Assignment(assignment_id="a-1", prompt_id="p", prompt_token_ids=np.arange(3, dtype=np.int32),
+                            group_size=2, version=0, sampling=sp)
+    frames = encode(a)
+    got = decode(frames).sampling
+    assert got.stop == ["</tool>", "\n\n"] and got.stop_token_ids == [7, 2**31 - 1]
+    body = msgpack.unpackb(frames[1])
+    at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 7 and v[4] == 3)
+    older = list(body)
+    older[at] = body[at][:5]
+    old = decode(as_minor(frames, 4, older)).sampling
+    assert old.stop == [] and old.stop_token_ids == [] and old.seed == 3
+    for stop, ids, match in (([""], [], "empty string"), (["x"] * 17, [], "items exceed 16"),
+                             (["x" * 257], [], "exceeds 256"), ([], [-1], "stop_token_ids"),
+                             ([], [2**31], "stop_token_ids"), ([], list(range(65)), "items exceed 64")):
+        worse = list(body)
+        worse[at] = [*body[at][:5], stop, ids]
+        with pytest.raises(ProtocolError, match=match):
             decode([frames[0], msgpack.packb(worse)])

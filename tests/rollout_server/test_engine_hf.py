@@ -129,3 +129,37 @@ def test_the_seeded_draw_is_the_categorical_distribution():
     freq = torch.bincount(draws, minlength=5).double() / len(draws)
     assert torch.allclose(freq, probs[0].double(), atol=0.012), freq             # ~3.5 sd of 0.0035
     assert int(draws.max()) <= 3                                                 # never a zero-probability token
+
+
+def first_completing_string(tok, rows: list[list[int]]) -> tuple[int, int, str]:
+    """(row, cut, text): a two-character string whose first occurrence in a row's decoding is
+    completed by its token ``cut - 1`` (cut >= 2), so a stop on it keeps ``row[:cut]``."""
+    for r, row in enumerate(rows):
+        for cut in range(2, len(row)):
+            text = tok.decode(row[:cut], skip_special_tokens=False)
+            want = text[-2:]
+            if len(want) == 2 and want not in tok.decode(row[:cut - 1], skip_special_tokens=False):
+                return r, cut, want
+    raise AssertionError(f"no row of {rows} has a string to stop on")
+
+
+def test_stop_strings_and_ids_end_a_completion_with_the_stopping_token_kept(engine):
+    """issue 26.3: a seeded request stopped by a string or an id gives the unstopped run's tokens up
+    to and including the one that completes it (finish_reason stop); the behavior log-probs of
+    what is kept are the unstopped run's too."""
+    prompt = _prompt(engine, "12+7=")
+    free = engine.generate_sync([GenRequest(prompt, 3, max_new_tokens=12, seed=5)])[0]
+    r, cut, want = first_completing_string(engine.tokenizer, [c.token_ids.tolist() for c in free])
+    row = free[r].token_ids.tolist()
+    by_text = engine.generate_sync([GenRequest(prompt, 3, max_new_tokens=12, seed=5, stop=(want,))])[0]
+    assert by_text[r].token_ids.tolist() == row[:cut] and by_text[r].finish_reason == "stop"
+    np.testing.assert_allclose(by_text[r].logprobs, free[r].logprobs[:cut], rtol=1e-5, atol=1e-5)
+    # An id: the row ends at its first occurrence.
+    tid = row[1]
+    by_id = engine.generate_sync([GenRequest(prompt, 3, max_new_tokens=12, seed=5, stop_token_ids=(tid,))])[0]
+    for c, f in zip(by_id, free):
+        full = f.token_ids.tolist()
+        end = full.index(tid) + 1 if tid in full else len(full)
+        assert c.token_ids.tolist() == full[:end], (c.token_ids, full)
+        assert c.finish_reason == ("stop" if tid in full or f.finish_reason == "stop" else "length")
+        assert len(c.versions) == len(c.logprobs) == len(c.token_ids)

@@ -212,6 +212,30 @@ async def test_a_seeded_request_gives_the_same_completions_beside_other_work(ctx
     assert len({tuple(c.token_ids.tolist()) for c in alone}) > 1
 
 
+@shared_loop
+async def test_stop_strings_and_ids_end_a_completion_with_the_stopping_token_kept(ctx):
+    """issue 26.3 with vLLM: SamplingParams.stop and stop_token_ids reach vLLM; a seeded request
+    stopped by a string or an id gives the unstopped run's tokens up to and including the one
+    that completes it (finish_reason stop), and the kept log-probs are the unstopped run's."""
+    from test_engine_hf import first_completing_string
+
+    eng = ctx.engine
+    prompt = _prompt(eng, "12+7=")
+    (free,) = await eng.generate([GenRequest(prompt, 3, max_new_tokens=12, seed=5)])
+    r, cut, want = first_completing_string(eng.tokenizer, [c.token_ids.tolist() for c in free])
+    row = free[r].token_ids.tolist()
+    (by_text,) = await eng.generate([GenRequest(prompt, 3, max_new_tokens=12, seed=5, stop=(want,))])
+    assert by_text[r].token_ids.tolist() == row[:cut] and by_text[r].finish_reason == "stop", (by_text[r], row)
+    np.testing.assert_allclose(by_text[r].logprobs, free[r].logprobs[:cut], rtol=1e-4, atol=1e-4)
+    tid = row[1]
+    (by_id,) = await eng.generate([GenRequest(prompt, 3, max_new_tokens=12, seed=5, stop_token_ids=(tid,))])
+    for c, f in zip(by_id, free):
+        full = f.token_ids.tolist()
+        end = full.index(tid) + 1 if tid in full else len(full)
+        assert c.token_ids.tolist() == full[:end], (c.token_ids, full)
+        assert len(c.versions) == len(c.logprobs) == len(c.token_ids)
+
+
 # ---- full weights ---------------------------------------------------------------------------
 
 @shared_loop

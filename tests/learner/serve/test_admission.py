@@ -387,3 +387,31 @@ async def test_a_result_is_its_connections_servers_whatever_it_claims():
     await ingress.result(b"conn", SimpleNamespace(server_id="real"),
                          protocol.RolloutResult(server_id="someone-else", samples=[]))
     assert [m.server_id for m in got] == ["real"]
+
+
+async def test_wrong_weights_hold_a_server_until_it_applies_the_newest_version_rightly():
+    """issue 28.4: a checksum mismatch releases the server's leases, gives it no work and
+    remembers the version (its tokens of it are refused by the intake); a right checksum of an
+    older version does not clear it, the newest one does."""
+    h = Harness(g=2, batch_prompts=2, eta=2)
+    srv = await h.join("S", max_concurrency=4, credits=4)
+    assert len(h.assigned()) == 2
+    for v, checksum in ((1, "c1"), (2, "c2")):
+        h.version = v
+        await h.adm.announce(protocol.WeightsAvailable(version=v, kind="full", tensors=[], total_bytes=0,
+                                                       chunk_bytes=1024, num_chunks=0, checksum=checksum))
+    assert not await h.adm.weights_applied(srv, protocol.WeightsApplied(server_id="S", version=2, checksum="x",
+                                                                        seconds=0.0))
+    assert srv.unverified and h.adm.outstanding(srv) == 0 and len(h.adm.reissue) == 2
+    assert h.adm.distrusted("S") == {2} and h.adm.distrusted("T") is None
+    assert h.metrics.value("slipstream_weights_checksum_mismatch_total") == 1
+    assert h.metrics.value("slipstream_rollout_servers_unverified") == 1
+    await h.adm.work_request(srv, protocol.WorkRequest(server_id="S", credits=4))
+    assert len(h.assigned()) == 2                                   # nothing new
+    await h.adm.weights_applied(srv, protocol.WeightsApplied(server_id="S", version=1, checksum="c1", seconds=0.0))
+    assert srv.unverified and len(h.assigned()) == 2                # right, but not the newest
+    await h.adm.weights_applied(srv, protocol.WeightsApplied(server_id="S", version=2, checksum="c2", seconds=0.0))
+    assert not srv.unverified and h.adm.status()["S"]["unverified"] is False
+    assert len(h.assigned()) == 4                                   # the released groups, re-issued
+    assert h.adm.distrusted("S") == {2}                             # its old tokens stay refused
+    assert [e for e, _ in h.log].count("server_verified") == 1

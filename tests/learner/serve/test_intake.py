@@ -128,3 +128,33 @@ async def test_a_prompt_equal_to_the_assignments_is_range_checked_through_the_as
     assert intake.check(other, 1)[0] == "prompt"
     ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[g0, g1]))
     assert ack.statuses == ["accepted", "accepted"]
+
+
+async def test_samples_made_on_distrusted_weights_are_refused_and_the_rest_received():
+    """issue 28.4: a sample with a token of a version its server applied with a wrong checksum is
+    refused (unverified_weights) wherever it sits in a result; the others are received as usual."""
+    buf = RolloutBuffer(batch_samples=2, group_size=2, max_staleness=3)
+    issued = []
+    for aid in ("a1", "a2"):
+        a = protocol.Assignment(assignment_id=aid, prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
+                                group_size=2, version=0)
+        buf.issue(aid, "s", 2, payload=a)
+        issued.append(a)
+    released = []
+    intake = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 2,
+                    metrics=LearnerMetrics(), release=lambda server, aid: released.append((server, aid)),
+                    distrusted=lambda server: {2} if server == "s" else None)
+    good = samples_for(issued[0], version=1)
+    bad = samples_for(issued[1], version=1)
+    bad[1].token_versions = np.array([1, 2, 2], np.int32)          # one token made on the wrong weights
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[good[0], bad[1], good[1], bad[0]]))
+    assert ack.statuses == ["accepted", "invalid", "accepted", "accepted"], ack
+    assert intake.invalid == {"unverified_weights": 1} and released == [("s", "a2")]
+    # Another server's samples of the same version are its own business.
+    other = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 2,
+                   metrics=LearnerMetrics(), distrusted=lambda server: {2} if server == "s" else None)
+    a3 = protocol.Assignment(assignment_id="a3", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
+                             group_size=2, version=0)
+    buf.issue("a3", "t", 2, payload=a3)
+    b = samples_for(a3, version=2)
+    assert (await other.receive(protocol.RolloutResult(server_id="t", samples=b[:1]))).statuses == ["accepted"]

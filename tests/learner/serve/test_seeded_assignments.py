@@ -37,3 +37,27 @@ async def test_each_assignment_carries_its_own_seed(tmp_path, tiny_model_dir):
     assert len({a.sampling.seed for a in got}) == 4
     plain = await _assignments(learner_config(tmp_path / "b", batch_prompts=2, max_staleness=1), tiny_model_dir, 2)
     assert all(a.sampling.seed is None for a in plain)
+
+
+async def test_each_assignment_carries_the_stop_conditions(tmp_path, tiny_model_dir):
+    """issue 26.3: learner.sampling.stop / stop_token_ids reach every assignment (and the HF and
+    vLLM engines through GenRequest.from_sampling: tests/rollout_server/test_engine_*.py)."""
+    from rollout_server.engine import GenRequest
+
+    cfg = learner_config(tmp_path / "s", batch_prompts=2, max_staleness=1,
+                         sampling={"stop": ["</tool>"], "stop_token_ids": [3]})
+    got = await _assignments(cfg, tiny_model_dir, 2)
+    assert all(a.sampling.stop == ["</tool>"] and a.sampling.stop_token_ids == [3] for a in got)
+    req = GenRequest.from_sampling(got[0].prompt_token_ids, 2, got[0].sampling)
+    assert req.stop == ("</tool>",) and req.stop_token_ids == (3,)
+
+
+def test_bad_stop_conditions_are_config_errors():
+    from pydantic import ValidationError
+
+    from learner.config import SamplingSettings
+
+    for bad in ({"stop": [""]}, {"stop": ["x" * 257]}, {"stop": ["x"] * 17}, {"stop_token_ids": [-1]},
+                {"stop_token_ids": [2**31]}):
+        with pytest.raises(ValidationError):
+            SamplingSettings(**bad)
