@@ -137,6 +137,12 @@ class LearnerMetrics:
         self.server_version = Gauge("slipstream_server_policy_version",
                                     "Version each rollout server reports as applied", ["server"],
                                     registry=r)
+        self.version_skew = Gauge(
+            "slipstream_rollout_version_skew", "Newest minus oldest version the connected rollout "
+            "servers report as applied (0 with one server or none)", registry=r)
+        self.weights_egress_bytes = Counter(
+            "slipstream_weights_egress_bytes", "Weight chunk bytes the learner's weights socket "
+            "sent (every server's fetches of every version)", registry=r)
         self.step_stats = Gauge("slipstream_train_stat", "Last step's training statistics", ["name"],
                                 registry=r)
         self.skipped_steps = Counter(

@@ -103,6 +103,9 @@ class RolloutMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.requests_inflight = Gauge("slipstream_rollout_requests_inflight",
                                        "Samples being generated or awaiting an ack", registry=r)
+        self.weights_received_bytes = Counter(
+            "slipstream_weights_received_bytes", "Weight chunk bytes this server received and "
+            "verified, by source (learner: the learner's weights socket)", ["source"], registry=r)
         self.weight_update_seconds = Histogram(
             "slipstream_rollout_weight_update_seconds", "Seconds from WeightsAvailable to applied",
             registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

@@ -342,6 +342,7 @@ class WeightsReceiver:
             asked: set[int] = set()           # requested, no good reply yet
             due = 0                           # replies still owed by the learner
             sent = replies = 0
+            received = self.metrics.weights_received_bytes.labels(source="learner")
             while todo or asked:
                 while todo and due < self.chunk_window:
                     i = todo.popleft()
@@ -380,6 +381,7 @@ class WeightsReceiver:
                 if problem is None:
                     i = reply.index
                     chunks[i] = memoryview(reply.data)
+                    received.inc(len(reply.data))
                     got[i] = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
                     asked.discard(i)
                 else:

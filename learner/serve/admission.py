@@ -531,8 +531,14 @@ class Admission:
         srv.version = version
         if changed or force:
             self.metrics.server_version.labels(server=srv.server_id).set(version)
+            self._skew()
             self.versions_changed.set()
         return changed
+
+    def _skew(self) -> None:
+        """``slipstream_rollout_version_skew``: newest minus oldest applied version of the fleet."""
+        versions = [s.version for s in self.servers.values()]
+        self.metrics.version_skew.set(max(versions) - min(versions) if versions else 0)
 
     # -- weights ----------------------------------------------------------------------------------
 
@@ -728,6 +734,7 @@ class Admission:
             pass
         self.metrics.servers.set(len(self.servers))
         self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
+        self._skew()
         self.metrics.servers_lost.labels(reason=reason).inc()
         self.versions_changed.set()
         self.log("server_lost", server=srv.server_id, reason=reason,

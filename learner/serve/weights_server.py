@@ -123,12 +123,13 @@ class WeightsServer:
 
     def __init__(self, chunk_bytes: int, kind: str = "full", keep: int = 2,
                  metadata: dict[str, Any] | None = None, buffers: HostBuffers | None = None,
-                 lora: protocol.LoraSpec | None = None):
+                 lora: protocol.LoraSpec | None = None, metrics: Any = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.chunk_bytes = chunk_bytes
         self.kind = kind
         self.keep = keep
+        self.metrics = metrics          # LearnerMetrics: the egress bytes (None: not counted)
         self.metadata = dict(metadata or {})
         self.lora = lora                   # the adapter of a "lora" publish (its manifests' lora)
         self.buffers = buffers if buffers is not None else HostBuffers()
@@ -223,7 +224,10 @@ class WeightsServer:
             raise protocol.ProtocolError(f"weights socket: {type(msg).TYPE} is not a "
                                          f"{protocol.WeightChunkRequest.TYPE}")
         trace("learner.chunk")
-        return self.chunk(msg.version, msg.index)
+        reply = self.chunk(msg.version, msg.index)
+        if self.metrics is not None and isinstance(reply, protocol.WeightChunk):
+            self.metrics.weights_egress_bytes.inc(len(reply.data))
+        return reply
 
 
 INLINE_SNAPSHOT_BYTES = 16 << 20

@@ -168,10 +168,12 @@ def test_a_reward_that_blocks_then_resumes(tmp_path, tiny_model_dir, subprocess_
                           BLOCKING_REWARD)
     server_pid = int(run.wait_for_line(r"\[run\] rollout-0 pid (\d+)", 240).group(1))
     lines = {}
-    for _ in range(2):                        # either may come first (the learner's earlier lines
-        m = run.wait_for_line(               # say it waits for the server to connect)
+    for _ in range(12):                       # either may come first, and one may say it again (each
+        m = run.wait_for_line(               # watchdog repeats its line while stalled) before the
             r"\[(learner)\] stalled: (.*rollout-0: .*)|\[(rollout-0)\] stalled: (.*)", 240)
-        lines[m.group(1) or m.group(3)] = m.group(2) or m.group(4)
+        lines.setdefault(m.group(1) or m.group(3), m.group(2) or m.group(4))   # other's first comes
+        if len(lines) == 2:
+            break
     assert set(lines) == {"learner", "rollout-0"}, lines
     assert re.fullmatch(r"no progress for \d+ s: reward scoring has run \d+ s on one batch "
                         r"\(\d+ samples\)", lines["rollout-0"]), lines

@@ -127,6 +127,9 @@ async def test_corrupted_chunks_are_fetched_again(corrupt):
     _check_applied(h, manifest)
     assert h.count("weights_checksum") == len(corrupt)
     assert len(h.channels[0].requests) == 5 + len(corrupt)
+    # issue 28.7: the bytes received and verified, once each (a corrupted copy is not counted).
+    assert h.metrics.registry.get_sample_value("slipstream_weights_received_bytes_total",
+                                               {"source": "learner"}) == manifest.total_bytes
 
 
 async def test_replies_that_are_not_the_chunk_asked_for_are_counted_and_asked_again():

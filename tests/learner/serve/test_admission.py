@@ -415,3 +415,17 @@ async def test_wrong_weights_hold_a_server_until_it_applies_the_newest_version_r
     assert len(h.assigned()) == 4                                   # the released groups, re-issued
     assert h.adm.distrusted("S") == {2}                             # its old tokens stay refused
     assert [e for e, _ in h.log].count("server_verified") == 1
+
+
+async def test_the_version_skew_is_the_fleets_newest_minus_oldest():
+    """issue 28.7: slipstream_rollout_version_skew follows the servers' applied versions and the
+    servers that leave."""
+    h = Harness()
+    s = await h.join("S")
+    t = await h.join("T")
+    assert h.metrics.value("slipstream_rollout_version_skew") == 0
+    h.version = 2
+    await h.adm.weights_applied(t, protocol.WeightsApplied(server_id="T", version=2, checksum="c", seconds=0.0))
+    assert h.metrics.value("slipstream_rollout_version_skew") == 2
+    h.adm.lose(s, "timeout")
+    assert h.metrics.value("slipstream_rollout_version_skew") == 0

@@ -87,3 +87,19 @@ async def test_handle_serves_requests_and_refuses_other_messages():
     assert isinstance(reply, protocol.WeightChunk) and reply.index == 2
     with pytest.raises(protocol.ProtocolError, match="weights socket"):
         await ws.handle(b"id", protocol.Hello(server_id="s", engine="e", model="m", version=0))
+
+
+async def test_the_egress_bytes_are_the_chunks_sent():
+    """issue 28.7: slipstream_weights_egress_bytes_total counts each chunk served (two servers
+    fetching one version: twice the model), not the refusals."""
+    from learner.metrics import LearnerMetrics
+
+    m = LearnerMetrics()
+    ws = WeightsServer(chunk_bytes=1024, metrics=m)
+    ws.publish(1, named(1.0))
+    manifest = ws.manifest(1)
+    for _server in range(2):
+        for i in range(manifest.num_chunks):
+            await ws.handle(b"id", protocol.WeightChunkRequest(version=1, index=i))
+    await ws.handle(b"id", protocol.WeightChunkRequest(version=7, index=0))      # unknown: an Error
+    assert m.value("slipstream_weights_egress_bytes_total") == 2 * manifest.total_bytes
