@@ -142,7 +142,11 @@ class Watched:
                 raise AssertionError(f"no {what} within {timeout_s}s:\n{self.output()}") from None
             if line is None:
                 self._lines.put(None)                 # later waits see the EOF too
-                raise AssertionError(f"process exited before {what}:\n{self.output()}")
+                try:
+                    status = f" with status {self.proc.wait(timeout=5)}"   # -N: killed by signal N
+                except subprocess.TimeoutExpired:
+                    status = " (its output closed; still running)"
+                raise AssertionError(f"process exited{status} before {what}:\n{self.output()}")
             found = match(line)
             if found:
                 return found

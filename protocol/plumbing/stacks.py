@@ -1,14 +1,23 @@
 """Stacks on demand (issue 38 item 3): ``kill -USR1 PID`` makes a learner or a rollout server
 write every thread's Python stack and every asyncio task's stack to a file, and say where.
 
-Two writers answer the one signal, so a stack comes out whatever the process is stuck on:
+One signal, two files, so a stack comes out whatever the process is stuck on:
 
-- **faulthandler** (C level, registered with ``chain=True``) appends every thread's stack to
-  ``stacks-<proc>-<pid>.threads.txt`` at once, even while the event loop or the GIL is held by a
-  blocked call (an engine, a reward, a write to a full disk);
-- **the event loop's handler** then writes ``stacks-<proc>-<pid>-<n>.txt``: the threads by name
-  and every asyncio task with its coroutine stack, and logs ``stacks_written`` with the path —
-  when the loop is alive to run it.
+- **the signal's Python handler** appends every thread's stack (``faulthandler.dump_traceback``)
+  to ``stacks-<proc>-<pid>.threads.txt`` at once. It runs on the main thread between two
+  bytecodes, and also in the middle of a blocking call that Python retries on a signal
+  (``time.sleep``, a lock or ``Event.wait``, a socket read, ``select``: PEP 475), so a loop held by
+  such a call is still seen, and the frame it is stuck in is named;
+- it then asks the event loop (``call_soon_threadsafe``) for ``stacks-<proc>-<pid>-<n>.txt``: the
+  threads by name and every asyncio task with its coroutine stack, logged as ``stacks_written``
+  with the path — when the loop is alive to run it.
+
+Why not faulthandler's C-level ``register(all_threads=True)``: it walks the other threads from
+inside the signal, without the GIL, and CPython 3.11 crashes (SIGSEGV) when a thread starts or
+ends during that walk — a Prometheus scrape's request thread is enough; tens of signals did it
+(``tests/protocol/test_stacks.py`` has the case). A main thread stuck inside C code that never
+returns to Python is the watchdog's case: its own thread names the frame and writes the stacks
+(:mod:`protocol.plumbing.watchdog`).
 
 The directory: ``SLIPSTREAM_STACKS_DIR`` when set (``slipstream run`` sets it to
 ``RUN_DIR/stacks`` for every process it starts), else ``RUN_DIR/stacks`` for a learner, else the
@@ -86,11 +95,12 @@ def dump_stacks(directory: Path, proc: str, loop: asyncio.AbstractEventLoop | No
 
 
 def install_stack_dump(proc: str, directory: Path, log: Callable[..., None]) -> Callable[[], None]:
-    """SIGUSR1 -> stacks (module docstring). Call from inside the running loop; returns the
-    function that removes both handlers (and closes the threads file)."""
+    """SIGUSR1 -> stacks (module docstring). Call from inside the running loop, on the main
+    thread; returns the function that restores the previous handler (and closes the threads file)."""
     loop = asyncio.get_running_loop()
+    threads_path = directory / f"stacks-{proc}-{os.getpid()}.threads.txt"
 
-    def on_signal() -> None:
+    def write_file() -> None:                 # on the loop
         try:
             path = dump_stacks(directory, proc, loop)
         except OSError as e:
@@ -98,20 +108,27 @@ def install_stack_dump(proc: str, directory: Path, log: Callable[..., None]) -> 
             return
         log("stacks_written", path=str(path), threads_file=str(threads_path))
 
-    threads_path = directory / f"stacks-{proc}-{os.getpid()}.threads.txt"
-    loop.add_signal_handler(signal.SIGUSR1, on_signal)
+    def on_signal(signum, frame) -> None:     # on the main thread, wherever it was
+        if threads_file is not None:
+            try:
+                faulthandler.dump_traceback(threads_file, all_threads=True)
+                threads_file.flush()
+            except (OSError, ValueError):     # a full disk: the loop's file will say so
+                pass
+        try:
+            loop.call_soon_threadsafe(write_file)
+        except RuntimeError:                  # the loop is closed: the threads file is all there is
+            pass
+
     try:       # a directory that cannot be written: the loop's handler will say so when asked
         directory.mkdir(parents=True, exist_ok=True)
-        threads_file = open(threads_path, "a")              # noqa: SIM115 - held for faulthandler
+        threads_file = open(threads_path, "a")              # noqa: SIM115 - held for the handler
     except OSError:
         threads_file = None
-    else:
-        faulthandler.register(signal.SIGUSR1, file=threads_file, all_threads=True, chain=True)
+    previous = signal.signal(signal.SIGUSR1, on_signal)
 
     def remove() -> None:
-        if threads_file is not None:               # faulthandler first: it restores the loop's
-            faulthandler.unregister(signal.SIGUSR1)
-        loop.remove_signal_handler(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
         if threads_file is None:
             return
         threads_file.close()

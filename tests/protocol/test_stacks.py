@@ -124,3 +124,45 @@ def test_an_unused_threads_file_is_removed_at_exit(tmp_path, process_groups):
     _events(proc, "removed")
     assert proc.wait(timeout=30) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+CHURN = textwrap.dedent('''
+    import asyncio, sys, threading, time
+    from pathlib import Path
+    from protocol.plumbing.stacks import install_stack_dump
+
+    async def main():
+        remove = install_stack_dump("churn", Path(sys.argv[1]), lambda *a, **k: None)
+        print("ready", flush=True)
+        while sys.stdin.readable():
+            threads = [threading.Thread(target=time.sleep, args=(0.001,)) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            await asyncio.sleep(0)
+            if Path(sys.argv[1], "stop").exists():
+                break
+        remove()
+        print("removed", flush=True)
+
+    asyncio.run(main())
+''')
+
+
+def test_signals_while_threads_start_and_end_do_not_kill_the_process(tmp_path, process_groups):
+    """Threads that come and go (a metrics scrape's request thread) while SIGUSR1 arrives: the
+    C-level faulthandler dump this replaced died of SIGSEGV within tens of signals here."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = process_groups.popen([sys.executable, "-c", CHURN, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "ready\n"
+    for _ in range(400):
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.002)
+        assert proc.poll() is None, f"the process died ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+    (tmp_path / "stop").touch()
+    assert proc.stdout.readline() == "removed\n"
+    assert proc.wait(timeout=30) == 0
+    threads = (tmp_path / f"stacks-churn-{proc.pid}.threads.txt").read_text()
+    assert threads.count("Current thread") >= 100 and "in main" in threads
