@@ -32,6 +32,10 @@ from typing import Any
 import yaml
 
 from protocol import StartupError
+from rollout_server.config import GenerationOptions
+
+SERVER_LIMIT = GenerationOptions.model_fields["max_new_tokens_limit"].default
+"""A rollout server's default completion limit: a longer max_new_tokens raises it too."""
 
 __all__ = ["from_trl", "from_verl", "read_trl", "read_verl", "render"]
 
@@ -359,7 +363,7 @@ def from_trl(settings: dict, source: str = "a TRL config") -> Translation:
         "max_completion_length", "max_prompt_length", "temperature", "top_p", "top_k", "min_p",
         "repetition_penalty")
     t.set("learner.sampling.max_new_tokens", n_new)
-    if n_new > 4096:
+    if n_new > SERVER_LIMIT:
         t.set("rollout.generation.max_new_tokens_limit", n_new)
     if n_prompt:
         t.set("learner.data.max_prompt_tokens", n_prompt)
@@ -738,7 +742,7 @@ def from_verl(settings: dict, source: str = "a verl config") -> Translation:
         "data.max_prompt_length", "data.max_response_length", R + "temperature", R + "top_p", R + "top_k", R + "name")
     t.set("learner.data.max_prompt_tokens", n_prompt)
     t.set("learner.sampling.max_new_tokens", n_new)
-    if n_new > 4096:
+    if n_new > SERVER_LIMIT:
         t.set("rollout.generation.max_new_tokens_limit", n_new)
     t.set("learner.sampling.temperature", temp)
     if top_p not in (1, 1.0, None):

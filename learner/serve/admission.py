@@ -458,7 +458,7 @@ class Admission:
             if srv.unverified and expected is not None and (
                     self.latest is None or msg.version >= self.latest.version):
                 srv.unverified = False
-                self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
+                self._count_unverified()
                 self.log("server_verified", server=srv.server_id, server_version=msg.version)
         await self.dispatch()
         return ok
@@ -477,7 +477,7 @@ class Admission:
             self.side_work.release_holder(srv.server_id)
         srv.unverified = True
         self.metrics.weights_checksum_mismatch.inc()
-        self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
+        self._count_unverified()
         self.log("checksum_mismatch", level="warning", server=srv.server_id, server_version=version,
                  checksum=str(checksum)[:100], expected=expected, released_assignments=len(released),
                  hint="no work for this server until it applies the newest version with the published "
@@ -534,6 +534,10 @@ class Admission:
             self._skew()
             self.versions_changed.set()
         return changed
+
+    def _count_unverified(self) -> None:
+        """``slipstream_rollout_servers_unverified``: the servers held for wrong weights."""
+        self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
 
     def _skew(self) -> None:
         """``slipstream_rollout_version_skew``: newest minus oldest applied version of the fleet."""
@@ -733,7 +737,7 @@ class Admission:
         except KeyError:
             pass
         self.metrics.servers.set(len(self.servers))
-        self.metrics.servers_unverified.set(sum(s.unverified for s in self.servers.values()))
+        self._count_unverified()
         self._skew()
         self.metrics.servers_lost.labels(reason=reason).inc()
         self.versions_changed.set()

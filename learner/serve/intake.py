@@ -229,7 +229,7 @@ class Intake:
         refused: list[tuple[str, str, str]] = []
         why = ("unverified_weights", "generated on weights whose checksum is not the published one")
         statuses = {i: self._refuse(samples[i], why, refused) for i in sorted(hit)}
-        self.metrics.samples.labels(status=INVALID).inc(len(hit))
+        self._status_counters(INVALID).inc(len(hit))
         self.metrics.rollouts_received.inc(len(hit))
         sid, reason, message = refused[0]
         self.log("samples_invalid", server=msg.server_id, count=len(refused), reason=reason,
