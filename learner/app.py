@@ -209,6 +209,7 @@ def assemble_model(p: Parts, cfg: LearnerConfig, trainer: Any) -> ModelParts:
         evaluation = Evaluation.from_config(
             cfg.evaluation, cfg.data, seed=cfg.seed, max_new_tokens=cfg.sampling.max_new_tokens,
             stop=cfg.sampling.stop, stop_token_ids=cfg.sampling.stop_token_ids,
+            max_turns=cfg.sampling.max_turns, max_episode_tokens=cfg.sampling.episode_tokens,
             lease_timeout_s=cfg.servers.lease_timeout_s, tokenizer=tok, encode=encode,
             run_id=p.state.run_id, version=p.state.current_version, metrics=p.metrics,
             record=p.records.eval_round, log=p.log)

@@ -20,6 +20,7 @@ from protocol.messages import (
     BUCKET_KEY,
     DATASET_KEY,
     FINISH_REASONS,
+    MAX_TURNS,
     MESSAGE_TYPES,
     PROMPT_MESSAGES_KEY,
     SEED_MAX,
@@ -45,7 +46,7 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "ACK_STATUSES", "BUCKET_KEY", "DATASET_KEY", "PROMPT_MESSAGES_KEY", "FINISH_REASONS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "SEED_MAX", "Ack", "Assignment",
+    "ACK_STATUSES", "BUCKET_KEY", "DATASET_KEY", "PROMPT_MESSAGES_KEY", "FINISH_REASONS", "MAX_TURNS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "SEED_MAX", "Ack", "Assignment",
     "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "LoraSpec", "Message", "ProtocolError",
     "RolloutResult", "Sample", "SamplingParams", "StartupError", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
     "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",

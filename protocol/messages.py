@@ -76,6 +76,7 @@ _TEMPERATURE = Float(min_value=_TEMPERATURE_MIN, max_value=_TEMPERATURE_MAX)
 _INT32, _FLOAT32 = _I32.dtype, _F32_FINITE.dtype     # np.dtype("<i4"), np.dtype("<f4")
 SEED_MAX = (1 << 63) - 1     # SamplingParams.seed: what msgpack and torch.Generator both take
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64   # SamplingParams.stop, stop_token_ids
+MAX_TURNS = 1024                   # SamplingParams.max_turns, and the turns a Sample may hold
 _ndarray = np.ndarray
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -132,6 +133,12 @@ class Sample(Struct):
     # assignment's, the learner's intake overwrites it with the one it issued (None: unknown, an
     # older sender; the trainer then uses the run's temperature).
     sampling_temperature: float | None = wire(Optional(_TEMPERATURE), default=None)
+    # Multi-turn episodes (protocol 3.6; issue 26): int32 [2K], the (start, end) of each of the
+    # model's K turns in ``completion_token_ids``, in order. Tokens outside every span are the
+    # environment's (observations, the chat template's glue): fed to the engine, never sampled,
+    # so loss mask 0, behavior log-prob 0, and the version of the turn before them. None: one
+    # turn, every token sampled (a 3.5 sender).
+    turn_spans: np.ndarray | None = wire(Optional(_I32_NON_NEGATIVE), default=None)
 
     def cross_check(self, where: str) -> None:
         if self.array_dtypes != SAMPLE_ARRAY_DTYPES:
@@ -150,6 +157,8 @@ class Sample(Struct):
         if self.finish_reason not in FINISH_REASONS:
             raise ProtocolError(f"{where}.finish_reason: {self.finish_reason!r} not in "
                                 f"{FINISH_REASONS}")
+        if self.turn_spans is not None:
+            check_turn_spans(self.turn_spans, n, f"{where}.turn_spans")
 
     def to_wire(self) -> list:
         """Hand-written ``to_wire_checked`` for the hot path (same wire form, no per-field loop).
@@ -165,14 +174,14 @@ class Sample(Struct):
             # by field. tobytes() is the C-order copy msgpack needs.
             if (p.dtype is _INT32 and c.dtype is _INT32 and lp.dtype is _FLOAT32
                     and v.dtype is _INT32 and p.ndim == 1 and c.ndim == 1 and lp.ndim == 1
-                    and v.ndim == 1 and FAST_PATHS_CURRENT):
+                    and v.ndim == 1 and self.turn_spans is None and FAST_PATHS_CURRENT):
                 reward, tau = self.reward, self.sampling_temperature
                 return [self.sample_id, self.assignment_id, self.group_index, self.group_size,
                         p.tobytes(), c.tobytes(), lp.tobytes(), v.tobytes(),
                         reward if type(reward) is float else float(reward), self.reward_parts,
                         self.finish_reason, self.timing, self.completion_text, self.failed,
                         self.metadata, SAMPLE_ARRAY_DTYPES,
-                        tau if tau is None or type(tau) is float else float(tau)]
+                        tau if tau is None or type(tau) is float else float(tau), None]
         except AttributeError:
             pass
         return self.to_wire_checked()
@@ -187,6 +196,21 @@ class Sample(Struct):
             if samples is not None:
                 return samples[0]
         return cls.from_wire_checked(body, where)
+
+    @property
+    def turns(self) -> int:
+        """The model's turns in this sample (1 for a single completion)."""
+        return 1 if self.turn_spans is None else len(self.turn_spans) // 2
+
+    def loss_mask(self) -> np.ndarray | None:
+        """float32 [T]: 1 on the tokens the model sampled, 0 on the environment's; None when
+        every token was sampled (no ``turn_spans``)."""
+        if self.turn_spans is None:
+            return None
+        mask = np.zeros(len(self.completion_token_ids), dtype=np.float32)
+        for start, end in self.turn_spans.reshape(-1, 2).tolist():
+            mask[start:end] = 1.0
+        return mask
 
     @property
     def min_version(self) -> int:
@@ -241,6 +265,17 @@ class SamplingParams(Struct):
                            default_factory=list)
     stop_token_ids: list[int] = wire(IntList(max_items=MAX_STOP_TOKEN_IDS, max_value=2**31 - 1),
                                      default_factory=list)
+    # Episodes (protocol 3.6; issue 26): a server running an environment gives the model at most
+    # ``max_turns`` turns (each at most ``max_new_tokens``) and the episode at most
+    # ``max_episode_tokens`` tokens after the prompt, observations included (None: max_new_tokens,
+    # one turn's worth). A 3.5 learner's assignment: one turn.
+    max_turns: int = wire(Int(1, MAX_TURNS), default=1)
+    max_episode_tokens: int | None = wire(Optional(Int(1, MAX_NEW_TOKENS_LIMIT)), default=None)
+
+    @property
+    def episode_tokens(self) -> int:
+        """The most tokens a sample of this assignment may hold after its prompt."""
+        return self.max_new_tokens if self.max_episode_tokens is None else self.max_episode_tokens
 
 
 @record
@@ -495,6 +530,19 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
+def check_turn_spans(spans: np.ndarray, n: int, where: str) -> None:
+    """``spans`` (a Sample's ``turn_spans``) are K >= 1 (start, end) pairs, each a non-empty span
+    of the ``n`` completion tokens, in order, none overlapping the next."""
+    k = len(spans)
+    if k == 0 or k % 2 or k // 2 > MAX_TURNS:
+        raise ProtocolError(f"{where}: {k} values; (start, end) pairs of 1 to {MAX_TURNS} turns expected")
+    flat = spans.astype(np.int64)
+    starts, ends = flat[0::2], flat[1::2]
+    if not (np.all(starts < ends) and np.all(ends[:-1] <= starts[1:]) and int(ends[-1]) <= n):
+        raise ProtocolError(f"{where}: spans {flat.tolist()[:8]} are not non-empty, ordered, "
+                            f"non-overlapping spans of the {n} completion tokens")
+
+
 # ---------------------------------------------------------------------------------------------
 # The hot path: the samples of a message decoded in one pass, without the per-field loop.
 #
@@ -504,7 +552,7 @@ _SAMPLE_FAST_FIELDS = (
     "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
     "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
     "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes",
-    "sampling_temperature")
+    "sampling_temperature", "turn_spans")
 FAST_PATHS_CURRENT = (tuple(name for name, _ in Sample.FIELDS) == _SAMPLE_FAST_FIELDS
                       and tuple(name for name, _ in RolloutResult.FIELDS) == ("server_id", "samples"))
 _frombuffer = np.frombuffer
@@ -537,11 +585,16 @@ def _samples_fast(ws: list) -> list[Sample] | None:
             if len(w) > _N_SAMPLE_FIELDS:
                 w = w[:_N_SAMPLE_FIELDS]        # a newer minor version appended fields: ignored
             elif len(w) == _N_SAMPLE_FIELDS - 1:
-                w = [*w, None]                  # a 3.2 sender: no sampling_temperature
+                w = [*w, None]                  # a 3.3-3.5 sender: no turn_spans
+            elif len(w) == _N_SAMPLE_FIELDS - 2:
+                w = [*w, None, None]            # a 3.2 sender: no sampling_temperature either
             else:                               # older still: the checked path fills defaults
                 return None
         (sample_id, assignment_id, group_index, group_size, prompt, completion, logprob, version,
-         reward, reward_parts, finish_reason, timing, text, failed, metadata, dtypes, tau) = w
+         reward, reward_parts, finish_reason, timing, text, failed, metadata, dtypes, tau,
+         spans) = w
+        if spans is not None:                   # a multi-turn sample: the checked path
+            return None
         if not (type(sample_id) is str and type(assignment_id) is str and type(text) is str
                 and type(finish_reason) is str and type(group_index) is int
                 and type(group_size) is int and type(reward) is float
@@ -596,20 +649,20 @@ def _samples_fast(ws: list) -> list[Sample] | None:
         return [Sample(sample_id, assignment_id, group_index, group_size,
                        _frombuffer(prompt, _INT32), _frombuffer(completion, _INT32), all_logprobs,
                        all_versions, reward, reward_parts, finish_reason, timing, text, failed,
-                       metadata, SAMPLE_ARRAY_DTYPES, tau)]
+                       metadata, SAMPLE_ARRAY_DTYPES, tau, None)]
     all_completions = _frombuffer(_join([w[5] for w in fields]), _INT32)
     out = []
     start = 0
     last_prompt, prompt_ids = None, None
     for (sample_id, assignment_id, group_index, group_size, prompt, completion, _, _, reward,
-         reward_parts, finish_reason, timing, text, failed, metadata, _, tau) in fields:
+         reward_parts, finish_reason, timing, text, failed, metadata, _, tau, _) in fields:
         if prompt != last_prompt:
             last_prompt, prompt_ids = prompt, _frombuffer(prompt, _INT32)
         end = start + (len(completion) >> 2)
         out.append(Sample(sample_id, assignment_id, group_index, group_size, prompt_ids,
                           all_completions[start:end], all_logprobs[start:end],
                           all_versions[start:end], reward, reward_parts, finish_reason, timing,
-                          text, failed, metadata, SAMPLE_ARRAY_DTYPES, tau))
+                          text, failed, metadata, SAMPLE_ARRAY_DTYPES, tau, None))
         start = end
     return out
 

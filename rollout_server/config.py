@@ -207,6 +207,49 @@ class RewardSettings(BaseModel):
         return {"fn": data} if isinstance(data, (str, list)) else data
 
 
+class EnvironmentSettings(BaseModel):
+    """``rollout.environment``: multi-turn episodes (docs/agents.md). An assignment whose
+    environment is set runs as episodes: the model's turn, the environment's observation, the
+    model's next turn, ... up to the assignment's ``max_turns`` and ``max_episode_tokens``; each
+    episode is one sample, token for token what the engine sampled and was fed. A bare string
+    stands for ``class_name`` (``environment: mymodule:GuessEnv``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    class_name: str | None = None
+    """The environment of every assignment: "module:Class" (a module may be a path/to/file.py),
+    instantiated once per episode with ``options``; None: single completions scored by
+    rollout.reward (unless ``named`` picks one)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class (every episode gets its own instance)."""
+    named: dict[str, str] = Field(default_factory=dict)
+    """Environments by name, "module:Class" each: a prompt whose row has an ``environment``
+    column naming one, or that comes from a dataset of a mixture of that name, runs in it."""
+    step_timeout_s: float = Field(60.0, gt=0)
+    """Seconds one reset or step may take; a slower one ends the episode, failed (counted)."""
+    max_observation_tokens: int = Field(2048, ge=1)
+    """Tokens one observation may have; a longer one ends the episode, failed (counted)."""
+    role: str = Field("user", min_length=1)
+    """The chat role of an observation given as a plain string ("tool" for tool results), when
+    the tokenizer has a chat template."""
+    chat_template: Literal["auto", "never"] = "auto"
+    """auto: observations are rendered as messages with the tokenizer's chat template (closing
+    the model's turn as the template does); never: an observation's text is appended as it is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"class_name": data} if isinstance(data, str) else data
+
+    def spec_for(self, metadata: dict) -> str | None:
+        """The "module:Class" an assignment with ``metadata`` runs in (None: a single completion)."""
+        for key in ("environment", "slipstream_dataset"):
+            name = metadata.get(key)
+            if isinstance(name, str) and name in self.named:
+                return self.named[name]
+        return self.class_name
+
+
 class RolloutRuntime(BaseModel):
     """``rollout.runtime``: where and in what precision the engine computes."""
 
@@ -280,6 +323,9 @@ class RolloutConfig(BaseModel):
     """Fetching published weights: waits, chunk windows and retries, the size limit."""
     reward: RewardSettings = Field(default_factory=RewardSettings)
     """Reward function(s), their weights, threads, timeout and the built-ins' options."""
+    environment: EnvironmentSettings = Field(default_factory=EnvironmentSettings)
+    """Multi-turn episodes: the environment class (or one per row / dataset), its options, the
+    per-step timeout, how observations are tokenized (docs/agents.md)."""
     runtime: RolloutRuntime = Field(default_factory=RolloutRuntime)
     """The engine's device and dtype."""
     shutdown: ShutdownOptions = Field(default_factory=ShutdownOptions)

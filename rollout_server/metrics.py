@@ -51,6 +51,7 @@ from prometheus_client import (
 )
 
 import protocol
+from rollout_server.episodes import EPISODE_FAILURES
 
 ERROR_KINDS = (
     "reward",
@@ -146,6 +147,24 @@ class RolloutMetrics:
         self.waiting_on = Gauge(
             "slipstream_waiting_on", "1 for what a stalled process waits on (reason), 0 for the "
             "rest", ["process", "reason"], registry=r)
+        # Multi-turn episodes (rollout_server/episodes.py).
+        self.episodes_failed = Counter(
+            "slipstream_episodes_failed", "Episodes ended by their environment or a turn's generation, "
+            "by reason (rollout_server.episodes.EPISODE_FAILURES)", ["reason"], registry=r)
+        for reason in EPISODE_FAILURES:
+            self.episodes_failed.labels(reason=reason)
+        self.episodes_truncated = Counter(
+            "slipstream_episodes_truncated", "Episodes cut by max_turns or max_episode_tokens while "
+            "their environment wanted more", registry=r)
+        self.episode_turns = Histogram("slipstream_episode_turns", "Model turns per episode", registry=r,
+                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+        self.environment_seconds = Histogram(
+            "slipstream_environment_seconds", "Seconds an episode spent in its environment (reset, "
+            "steps)", registry=r, buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300))
+        self.tool_calls = Counter("slipstream_tool_calls", "Tool calls environments reported "
+                                  "(step info tool_calls)", registry=r)
+        self.tool_errors = Counter("slipstream_tool_errors", "Tool calls that failed, as environments "
+                                   "reported them (step info tool_errors)", registry=r)
         r.register(_Forward(REGISTRY))
 
     def count(self, kind: str, n: int = 1) -> None:

@@ -13,6 +13,12 @@ Batching (:meth:`Pipeline.run`): assignments queued together go to the engine in
 batch first lets announced weights land (``before_batch``, bounded), so fresh work does not start
 on a version the learner has already left.
 
+Episodes (:mod:`rollout_server.episodes`): an assignment whose environment is set
+(``rollout.environment``) is not part of the batch's generate call; its group runs as episodes in
+a task of its own, turn after turn, and is sent and its credits given back when its last episode
+ends, so a long episode or a slow environment holds nothing else. The turns of concurrent
+episodes share the engine's decodes (the engines merge concurrent calls).
+
 Failures are per sample: an engine that raises for a batch makes every sample of it
 ``failed`` (``finish_reason="error"``, counted ``generate``); a reward that raises or times out
 fails its sample (counted ``reward`` / ``reward_timeout``). Failed samples are still sent, so the
@@ -31,6 +37,7 @@ import numpy as np
 import protocol
 from protocol.plumbing.process import raise_if_cancelling, trace, wait_event
 from rollout_server.engine import Completion, GenRequest
+from rollout_server.episodes import EpisodeRunner
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.rewards import Scored
 
@@ -76,12 +83,14 @@ class Pipeline:
                  log: Callable[..., None],
                  before_batch: Callable[[list[protocol.Assignment]], Awaitable[object]] | None = None,
                  on_change: Callable[[], None] = lambda: None, batch_wait_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, episodes: EpisodeRunner | None = None):
         self.server_id, self.limits = server_id, limits
         self.generate, self.decode, self.score = generate, decode, score
         self.emit, self.release, self.before_batch = emit, release, before_batch
         self.metrics, self.log, self.on_change = metrics, log, on_change
         self.batch_wait_s, self.clock = batch_wait_s, clock
+        self.episodes = episodes
+        self.episode_tasks: set[asyncio.Task] = set()   # groups running as episodes, each on its own
         self.queue: list[protocol.Assignment] = []
         self.assigned = 0                 # samples queued or generating (credits in use)
         self.generating = False
@@ -157,15 +166,20 @@ class Pipeline:
 
     # ---- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
-        """Batches until cancelled; keeps going while stopping (the drain finishes leases)."""
-        while True:
-            raise_if_cancelling()        # one swallowed on the way (a reward's wait_for) ends it here
-            await self._queued.wait()
-            await self._window()
-            batch, self.queue = self.queue, []
-            self._queued.clear()
-            if batch:
-                await self.run_batch(batch)
+        """Batches until cancelled; keeps going while stopping (the drain finishes leases).
+        Cancelled, it cancels the episodes still running."""
+        try:
+            while True:
+                raise_if_cancelling()    # one swallowed on the way (a reward's wait_for) ends it here
+                await self._queued.wait()
+                await self._window()
+                batch, self.queue = self.queue, []
+                self._queued.clear()
+                if batch:
+                    await self.run_batch(batch)
+        finally:
+            for task in list(self.episode_tasks):
+                task.cancel()
 
     async def _window(self) -> None:
         """Wait for the rest of the learner's burst to join the batch: until an assignment says
@@ -201,6 +215,18 @@ class Pipeline:
             self.log("results_dropped", assignments=len(batch), reason="a new learner run")
             await self._done(batch)
             return
+        if self.episodes is not None:         # multi-turn groups run on their own, each as it goes
+            specs = [self.episodes.spec_for(a) for a in batch]
+            for a, spec in zip(batch, specs):
+                if spec is not None:
+                    task = asyncio.create_task(self._run_episodes(a, spec, epoch),
+                                               name=f"episodes {a.assignment_id}")
+                    self.episode_tasks.add(task)
+                    task.add_done_callback(self.episode_tasks.discard)
+            batch = [a for a, spec in zip(batch, specs) if spec is None]
+            if not batch:
+                return
+            sequences = sum(a.group_size for a in batch)
         trace("rollout.generate")
         requests = [GenRequest.from_sampling(a.prompt_token_ids, a.group_size, a.sampling)
                     for a in batch]
@@ -237,6 +263,18 @@ class Pipeline:
         else:
             self.log("results_dropped", assignments=len(batch), reason="a new learner run")
         await self._done(batch)
+
+    async def _run_episodes(self, a: protocol.Assignment, spec: str, epoch: int) -> None:
+        """``a``'s group as episodes in environment ``spec`` (rollout_server/episodes.py); its
+        samples out, its credits back."""
+        try:
+            samples = await self.episodes.run_group(a, spec)
+            if epoch == self._epoch:
+                await self.emit(protocol.RolloutResult(server_id=self.server_id, samples=samples))
+            else:
+                self.log("results_dropped", assignments=1, reason="a new learner run")
+        finally:
+            await self._done([a])
 
     async def _done(self, batch: list[protocol.Assignment]) -> None:
         """``batch`` is out (or dropped): its credits are free again."""

@@ -107,17 +107,26 @@ def _inline(fn: Callable) -> Callable:
     return fn
 
 
-def _load_file(path: str, spec: str) -> Any:
-    """A reward module given as a file (verl's custom_reward_function.path): imported under a name
-    of its own, its directory first on the import path while it loads (its sibling imports)."""
+def load_module(name: str, spec: str, what: str = "reward") -> Any:
+    """``name``: a module name, or a path/to/file.py (:func:`_load_file`); ``spec`` and ``what``
+    name it in the error."""
+    try:
+        return _load_file(name, spec, what) if name.endswith(".py") else importlib.import_module(name)
+    except ImportError as e:
+        raise ValueError(f"{what} {spec!r}: cannot import module {name!r} ({e})") from None
+
+
+def _load_file(path: str, spec: str, what: str = "reward") -> Any:
+    """A plug-in module given as a file (verl's custom_reward_function.path): imported under a
+    name of its own, its directory first on the import path while it loads (its sibling imports)."""
     import importlib.util
     import sys
     from pathlib import Path
 
     file = Path(path).expanduser().resolve()
     if not file.is_file():
-        raise ValueError(f"reward {spec!r}: no such file {str(file)!r}")
-    name = f"slipstream_reward_{file.stem}_{abs(hash(str(file))) % 10**8}"
+        raise ValueError(f"{what} {spec!r}: no such file {str(file)!r}")
+    name = f"slipstream_{what}_{file.stem}_{abs(hash(str(file))) % 10**8}"
     if name in sys.modules:
         return sys.modules[name]
     loader_spec = importlib.util.spec_from_file_location(name, file)
@@ -127,7 +136,7 @@ def _load_file(path: str, spec: str) -> Any:
         loader_spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - the user's module failed to load: one line, at start-up
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"reward {spec!r}: {file} failed to load: {type(e).__name__}: {first}") from None
+        raise ValueError(f"{what} {spec!r}: {file} failed to load: {type(e).__name__}: {first}") from None
     finally:
         sys.path.remove(str(file.parent))
     sys.modules[name] = module
@@ -142,10 +151,7 @@ def _import(target: str, spec: str | None = None) -> Callable:
         raise ValueError(f"reward {spec!r}: expected builtin:NAME (exact_numeric, format, "
                          f"length_penalty, reward_model), 'module:function', 'trl:module:function' "
                          f"or 'verl:module:function' (a module may be a path/to/file.py)")
-    try:
-        module = _load_file(module_name, spec) if module_name.endswith(".py") else importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from None
+    module = load_module(module_name, spec)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {module_name} has no callable {attr!r}")

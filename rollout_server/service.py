@@ -91,6 +91,7 @@ from rollout_server.engine import Engine
 from rollout_server.engines import create_engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.outbox import Outbox
+from rollout_server.episodes import EpisodeRunner, ObservationTokens, load_environments
 from rollout_server.pipeline import Limits, Pipeline, Refused
 from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
 from rollout_server.rewards import Rewarder
@@ -156,6 +157,10 @@ class RolloutService:
                                          by_dataset=cfg.reward.by_dataset)
             except ValueError as e:        # a spec, an import or a reward model that cannot work
                 raise protocol.StartupError(f"rollout.reward: {e}") from None
+            try:                           # an environment that cannot load or be called
+                environments = load_environments(cfg.environment)
+            except ValueError as e:
+                raise protocol.StartupError(f"rollout.environment: {e}") from None
             if cfg.threads:
                 import torch
                 torch.set_num_threads(cfg.threads)
@@ -168,6 +173,15 @@ class RolloutService:
             raise
         self.model_name = os.path.basename(os.path.normpath(model_path))
         self.metrics.policy_version.set(self.engine.version)
+        episodes = None
+        env = cfg.environment
+        if env.class_name or env.named:       # multi-turn episodes (rollout_server/episodes.py)
+            episodes = EpisodeRunner(
+                generate=self.engine.generate, decode=self.engine.decode,
+                observations=ObservationTokens(self.engine.tokenizer, role=env.role,
+                                               chat_template=env.chat_template),
+                settings=env, classes=environments, metrics=self.metrics, log=self.log,
+                max_model_len=self.engine.max_model_len, clock=self.clock)
         self.pipeline = Pipeline(
             server_id=self.server_id,
             limits=Limits(max_concurrency=cfg.generation.max_concurrency, max_new_tokens=cfg.generation.max_new_tokens_limit,
@@ -177,7 +191,7 @@ class RolloutService:
             score=self.rewarder.score_many, emit=self.outbox.put, release=self.release,
             before_batch=self.before_batch,
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
-            batch_wait_s=cfg.generation.batch_wait_s, clock=self.clock)
+            batch_wait_s=cfg.generation.batch_wait_s, clock=self.clock, episodes=episodes)
         self.receiver = WeightsReceiver(
             connect=lambda endpoint, max_bytes: ZmqChunkChannel(
                 self.ctx, endpoint, max_bytes, curve=self.curve,

@@ -711,6 +711,20 @@ class SamplingSettings(BaseModel):
     1-256 characters)."""
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     """Token ids that end a completion besides the model's EOS (kept, finish_reason stop)."""
+    max_turns: int = Field(1, ge=1, le=1024)
+    """Turns of the model an episode may have on a server that runs an environment
+    (``rollout.environment``): each turn is one completion of at most ``max_new_tokens``, the
+    environment's observations come between them (docs/agents.md). 1: single completions."""
+    max_episode_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    """Tokens an episode may hold after its prompt, the model's and the environment's together;
+    longer, it ends (finish_reason length). None: max_turns × max_new_tokens."""
+
+    @property
+    def episode_tokens(self) -> int:
+        """The most tokens a sample may hold after its prompt."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_new_tokens * self.max_turns
 
     @field_validator("stop")
     @classmethod

@@ -110,6 +110,7 @@ class Evaluation:
     def from_config(cls, settings: EvaluationSettings, data: DataSettings, *, seed: int,
                     max_new_tokens: int, lease_timeout_s: float, tokenizer, encode, run_id: str,
                     stop: list[str] | tuple = (), stop_token_ids: list[int] | tuple = (),
+                    max_turns: int = 1, max_episode_tokens: int | None = None,
                     **kwargs) -> Evaluation:
         """The evaluation of ``learner.evaluation`` (``every`` > 0): ``prompts`` prompts of its
         ``data``, formatted and tokenized like the training prompts (``learner.data``)."""
@@ -123,7 +124,8 @@ class Evaluation:
         prompts = [{**p, "prompt_id": f"e{i}"} for i, p in enumerate(source.take(n))]
         sampling = protocol.SamplingParams(temperature=settings.temperature, top_p=1.0, top_k=0,
                                            max_new_tokens=max_new_tokens, stop=list(stop),
-                                           stop_token_ids=list(stop_token_ids))
+                                           stop_token_ids=list(stop_token_ids), max_turns=max_turns,
+                                           max_episode_tokens=max_episode_tokens if max_turns > 1 else None)
         return cls(prompts, prefix=f"{run_id}-e", every=settings.every, sampling=sampling,
                    lease_timeout_s=lease_timeout_s, correct_threshold=settings.correct_threshold, **kwargs)
 
@@ -247,7 +249,8 @@ class Evaluation:
             return "duplicate" if closed else "stale"
         n = len(s.completion_token_ids)
         if (s.sample_id != protocol.sample_id(s.assignment_id, 0) or s.group_size != 1
-                or n > self.sampling.max_new_tokens
+                or n > (self.sampling.max_new_tokens if s.turn_spans is None else self.sampling.episode_tokens)
+                or s.turns > self.sampling.max_turns
                 or (n and int(np.max(s.token_versions)) > self.version())
                 or not np.array_equal(s.prompt_token_ids, lease.payload["prompt_token_ids"])):
             self.log("eval_sample_invalid", sample_id=s.sample_id[:200])

@@ -47,7 +47,7 @@ import protocol
 from buffer import AckStatus, RolloutBuffer
 from learner.metrics import LearnerMetrics
 
-REASONS = ("sample_id", "group_size", "length", "vocab", "version", "prompt", "reward", "unverified_weights")
+REASONS = ("sample_id", "group_size", "length", "turns", "vocab", "version", "prompt", "reward", "unverified_weights")
 
 
 class Intake:
@@ -103,12 +103,15 @@ class Intake:
             return "group_size", f"group_size {s.group_size} != the run's {self.group_size}"
         if assignment is False:
             assignment = self.assignment(s.assignment_id)
-        limit = (assignment.sampling.max_new_tokens if assignment is not None
-                 else self.sampling.max_new_tokens)
+        sampling = assignment.sampling if assignment is not None else self.sampling
         completion = s.completion_token_ids
         n = len(completion)
-        if n > limit:
-            return "length", f"{n} completion tokens > max_new_tokens {limit}"
+        if s.turn_spans is None:
+            limit = sampling.max_new_tokens
+            if n > limit:
+                return "length", f"{n} completion tokens > max_new_tokens {limit}"
+        elif (problem := _episode_problem(s, sampling)) is not None:
+            return problem
         vocab = self.vocab_size
         prompt = s.prompt_token_ids
         if n and not _in_range(completion, vocab):
@@ -278,7 +281,7 @@ class Intake:
                     and sample.sample_id == _sample_id(sample.assignment_id, sample.group_index)
                     and sample.group_size == group_size
                     and len(sample.completion_token_ids) <= assignment.sampling.max_new_tokens
-                    and abs(sample.reward) <= reward_limit):
+                    and sample.turn_spans is None and abs(sample.reward) <= reward_limit):
                 prompt = sample.prompt_token_ids
                 if same is None or same[0] is not assignment or same[1] is not prompt:
                     if (_equal(prompt, assignment.prompt_token_ids)
@@ -322,7 +325,7 @@ class Intake:
         for s in samples:
             if not (s.assignment_id == aid and s.sample_id == _sample_id(aid, s.group_index)
                     and s.group_size == group_size and len(s.completion_token_ids) <= limit
-                    and abs(s.reward) <= reward_limit):
+                    and s.turn_spans is None and abs(s.reward) <= reward_limit):
                 return None
             prompt = s.prompt_token_ids
             if prompt is not same:
@@ -416,6 +419,21 @@ def _in_range(ids: np.ndarray, vocab: int) -> bool:
         u = ids.view(_UINT32)
         return u.item(u.argmax()) < vocab
     return int(np.min(ids)) >= 0 and int(np.max(ids)) < vocab
+
+
+def _episode_problem(s: protocol.Sample, sampling: Any) -> tuple[str, str] | None:
+    """A multi-turn sample (``turn_spans``) against its assignment's episode limits: at most
+    ``max_turns`` turns, each at most ``max_new_tokens``, the whole at most ``episode_tokens``."""
+    n, turns = len(s.completion_token_ids), s.turns
+    if turns > sampling.max_turns:
+        return "turns", f"{turns} turns > max_turns {sampling.max_turns}"
+    if n > sampling.episode_tokens:
+        return "length", f"{n} episode tokens > max_episode_tokens {sampling.episode_tokens}"
+    spans = s.turn_spans
+    longest = int((spans[1::2] - spans[0::2]).max())
+    if longest > sampling.max_new_tokens:
+        return "length", f"a turn of {longest} tokens > max_new_tokens {sampling.max_new_tokens}"
+    return None
 
 
 def _outside(name: str, ids: np.ndarray, vocab: int) -> tuple[str, str]:

@@ -38,7 +38,9 @@ class LearnerOffers:
         s = self.cfg.sampling
         return protocol.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=0,
                                        max_new_tokens=s.max_new_tokens, stop=list(s.stop),
-                                       stop_token_ids=list(s.stop_token_ids))
+                                       stop_token_ids=list(s.stop_token_ids),
+                                       max_turns=s.max_turns,
+                                       max_episode_tokens=s.episode_tokens if s.max_turns > 1 else None)
 
     def next_assignment(self) -> protocol.Assignment | None:
         run = self.run

@@ -2,7 +2,8 @@
 
 Layout. Samples become right-padded tensors ``[B, L]`` (prompt then completion). Logits at
 position t predict token t+1, so every per-token tensor is ``[B, L-1]`` and completion token j of
-row i sits at column ``P_i - 1 + j``; ``mask`` marks those columns. Right padding means a row's
+row i sits at column ``P_i - 1 + j``; ``mask`` marks those columns (an episode's, issue 26: only
+the model's tokens, its environment's are holes). Right padding means a row's
 real tokens keep their positions whatever the width, so a sub-batch may be cut to its own longest
 row (``BatchTensors.rows``) and computes exactly what it would at full width.
 
@@ -107,7 +108,8 @@ def collate(samples: list[protocol.Sample], pad_id: int, temperature: float = 1.
         ids[i, :p] = s.prompt_token_ids
         ids[i, p:p + t] = s.completion_token_ids
         attn[i, :p + t] = 1
-        mask[i, p - 1:p - 1 + t] = 1.0
+        loss_mask = s.loss_mask()          # an episode: the environment's tokens are holes
+        mask[i, p - 1:p - 1 + t] = 1.0 if loss_mask is None else loss_mask
         behavior[i, p - 1:p - 1 + t] = s.behavior_logprobs
     ids_t = torch.from_numpy(ids)
     return BatchTensors(

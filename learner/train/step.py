@@ -296,5 +296,20 @@ def step_stats(cfg, batch, s: StepPlan, log: UpdateLog, *, x: UpdateInputs,
         if log.vf_parts:
             stats.update({k if k.startswith("vf_") else f"vf_{k}": v
                           for k, v in ops.merge_stats(log.vf_parts).items()})
+    if any(e.turn_spans is not None for e in samples):     # multi-turn episodes (issue 26)
+        masks = [e.loss_mask() for e in samples]
+        model = [float(m.sum()) if m is not None else float(len(e.completion_token_ids))
+                 for m, e in zip(masks, samples)]
+        stats["episode_turns_mean"] = float(np.mean([e.turns for e in samples]))
+        stats["episode_model_tokens_mean"] = float(np.mean(model))
+        stats["episode_truncated"] = float(np.mean([bool(e.metadata.get("truncated")) for e in samples]))
+        stats["tool_calls_mean"] = float(np.mean([_count(e.metadata.get("tool_calls")) for e in samples]))
+        stats["tool_errors_mean"] = float(np.mean([_count(e.metadata.get("tool_errors")) for e in samples]))
+        stats["environment_s_mean"] = float(np.mean([e.timing.get("environment_s", 0.0) for e in samples]))
     stats.update(x.returns.filter_stats)
     return stats
+
+
+def _count(value: object) -> int:
+    """A count a server reported in a sample's metadata (anything else: 0)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else 0

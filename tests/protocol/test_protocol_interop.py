@@ -58,7 +58,8 @@ def test_wire_field_order_is_pinned():
     # nested records are positional too
     assert wire_field_names(protocol.SamplingParams) == ("temperature", "top_p", "top_k",
                                                          "max_new_tokens", "seed",   # seed: 3.4
-                                                         "stop", "stop_token_ids")   # 3.5
+                                                         "stop", "stop_token_ids",   # 3.5
+                                                         "max_turns", "max_episode_tokens")  # 3.6
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
     assert wire_field_names(protocol.LoraSpec) == ("r", "lora_alpha", "lora_dropout",
                                                    "target_modules", "bias", "use_rslora",
@@ -67,7 +68,8 @@ def test_wire_field_order_is_pinned():
         "sample_id", "assignment_id", "group_index", "group_size", "prompt_token_ids",
         "completion_token_ids", "behavior_logprobs", "token_versions", "reward", "reward_parts",
         "finish_reason", "timing", "completion_text", "failed", "metadata", "array_dtypes",
-        "sampling_temperature")                                                     # 3.3
+        "sampling_temperature",                                                     # 3.3
+        "turn_spans")                                                               # 3.6
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
 
 
@@ -209,8 +211,9 @@ def test_a_3_2_peer_has_no_typed_temperature_or_lora_and_3_3_ones_round_trip():
     s.sampling_temperature = 0.7
     frames = encode(RolloutResult("srv", [s]))
     body = msgpack.unpackb(frames[1])
-    assert body[1][0][-1] == 0.7 and decode(frames).samples[0].sampling_temperature == 0.7
-    old = [body[0], [body[1][0][:-1]]]
+    tau_at = SAMPLE_FIELDS.index("sampling_temperature")
+    assert body[1][0][tau_at] == 0.7 and decode(frames).samples[0].sampling_temperature == 0.7
+    old = [body[0], [body[1][0][:tau_at]]]
     assert _samples_fast(old[1]) is not None                       # 3.2 samples stay fast
     out = decode(as_minor(frames, 2, old)).samples[0]
     assert out.sampling_temperature is None and out.token_versions.tolist() == [4, 4, 5]
@@ -229,7 +232,7 @@ def test_a_3_2_peer_has_no_typed_temperature_or_lora_and_3_3_ones_round_trip():
     for bad, error in ((float("nan"), "must be finite"), (float("inf"), "must be finite"),
                        (-1.0, "is below the minimum"), (0.0, "is below the minimum"),
                        (1e7, "is above the maximum"), ("hot", "expected a float")):
-        wire = [body[0], [[*body[1][0][:-1], bad]]]
+        wire = [body[0], [[*body[1][0][:tau_at], bad]]]
         with pytest.raises(ProtocolError, match=rf"samples\[0\]\.sampling_temperature: .*{error}"):
             decode([encode(RolloutResult("srv", []))[0], msgpack.packb(wire)])
 
@@ -319,7 +322,7 @@ def test_a_3_3_assignment_has_no_seed_and_a_3_4_seed_round_trips():
     frames = encode(a)
     assert decode(frames).sampling.seed == protocol.SEED_MAX
     body = msgpack.unpackb(frames[1])
-    sampling_at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 7 and v[4] == protocol.SEED_MAX)
+    sampling_at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 9 and v[4] == protocol.SEED_MAX)
     older = list(body)
     older[sampling_at] = body[sampling_at][:4]
     assert decode(as_minor(frames, 3, older)).sampling.seed is None
@@ -341,7 +344,7 @@ def test_a_3_4_assignment_has_no_stops_and_3_5_stops_round_trip():
     got = decode(frames).sampling
     assert got.stop == ["</tool>", "\n\n"] and got.stop_token_ids == [7, 2**31 - 1]
     body = msgpack.unpackb(frames[1])
-    at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 7 and v[4] == 3)
+    at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 9 and v[4] == 3)
     older = list(body)
     older[at] = body[at][:5]
     old = decode(as_minor(frames, 4, older)).sampling
@@ -352,4 +355,55 @@ def test_a_3_4_assignment_has_no_stops_and_3_5_stops_round_trip():
         worse = list(body)
         worse[at] = [*body[at][:5], stop, ids]
         with pytest.raises(ProtocolError, match=match):
+            decode([frames[0], msgpack.packb(worse)])
+
+
+def test_a_3_5_sample_is_one_turn_and_3_6_turn_spans_round_trip():
+    """Sample.turn_spans and SamplingParams.max_turns / max_episode_tokens (3.6, issue 26.2): a
+    3.5 sample (17 values) decodes on the fast path as one turn, every token sampled; a 3.5
+    assignment asks for one turn. Spans round-trip (the checked path) with their loss mask;
+    spans that are not ordered, non-empty (start, end) pairs within the completion are refused,
+    naming the field, and so are turn limits out of range."""
+    s = make_sample()
+    frames = encode(RolloutResult("srv", [s]))
+    body = msgpack.unpackb(frames[1])
+    assert body[1][0][-1] is None and len(body[1][0]) == len(SAMPLE_FIELDS)
+    old = [body[0], [body[1][0][:-1]]]
+    assert _samples_fast(old[1]) is not None                       # 3.5 samples stay fast
+    out = decode(as_minor(frames, 5, old)).samples[0]
+    assert out.turn_spans is None and out.turns == 1 and out.loss_mask() is None
+
+    s.completion_token_ids = np.array([10, 11, 12, 13, 14], dtype=np.int32)
+    s.behavior_logprobs = np.array([-0.5, -1.0, 0.0, 0.0, -2.0], dtype=np.float32)
+    s.token_versions = np.array([4, 4, 4, 4, 5], dtype=np.int32)
+    s.turn_spans = np.array([0, 2, 4, 5], dtype=np.int32)
+    frames = encode(RolloutResult("srv", [s]))
+    got = decode(frames).samples[0]
+    assert got.turn_spans.tolist() == [0, 2, 4, 5] and got.turns == 2
+    assert got.loss_mask().tolist() == [1, 1, 0, 0, 1]
+    body = msgpack.unpackb(frames[1])
+    for bad, words in (([0, 2, 1, 5], "not non-empty, ordered"), ([0, 6], "not non-empty"),
+                       ([3, 3], "not non-empty"), ([0, 2, 4], "3 values"), ([], "0 values"),
+                       ([0, -1], "negative")):
+        wire = [body[0], [[*body[1][0][:-1], np.array(bad, dtype="<i4").tobytes()]]]
+        with pytest.raises(ProtocolError, match=rf"samples\[0\]\.turn_spans: .*{words}"):
+            decode([frames[0], msgpack.packb(wire)])
+
+    sp = protocol.SamplingParams(max_turns=6, max_episode_tokens=300)
+    a = protocol.Assignment(assignment_id="a-1", prompt_id="p", prompt_token_ids=np.arange(3, dtype=np.int32),
+                            group_size=2, version=0, sampling=sp)
+    frames = encode(a)
+    got = decode(frames).sampling
+    assert (got.max_turns, got.max_episode_tokens, got.episode_tokens) == (6, 300, 300)
+    body = msgpack.unpackb(frames[1])
+    at = next(i for i, v in enumerate(body) if isinstance(v, list) and len(v) == 9)
+    older = list(body)
+    older[at] = body[at][:7]
+    old = decode(as_minor(frames, 5, older)).sampling
+    assert (old.max_turns, old.max_episode_tokens, old.episode_tokens) == (1, None, old.max_new_tokens)
+    for turns, tokens, field in ((0, None, "max_turns"), (protocol.MAX_TURNS + 1, None, "max_turns"),
+                                 (2, 0, "max_episode_tokens"), (2, "many", "max_episode_tokens")):
+        worse = list(body)
+        worse[at] = [*body[at][:7], turns, tokens]
+        with pytest.raises(ProtocolError, match=field):
             decode([frames[0], msgpack.packb(worse)])

@@ -236,6 +236,36 @@ async def test_stop_strings_and_ids_end_a_completion_with_the_stopping_token_kep
         assert len(c.versions) == len(c.logprobs) == len(c.token_ids)
 
 
+@shared_loop
+async def test_multi_turn_episodes_are_token_exact_on_vllm(ctx):
+    """issue 26 with vLLM: the turns of concurrent episodes go to vLLM as their own requests; an
+    episode is exactly the ids vLLM sampled and was fed, and the learner's recompute over the
+    whole trajectory matches the model's turns (the environment's tokens are masked holes)."""
+    from test_episodes import GUESS, Recorded, assignment, runner, spans_of
+
+    from rollout_server.config import EnvironmentSettings
+
+    eng = ctx.engine
+    recorded = Recorded(eng)
+    a = assignment(eng, group=4, seed=9)
+    samples = await runner(eng, EnvironmentSettings(class_name=GUESS), recorded).run_group(a, GUESS)
+    served = recorded.by_prompt()
+    prompt = a.prompt_token_ids.tolist()
+    assert any(len(spans_of(s)) > 1 for s in samples)
+    for s in samples:
+        assert s.failed is None, s.failed
+        ids = s.completion_token_ids.tolist()
+        for start, end in spans_of(s):
+            assert ids[start:end] in [c.token_ids.tolist() for c in served[tuple(prompt + ids[:start])]]
+    bt = collate(samples, eng.pad_id)
+    with torch.no_grad():
+        logits = ctx.hf_model()(input_ids=bt.input_ids, attention_mask=bt.attention_mask).logits[:, :-1]
+    lp = token_logprobs(logits, bt.targets, temperature=1.0)
+    m = bt.mask.bool()
+    assert int(m.sum()) < sum(len(s.completion_token_ids) for s in samples)
+    torch.testing.assert_close(bt.behavior_logprobs[m], lp[m], atol=2e-3, rtol=0)
+
+
 # ---- full weights ---------------------------------------------------------------------------
 
 @shared_loop

@@ -158,3 +158,34 @@ async def test_samples_made_on_distrusted_weights_are_refused_and_the_rest_recei
     buf.issue("a3", "t", 2, payload=a3)
     b = samples_for(a3, version=2)
     assert (await other.receive(protocol.RolloutResult(server_id="t", samples=b[:1]))).statuses == ["accepted"]
+
+
+def episode(a: protocol.Assignment, spans: list[int], n: int) -> protocol.Sample:
+    s = samples_for(a, version=0, tokens=n)[0]
+    s.turn_spans = np.array(spans, np.int32)
+    return s
+
+
+async def test_a_multi_turn_sample_is_held_to_its_assignments_episode_limits():
+    """An episode (turn_spans, issue 26) may be longer than max_new_tokens: up to the
+    assignment's max_episode_tokens, each turn at most max_new_tokens, at most max_turns turns;
+    a single-turn sample keeps the max_new_tokens limit. The fast paths leave episodes to check."""
+    buf = RolloutBuffer(batch_samples=2, group_size=2, max_staleness=3)
+    a = protocol.Assignment(assignment_id="a1", prompt_id="p", prompt_token_ids=np.array([1, 7, 9], np.int32),
+                            group_size=2, version=0, sampling=protocol.SamplingParams(
+                                max_new_tokens=4, max_turns=3, max_episode_tokens=12))
+    buf.issue("a1", "s", 2, payload=a)
+    intake = Intake(buf, vocab_size=VOCAB, sampling=SimpleNamespace(max_new_tokens=16), version=lambda: 1,
+                    metrics=LearnerMetrics())
+    assert intake.check(episode(a, [0, 4, 6, 10, 11, 12], 12), 1) is None
+    assert intake.check(episode(a, [0, 4, 6, 10, 11, 12, 12, 13], 13), 1)[0] == "turns"
+    assert intake.check(episode(a, [0, 4, 6, 10], 13), 1) == ("length", "13 episode tokens > max_episode_tokens 12")
+    assert intake.check(episode(a, [0, 5], 6), 1) == ("length", "a turn of 5 tokens > max_new_tokens 4")
+    assert intake.check(samples_for(a, version=0, tokens=5)[0], 1)[0] == "length"   # one turn: 4
+    good = [episode(a, [0, 3, 5, 8], 9) for _ in range(2)]
+    good[1].sample_id, good[1].group_index = "a1/1", 1
+    bad = episode(a, [0, 4, 5, 10], 10)                       # a turn of 5, within 12 in all
+    ack = await intake.receive(protocol.RolloutResult(server_id="s", samples=[bad, *good]))
+    assert ack.statuses == ["invalid", "accepted", "accepted"] and intake.invalid == {"length": 1}
+    batch = buf.poll_batch(1)
+    assert [s.turn_spans.tolist() for s in batch.samples] == [[0, 3, 5, 8]] * 2

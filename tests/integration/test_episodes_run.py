@@ -1,0 +1,120 @@
+"""Multi-turn episodes through `slipstream run` (issue 26): the environment docs/agents.md shows,
+copied from it into a user's module and loaded as ``module:Class``, trains with nothing changed
+in the project; a broken environment fails its episodes, counted, and the run goes on."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from config_kit import nested, rollout_nested
+from run_kit import slipstream_run, step_rows
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def documented_environment() -> str:
+    """The first Python block of docs/agents.md, as a user would copy it."""
+    text = (REPO / "docs" / "agents.md").read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def config(tmp_path, model: str, env: dict, steps: int) -> dict:
+    rows = [{"prompt": "guess:", "answer": str(d)} for d in range(10)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    learner = nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+                      "total_steps": steps, "batch_prompts": 2, "group_size": 2, "max_new_tokens": 3,
+                      "run_dir": str(tmp_path / "run"), "save_every": 0,
+                      "data": {"dataset": str(tmp_path / "train.jsonl")}})
+    learner.setdefault("sampling", {}).update(max_turns=3, max_episode_tokens=24)
+    return {"model": model, "learner": learner,
+            "rollout": {**rollout_nested({"metrics_port": 0, "max_concurrency": 8}), "environment": env},
+            "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
+
+
+def test_the_documented_environment_trains_through_slipstream_run(tmp_path, tiny_model_dir, subprocess_env,
+                                                                  process_groups):
+    cfg = config(tmp_path, tiny_model_dir, {"class_name": "my_env:GuessNumber", "options": {"turn_cost": 0.1}},
+                 steps=3)
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups,
+                               plugins={"my_env.py": documented_environment()})
+    assert code == 0, out[-3000:]
+    rows = step_rows(tmp_path / "run")
+    assert len(rows) == 3, rows
+    for r in rows:
+        # Episodes: 1-3 turns each, the environment's tokens outside the model's, rewards from
+        # the environment alone (solved 1, -0.1 a missed guess).
+        assert 1 <= r["episode_turns_mean"] <= 3, r
+        assert r["episode_model_tokens_mean"] < r["completion_tokens_mean"] or r["episode_turns_mean"] == 1, r
+        assert -0.3 - 1e-6 <= r["reward_mean"] <= 1.0, r
+        assert r["policy_updated"] == 1.0
+    assert any(r["episode_turns_mean"] > 1 for r in rows), rows
+
+
+BROKEN = '''
+from pathlib import Path
+
+
+class Broken:
+    async def reset(self, prompt, metadata):
+        return None
+
+    async def step(self, completion, state):
+        if state.metadata["answer"] in "02468":
+            Path("broke").touch()                      # the test's witness that it did
+            raise RuntimeError("the game server is down")
+        return None, 1.0, True, {}
+'''
+
+
+def test_an_environment_that_raises_fails_its_episodes_and_the_run_goes_on(tmp_path, tiny_model_dir,
+                                                                          subprocess_env, process_groups):
+    cfg = config(tmp_path, tiny_model_dir, {"class_name": "broken_env:Broken"}, steps=2)
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups, plugins={"broken_env.py": BROKEN})
+    assert code == 0, out[-3000:]
+    rows = step_rows(tmp_path / "run")
+    # Half the prompts fail their episodes: none of those groups is trained (each would bring
+    # rewards of 0), the others are.
+    assert (tmp_path / "broke").exists()
+    assert len(rows) == 2 and all(r["reward_mean"] == 1.0 for r in rows), rows
+
+
+def test_a_server_killed_mid_episode_has_its_episodes_reissued_whole(tmp_path, tiny_model_dir, subprocess_env,
+                                                                    process_groups):
+    """Two servers; an episode of one is held in its environment's step and that server is
+    SIGKILLed there. Its lease is re-issued and the group runs again, whole, elsewhere (or on the
+    restarted server): the run ends, nothing is trained twice, the buffer's identities hold."""
+    import os
+    import signal
+
+    from chaos_kit import ChaosRun, chaos_env, check_run
+    from chaos_kit import config as chaos_config
+
+    steps = 6
+    cfg = chaos_config(tmp_path / "run", tiny_model_dir, total_steps=steps, servers=2)
+    cfg["learner"].setdefault("sampling", {}).update(max_new_tokens=3, max_turns=2, max_episode_tokens=16)
+    cfg["rollout"]["environment"] = "chaos_envs:HeldOnce"
+    hold = tmp_path / "hold"
+    hold.touch()
+    env = dict(chaos_env(subprocess_env, tmp_path), SLIPSTREAM_TEST_HOLD=str(hold))
+    run = ChaosRun(cfg, tmp_path, env, popen=process_groups.popen)
+    try:
+        run.wait(lambda: any(tmp_path.glob("held.*")), 240, "an episode held in its step")
+        pid = int(next(tmp_path.glob("held.*")).suffix[1:])
+        name = next(n for n, p in run.pids.items() if p == pid)
+        os.kill(pid, signal.SIGKILL)
+        run.kills.append((__import__("time").time(), name, pid))
+        run.kills_left_serving.append(1)
+        hold.unlink()
+        code = run.finish(300)
+        assert code == 0, "".join(run.lines[-60:])
+        figures = check_run(run, steps, batch_samples=4)
+    finally:
+        run.stop()
+    assert figures["kills"] == 1
+    rows = step_rows(tmp_path / "run")
+    assert all(r["episode_turns_mean"] == 2 for r in rows), rows
