@@ -86,6 +86,10 @@ class SlipstreamConfig(BaseModel):
             if "fn" not in self.rollout.reward.model_fields_set:
                 reward = self.rollout.reward.model_copy(update={"fn": task.reward})
                 self.rollout = self.rollout.model_copy(update={"reward": reward})
+            env = self.rollout.environment
+            if task.environment and not (env.class_name or env.named):     # a multi-turn task's
+                env = env.model_copy(update={"class_name": task.environment})
+                self.rollout = self.rollout.model_copy(update={"environment": env})
         routes = {}                     # a mixture: each dataset's reward, or its task's
         for entry in self.learner.data.datasets:
             spec = entry.reward

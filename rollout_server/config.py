@@ -218,7 +218,8 @@ class EnvironmentSettings(BaseModel):
 
     class_name: str | None = None
     """The environment of every assignment: "module:Class" (a module may be a path/to/file.py),
-    instantiated once per episode with ``options``; None: single completions scored by
+    instantiated once per episode with ``options``, or "agent:module:function", an agent program
+    that talks to the server's OpenAI-compatible endpoint; None: single completions scored by
     rollout.reward (unless ``named`` picks one)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the class (every episode gets its own instance)."""
@@ -227,6 +228,10 @@ class EnvironmentSettings(BaseModel):
     column naming one, or that comes from a dataset of a mixture of that name, runs in it."""
     step_timeout_s: float = Field(60.0, gt=0)
     """Seconds one reset or step may take; a slower one ends the episode, failed (counted)."""
+    agent_timeout_s: float = Field(600.0, gt=0)
+    """Seconds an agent program (agent:module:function) may take for its whole episode."""
+    agent_port: int = Field(0, ge=0, le=65535)
+    """Loopback port of the OpenAI-compatible endpoint agent programs talk to (0: a free one)."""
     max_observation_tokens: int = Field(2048, ge=1)
     """Tokens one observation may have; a longer one ends the episode, failed (counted)."""
     role: str = Field("user", min_length=1)

@@ -50,16 +50,27 @@ from typing import Any
 import numpy as np
 
 import protocol
+from protocol.messages import PROMPT_MESSAGES_KEY
+from rollout_server.agents import (
+    AgentSession,
+    HistoryError,
+    OpenAIEndpoint,
+    TurnLimit,
+    agent_reward,
+    prompt_messages,
+)
 from rollout_server.engine import Completion, GenRequest
 from rollout_server.rewards import load_module
 
-__all__ = ["EPISODE_FAILURES", "EpisodeFailed", "EpisodeRunner", "EpisodeState", "ObservationTokens",
+__all__ = ["EPISODE_FAILURES", "AgentProgram", "EpisodeFailed", "EpisodeRunner", "EpisodeState", "ObservationTokens",
            "load_environment", "load_environments"]
 
-EPISODE_FAILURES = ("error", "timeout", "observation", "observation_too_long", "reward", "generate")
-"""``slipstream_episodes_failed_total{reason}``: the environment raised, ran past its step
-timeout, returned an observation that is not text or messages, one too long, a reward that is not
-a finite number; the engine failed a turn."""
+EPISODE_FAILURES = ("error", "timeout", "observation", "observation_too_long", "reward", "generate",
+                    "history")
+"""``slipstream_episodes_failed_total{reason}``: the environment (or agent program) raised, ran
+past its timeout, returned an observation that is not text or messages, one too long, a reward
+that is not a finite number; the engine failed a turn; an agent's request rewrote the episode's
+history (:mod:`rollout_server.agents`)."""
 
 _SEED_MOD = 1 << 63
 
@@ -84,9 +95,34 @@ class EpisodeState:
     data: dict[str, Any] = field(default_factory=dict)         # the environment's own
 
 
-def load_environment(spec: str) -> type:
+@dataclass(frozen=True)
+class AgentProgram:
+    """``agent:module:function``: an agent program that talks to an OpenAI-compatible endpoint
+    (:mod:`rollout_server.agents`), called as ``function(base_url, prompt, metadata)``."""
+
+    fn: Callable[..., Any]
+
+
+def load_environment(spec: str) -> type | AgentProgram:
     """``module:Class`` (the module may be a path/to/file.py) -> the class, checked: it has
-    ``reset(prompt, metadata)`` and ``step(completion, state)`` (ValueError with the fix)."""
+    ``reset(prompt, metadata)`` and ``step(completion, state)``; ``agent:module:function`` -> the
+    :class:`AgentProgram`, checked: callable as ``function(base_url, prompt, metadata)``
+    (ValueError with the fix)."""
+    if spec.startswith("agent:"):
+        module_name, _, attr = spec[len("agent:"):].rpartition(":")
+        if not module_name or not attr:
+            raise ValueError(f"environment {spec!r}: expected 'agent:module:function'")
+        fn = getattr(load_module(module_name, spec, "environment"), attr, None)
+        if not callable(fn):
+            raise ValueError(f"environment {spec!r}: {module_name} has no function {attr!r}")
+        try:
+            inspect.signature(fn).bind(None, None, None)
+        except TypeError:
+            raise ValueError(f"environment {spec!r}: {attr} cannot be called as "
+                             f"{attr}(base_url, prompt, metadata)") from None
+        except ValueError:
+            pass
+        return AgentProgram(fn)
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise ValueError(f"environment {spec!r}: expected 'module:Class' (a module may be a "
@@ -109,7 +145,16 @@ def load_environment(spec: str) -> type:
     return cls
 
 
-def load_environments(settings: Any) -> dict[str, type]:
+def _ended(failure: Exception) -> EpisodeFailed:
+    """What ended an agent's episode inside a request, as its failure."""
+    if isinstance(failure, EpisodeFailed):
+        return failure
+    if isinstance(failure, HistoryError):
+        return EpisodeFailed("history", str(failure))
+    return EpisodeFailed("error", f"{type(failure).__name__}: {failure}")
+
+
+def load_environments(settings: Any) -> dict[str, type | AgentProgram]:
     """Every environment ``rollout.environment`` names, loaded and checked (start-up), by spec."""
     specs = [settings.class_name, *settings.named.values()]
     return {spec: load_environment(spec) for spec in specs if spec}
@@ -211,12 +256,22 @@ class EpisodeRunner:
 
     def __init__(self, *, generate: Callable[[list[GenRequest]], Awaitable[list[list[Completion]]]],
                  decode: Callable[[np.ndarray], str], observations: ObservationTokens, settings: Any,
-                 metrics: Any, log: Callable[..., None], classes: dict[str, type] | None = None,
-                 max_model_len: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 metrics: Any, log: Callable[..., None], classes: dict[str, Any] | None = None,
+                 max_model_len: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 model_name: str = "slipstream"):
         self.generate, self.decode, self.observations = generate, decode, observations
         self.settings, self.metrics, self.log = settings, metrics, log
-        self.max_model_len, self.clock = max_model_len, clock
+        self.max_model_len, self.clock, self.model_name = max_model_len, clock, model_name
         self.classes = load_environments(settings) if classes is None else classes
+        self.endpoint: OpenAIEndpoint | None = None
+        if any(isinstance(c, AgentProgram) for c in self.classes.values()):
+            self.endpoint = OpenAIEndpoint(port=settings.agent_port,
+                                           on_error=lambda status: metrics.count("agent_request"))
+
+    async def close(self) -> None:
+        """Stop the agents' endpoint (when there is one)."""
+        if self.endpoint is not None:
+            await self.endpoint.close()
 
     def spec_for(self, a: protocol.Assignment) -> str | None:
         return self.settings.spec_for(a.metadata)
@@ -231,8 +286,12 @@ class EpisodeRunner:
         failed = None
         env = None
         try:
-            env = self.classes[spec](**self.settings.options)
-            await self._episode(a, index, env, state, ep)
+            target = self.classes[spec]
+            if isinstance(target, AgentProgram):
+                await self._agent_episode(a, index, target, ep)
+            else:
+                env = target(**self.settings.options)
+                await self._episode(a, index, env, state, ep)
         except EpisodeFailed as e:
             failed = e
         except Exception as e:  # noqa: BLE001 - the environment's constructor: its failure
@@ -318,9 +377,7 @@ class EpisodeRunner:
                        ep: _Episode) -> None:
         sp = a.sampling
         prompt = a.prompt_token_ids.tolist()
-        budget = sp.episode_tokens if sp.max_turns > 1 else sp.max_new_tokens
-        if self.max_model_len is not None:
-            budget = min(budget, self.max_model_len - len(prompt))
+        budget = self._budget(a)
         first = await self._env(ep, "reset", env.reset, a.prompt_text, dict(a.metadata))
         if not self._observe(first, ep, budget):
             ep.truncated, ep.finish_reason = True, "length"
@@ -331,18 +388,7 @@ class EpisodeRunner:
             if room <= 0:
                 ep.truncated, ep.finish_reason = True, "length"
                 return
-            seed = None if sp.seed is None else ((sp.seed * 1_000_003 + index) * 1_000_003 + turn) % _SEED_MOD
-            request = GenRequest(np.asarray(prompt + ep.ids, dtype=np.int32), 1,
-                                 temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                                 max_new_tokens=room, seed=seed, stop=tuple(sp.stop),
-                                 stop_token_ids=tuple(sp.stop_token_ids))
-            start = self.clock()
-            try:
-                (completion,) = (await self.generate([request]))[0]
-            except Exception as e:  # noqa: BLE001 - the engine failed this turn: this episode
-                raise EpisodeFailed("generate", f"turn {turn}: {type(e).__name__}: {e}") from None
-            ep.generate_s += self.clock() - start
-            ep.add_model(completion)
+            completion = await self._turn(a, index, turn, prompt, ep, room)
             if turn == 0 and before_first:        # reset's tokens: the first turn's version
                 ep.versions[:before_first] = [ep.versions[before_first]] * before_first
             text = self.decode(completion.token_ids)
@@ -360,6 +406,80 @@ class EpisodeRunner:
             if not self._observe(observation, ep, budget):
                 ep.truncated, ep.finish_reason = True, "length"
                 return
+
+    async def _turn(self, a: protocol.Assignment, index: int, turn: int, prompt: list[int], ep: _Episode,
+                    room: int, stop: tuple[str, ...] = ()) -> Completion:
+        """The model's turn ``turn`` (at most ``room`` tokens) on the prompt and the episode so
+        far, added to ``ep``."""
+        sp = a.sampling
+        seed = None if sp.seed is None else ((sp.seed * 1_000_003 + index) * 1_000_003 + turn) % _SEED_MOD
+        request = GenRequest(np.asarray(prompt + ep.ids, dtype=np.int32), 1, temperature=sp.temperature,
+                             top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=room, seed=seed,
+                             stop=tuple(dict.fromkeys((*sp.stop, *stop))),
+                             stop_token_ids=tuple(sp.stop_token_ids))
+        start = self.clock()
+        try:
+            (completion,) = (await self.generate([request]))[0]
+        except Exception as e:  # noqa: BLE001 - the engine failed this turn: this episode
+            raise EpisodeFailed("generate", f"turn {turn}: {type(e).__name__}: {e}") from None
+        ep.generate_s += self.clock() - start
+        ep.add_model(completion)
+        return completion
+
+    def _budget(self, a: protocol.Assignment) -> int:
+        sp = a.sampling
+        budget = sp.episode_tokens if sp.max_turns > 1 else sp.max_new_tokens
+        if self.max_model_len is not None:
+            budget = min(budget, self.max_model_len - len(a.prompt_token_ids))
+        return budget
+
+    async def _agent_episode(self, a: protocol.Assignment, index: int, program: AgentProgram,
+                             ep: _Episode) -> None:
+        """An agent program's episode (:mod:`rollout_server.agents`): its chat requests are the
+        turns; its return value the reward."""
+        sp, prompt, budget = a.sampling, a.prompt_token_ids.tolist(), self._budget(a)
+        turns = 0
+
+        async def take_turn(observation: Any, stop: tuple[str, ...], limit: int | None) -> tuple[str, str, int]:
+            nonlocal turns
+            if observation is not None and not self._observe(observation, ep, budget):
+                raise TurnLimit()
+            room = min(sp.max_new_tokens, budget - len(ep.ids), limit or sp.max_new_tokens)
+            if turns >= sp.max_turns or room <= 0:
+                raise TurnLimit()
+            completion = await self._turn(a, index, turns, prompt, ep, room, stop)
+            turns += 1
+            return self.decode(completion.token_ids), completion.finish_reason, len(completion.token_ids)
+
+        messages = prompt_messages(a.prompt_text, a.metadata)
+        session = AgentSession(messages, take_turn, model=self.model_name)
+        await self.endpoint.start()
+        url = self.endpoint.open(session)
+        given = messages if PROMPT_MESSAGES_KEY in a.metadata else a.prompt_text
+        start = self.clock()
+        try:
+            value = await asyncio.wait_for(_call(program.fn, url, given, dict(a.metadata)),
+                                           self.settings.agent_timeout_s)
+        except asyncio.TimeoutError:
+            raise EpisodeFailed("timeout", f"the agent ran past rollout.environment.agent_timeout_s "
+                                           f"({self.settings.agent_timeout_s:g} s)") from None
+        except EpisodeFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - the agent's failure ends its episode only
+            if session.failed is not None:
+                raise _ended(session.failed) from None
+            raise EpisodeFailed("error", f"the agent raised {type(e).__name__}: {e}") from None
+        finally:
+            self.endpoint.close_session(url)
+            ep.env_s += self.clock() - start - ep.generate_s
+        if session.failed is not None:       # the agent caught the error reply and went on
+            raise _ended(session.failed)
+        try:
+            ep.parts = agent_reward(value)
+        except ValueError as e:
+            raise EpisodeFailed("reward", str(e)) from None
+        if session.truncated:
+            ep.truncated, ep.finish_reason = True, "length"
 
     def _take_step(self, result: Any, ep: _Episode) -> tuple[Any, bool]:
         """``step``'s (observation, parts, done, info) checked into ``ep``; (observation, done)."""

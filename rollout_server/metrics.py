@@ -32,6 +32,8 @@ weights_behind           a batch generated with weights older than the version i
                          (its samples may be over the staleness limit when trained)
 new_run                  a Welcome from another run (a learner restarted without --resume): leases
                          and unacknowledged results of the old run dropped, its weights fetched
+agent_request            a request to the agents' OpenAI-compatible endpoint refused (malformed,
+                         no such episode, a rewritten history; rollout_server/agents.py)
 ======================== =========================================================================
 
 Messages that do not decode at all are ``slipstream_protocol_errors_total``, and so is a Welcome
@@ -73,6 +75,7 @@ ERROR_KINDS = (
     "http_request",
     "weights_behind",
     "new_run",
+    "agent_request",
 )
 """The ``kind`` label's values, the module docstring's table (tests/rollout_server/test_metrics_kinds.py)."""
 

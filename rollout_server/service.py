@@ -89,9 +89,9 @@ from protocol.plumbing.watchdog import Waiting, Watchdog
 from rollout_server.config import RolloutConfig
 from rollout_server.engine import Engine
 from rollout_server.engines import create_engine
+from rollout_server.episodes import EpisodeRunner, ObservationTokens, load_environments
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.outbox import Outbox
-from rollout_server.episodes import EpisodeRunner, ObservationTokens, load_environments
 from rollout_server.pipeline import Limits, Pipeline, Refused
 from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
 from rollout_server.rewards import Rewarder
@@ -181,7 +181,7 @@ class RolloutService:
                 observations=ObservationTokens(self.engine.tokenizer, role=env.role,
                                                chat_template=env.chat_template),
                 settings=env, classes=environments, metrics=self.metrics, log=self.log,
-                max_model_len=self.engine.max_model_len, clock=self.clock)
+                max_model_len=self.engine.max_model_len, clock=self.clock, model_name=self.model_name)
         self.pipeline = Pipeline(
             server_id=self.server_id,
             limits=Limits(max_concurrency=cfg.generation.max_concurrency, max_new_tokens=cfg.generation.max_new_tokens_limit,
@@ -323,6 +323,8 @@ class RolloutService:
         (:meth:`run` does this on its way out; call it for a service that never ran). The
         context is destroyed, not terminated: a socket a crashed loop left open would make
         ``term()`` wait for it forever, a process up with nothing running."""
+        if self.pipeline is not None and self.pipeline.episodes is not None:
+            await self.pipeline.episodes.close()
         await self.engine.close()
         self.http.close()
         self.rewarder.close()

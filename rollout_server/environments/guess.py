@@ -1,10 +1,12 @@
 """Guess the number: the model guesses a digit, the environment answers ``up`` or ``down`` until
-it is found or the turns run out (``rollout.environment: rollout_server.environments.guess:GuessNumber``).
+it is found or the turns run out (``rollout.environment: rollout_server.environments.guess:GuessNumber``;
+the task ``builtin:guess``).
 
 The secret is the row's ``answer`` (a digit). A turn's guess is the first digit of the model's
-text; a turn without one is a wasted turn (observation ``?``). Reward: ``solved`` 1 when the
+text; a turn without one is a wasted turn (observation `` ?=``). Reward: ``solved`` 1 when the
 secret is found, and ``turns`` -0.1 for each turn after the first, so finding it sooner is worth
-more. Observations are a few characters, so an episode fits the demo model's 64 positions.
+more. Observations are a few characters ending in ``=`` (the demo model answers after ``=``), so
+an episode fits the demo model's 64 positions.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class GuessNumber:
         parts = {"turns": -self.turn_cost if state.turn > 0 else 0.0}
         m = _DIGIT.search(completion)
         if m is None:
-            return " ?:", parts, False, {}
+            return " ?=", parts, False, {}
         guess = int(m.group())
         if guess == self.secret:
             return None, {**parts, "solved": 1.0}, True, {}
-        return (" up:" if guess < self.secret else " down:"), parts, False, {}
+        return (" up=" if guess < self.secret else " down="), parts, False, {}

@@ -95,7 +95,7 @@ def test_an_episode_is_exactly_the_tokens_the_engine_sampled_and_was_fed(engine)
             env = ids[end:gap_end]                           # the observation after it, if any
             if env:
                 text = engine.tokenizer.decode(env)
-                assert text in (" up:", " down:", " ?:"), text
+                assert text in (" up=", " down=", " ?="), text
                 assert env == engine.tokenizer.encode(text, add_special_tokens=False)
                 assert not s.behavior_logprobs[end:gap_end].any()
                 assert (s.token_versions[end:gap_end] == s.token_versions[end - 1]).all()

@@ -45,6 +45,9 @@ class Task:
     """The rollout server's reward spec for this task (a ``rollout.reward`` value)."""
     params: dict[str, Any] = field(default_factory=dict)
     """What defines the task's distribution (part of the built-in model's cache key)."""
+    environment: str | None = None
+    """For a multi-turn task: the rollout server's environment (a ``rollout.environment`` value;
+    the episode's reward is the environment's, docs/agents.md)."""
 
 
 def names() -> list[str]:
