@@ -56,6 +56,21 @@ RECIPES: dict[str, dict] = {
         "seed": 1234,
         "revision": 1,
     },
+    "builtin:tiny-calc": {
+        # The demo's model warmed up on builtin:calc's turns (issue 26): half its first turns call
+        # the calculator, half guess; after a call it copies the result. RL raises the calls.
+        "name": "tiny-calc",
+        "task": "calc",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 384,
+        "warmup_steps": 200,
+        "warmup_batch": 64,
+        "warmup_lr": 3e-3,
+        "seed": 1234,
+        "revision": 1,
+    },
     "builtin:smollm2-135m": {
         "name": "smollm2-135m",
         "kind": "gguf",
@@ -110,6 +125,7 @@ def warm_up(model, tokenizer, task: Task, steps: int, batch: int, lr: float, see
     import torch
 
     rng = random.Random(seed)
+    draw = task.warmup or task.example
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     model.train()
@@ -117,7 +133,7 @@ def warm_up(model, tokenizer, task: Task, steps: int, batch: int, lr: float, see
     for _ in range(steps):
         ids, labels = [], []
         for _ in range(batch):
-            ex = task.example(rng)
+            ex = draw(rng)
             p = [tokenizer.bos_token_id] + tokenizer.encode(ex.prompt, add_special_tokens=False)
             a = tokenizer.encode(ex.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
             ids.append(p + a)

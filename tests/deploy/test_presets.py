@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -213,3 +214,22 @@ def test_a_missing_smollm2_wheel_skips_unless_required(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPSTREAM_REQUIRE_SMOLLM2", "1")
     with pytest.raises(pytest.fail.Exception, match="SLIPSTREAM_REQUIRE_SMOLLM2=1"):
         require_smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["guess.yaml", "calc.yaml"])
+def test_multi_turn_presets_run(name, tmp_path, subprocess_env, process_groups):
+    """A few steps of each multi-turn preset (issue 26 item 8; its learning curve is
+    tests/bench/bench_episodes.py's): the task's environment runs its episodes, the steps train
+    on them (and builtin:tiny-calc warms up, once per cache)."""
+    run_dir = tmp_path / "run"
+    r = process_groups.run(
+        [sys.executable, "-m", "deploy.cli", "run", "--config", str(CONFIGS / name), *FREE_PORTS,
+         "--set", "learner.total_steps=4", "--set", f"learner.run_dir={run_dir}"],
+        timeout=600, env=subprocess_env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    assert all(1 <= x["episode_turns_mean"] <= (3 if name == "guess.yaml" else 2) for x in rows), rows
+    if name == "calc.yaml":
+        assert statistics.fmean(x["tool_calls_mean"] for x in rows) > 0.5, rows   # it calls the tool

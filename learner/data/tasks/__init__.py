@@ -48,6 +48,9 @@ class Task:
     environment: str | None = None
     """For a multi-turn task: the rollout server's environment (a ``rollout.environment`` value;
     the episode's reward is the environment's, docs/agents.md)."""
+    warmup: Callable[[random.Random], Example] | None = None
+    """The built-in model's warm-up examples, when they are not ``example``'s (a multi-turn task
+    warms up on the turns of its episodes: a prompt is the episode so far)."""
 
 
 def names() -> list[str]:
