@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_machine import machine, machine_line  # noqa: E402
 
 
 def one_run(preset: str, seed: int, eta: int, steps: int, run_dir: Path, timeout_s: float) -> dict:
@@ -125,9 +127,11 @@ def main() -> None:
                 run = one_run(args.preset, seed, eta, args.steps, Path(tmp) / f"s{seed}-eta{eta}", args.timeout_s)
                 runs.append(run)
                 print(f"seed {seed} eta {eta}: {json.dumps(summarize(run))}", flush=True)
+    m = machine()                          # this process's threads; the runs' split is slipstream run's
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "runs": runs}))
+    out.write_text(json.dumps({"args": vars(args), "machine": m, "runs": runs}))
+    print(machine_line(m))
     print(table(runs))
 
 

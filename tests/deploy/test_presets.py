@@ -233,3 +233,22 @@ def test_multi_turn_presets_run(name, tmp_path, subprocess_env, process_groups):
     assert all(1 <= x["episode_turns_mean"] <= (3 if name == "guess.yaml" else 2) for x in rows), rows
     if name == "calc.yaml":
         assert statistics.fmean(x["tool_calls_mean"] for x in rows) > 0.5, rows   # it calls the tool
+
+
+@pytest.mark.slow
+def test_smollm2_guess_preset_runs(tmp_path, subprocess_env, process_groups):
+    """Two shrunk steps of the multi-turn preset on SmolLM2: episodes of chat turns (observations
+    rendered with its chat template) train the adapter."""
+    require_smollm2()
+    run_dir = tmp_path / "run"
+    r = process_groups.run(
+        [sys.executable, "-m", "deploy.cli", "run", "--config", str(CONFIGS / "smollm2-guess.yaml"), *FREE_PORTS,
+         "--set", "learner.total_steps=2", "--set", "learner.batch.batch_prompts=2",
+         "--set", "learner.batch.group_size=2", "--set", f"learner.run_dir={run_dir}"],
+        timeout=600, env=subprocess_env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2]
+    assert all(1 <= x["episode_turns_mean"] <= 3 for x in rows), rows
+    assert all(x["episode_model_tokens_mean"] < x["completion_tokens_mean"] or x["episode_turns_mean"] == 1
+               for x in rows), rows

@@ -118,3 +118,75 @@ def test_a_server_killed_mid_episode_has_its_episodes_reissued_whole(tmp_path, t
     assert figures["kills"] == 1
     rows = step_rows(tmp_path / "run")
     assert all(r["episode_turns_mean"] == 2 for r in rows), rows
+
+
+@pytest.mark.parametrize("algorithm", ["gae", "rloo"])
+def test_ppo_with_a_critic_and_rloo_train_on_episodes(algorithm, tmp_path, tiny_model_dir, subprocess_env,
+                                                      process_groups):
+    """The learner's other estimators on episodes (issue 26 item 5): GAE with a critic (the
+    environment's tokens are holes its recursion skips: the value after a turn is the one at the
+    next turn's first token) and RLOO's leave-one-out groups over the episodes of a prompt."""
+    learner = nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
+                      "total_steps": 3, "batch_prompts": 2, "group_size": 4, "run_dir": str(tmp_path / "run"),
+                      "save_every": 0, "data": {"dataset": "builtin:guess"}})
+    learner.setdefault("sampling", {}).update(max_new_tokens=3, max_turns=3, max_episode_tokens=24)
+    if algorithm == "gae":
+        learner["algorithm"] = {"advantage": "gae", "gamma": 1.0, "lam": 0.95}
+        learner["critic"] = {"model": None, "lr": 1e-3, "warmup_steps": 1}
+    else:
+        learner["algorithm"] = {"advantage": "rloo"}
+    cfg = {"model": tiny_model_dir, "learner": learner,
+           "rollout": rollout_nested({"metrics_port": 0, "max_concurrency": 8}),
+           "launcher": {"num_rollout_servers": 1, "restart_limit": 0, "shutdown_timeout_s": 20}}
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups)
+    assert code == 0, out[-3000:]
+    rows = step_rows(tmp_path / "run")
+    assert len(rows) == 3 and all(1 <= r["episode_turns_mean"] <= 3 for r in rows), rows
+    if algorithm == "gae":
+        assert all("vf_loss" in r for r in rows) and rows[-1]["policy_updated"] == 1.0, rows
+    else:
+        assert all(r["policy_updated"] == 1.0 for r in rows), rows
+
+
+EVERY_WAY_TO_FAIL = '''
+import asyncio
+import math
+from pathlib import Path
+
+
+class EveryWayToFail:
+    """The row's digit picks how the environment misbehaves; only 9 plays fair."""
+
+    async def reset(self, prompt, metadata):
+        self.kind = int(metadata["answer"])
+        return None
+
+    async def step(self, completion, state):
+        Path(f"did-{self.kind}").touch()
+        if self.kind in (0, 1):
+            raise RuntimeError("the sandbox crashed")
+        if self.kind in (2, 3):
+            await asyncio.sleep(30)                       # past step_timeout_s
+        if self.kind in (4, 5):
+            return "x" * 500, 0.0, False, {}              # past max_observation_tokens
+        if self.kind in (6, 7):
+            return None, {"score": math.nan}, True, {}
+        if self.kind == 8:
+            return {"content": 42}, 0.0, False, {}        # not text
+        return None, 1.0, True, {}
+'''
+
+
+def test_every_bad_environment_fails_only_its_episodes_in_a_real_run(tmp_path, tiny_model_dir, subprocess_env,
+                                                                     process_groups):
+    """Issue 26 item 7 through real processes: an environment that raises, hangs, returns a huge
+    observation, a NaN reward or an observation that is not text ends those episodes only; the
+    server keeps serving and the run trains on the fair ones alone."""
+    cfg = config(tmp_path, tiny_model_dir, {"class_name": "bad_envs:EveryWayToFail", "step_timeout_s": 0.5,
+                                            "max_observation_tokens": 50}, steps=2)
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups,
+                               plugins={"bad_envs.py": EVERY_WAY_TO_FAIL})
+    assert code == 0, out[-3000:]
+    assert {p.name for p in tmp_path.glob("did-*")} >= {f"did-{k}" for k in (0, 2, 4, 6, 8, 9)}
+    rows = step_rows(tmp_path / "run")
+    assert len(rows) == 2 and all(r["reward_mean"] == 1.0 for r in rows), rows

@@ -10,8 +10,8 @@ import pytest
 
 from deploy.config_file import SlipstreamConfig
 from learner.data.tasks import get_task
-from rollout_server.environments.calc import Calculator
-from rollout_server.environments.guess import GuessNumber
+from rollout_server.environments.calculator import Calculator
+from rollout_server.environments.guessing import GuessNumber
 from rollout_server.episodes import EpisodeState, load_environment
 
 

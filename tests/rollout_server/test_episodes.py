@@ -19,7 +19,7 @@ from rollout_server.engine_hf import HFEngine
 from rollout_server.episodes import EPISODE_FAILURES, EpisodeRunner, ObservationTokens, load_environment
 from rollout_server.metrics import RolloutMetrics
 
-GUESS = "rollout_server.environments.guess:GuessNumber"
+GUESS = "rollout_server.environments.guessing:GuessNumber"
 
 
 @pytest.fixture(scope="module")

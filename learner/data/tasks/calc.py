@@ -1,7 +1,7 @@
 """``builtin:calc``: two-digit multiplication with a calculator tool (issue 26, docs/agents.md).
 
 The prompt is ``a*b=`` (a, b in 10..99); the answer is the product, too hard for the demo model to
-compute. Its environment (``rollout_server.environments.calc:Calculator``) is a calculator: a turn
+compute. Its environment (``rollout_server.environments.calculator:Calculator``) is a calculator: a turn
 ``c<expression>.`` (the call syntax; ``learner.sampling.stop: ["."]`` ends the turn there) is
 answered with `` <value>=``, and the next turn's number is the answer. A first turn that is a
 number is the answer itself. Reward 1 for the right product, 0 otherwise: calling the tool is the
@@ -43,4 +43,4 @@ def warmup(rng: random.Random) -> Example:
 
 TASK = Task(name="calc", example=example, reward="builtin:exact_numeric",
             params={"low": LOW, "high": HIGH, "calls": CALLS},
-            environment="rollout_server.environments.calc:Calculator", warmup=warmup)
+            environment="rollout_server.environments.calculator:Calculator", warmup=warmup)

@@ -1,7 +1,7 @@
 """``builtin:guess``: guess a digit in a few turns, told ``up`` or ``down`` after each miss.
 
 A multi-turn task (issue 26, docs/agents.md): the prompt is always ``g=``; the row's answer is the
-secret digit, which only the environment (``rollout_server.environments.guess:GuessNumber``) sees.
+secret digit, which only the environment (``rollout_server.environments.guessing:GuessNumber``) sees.
 Each turn the model writes a number; the environment answers `` up=`` or `` down=`` (ending in
 ``=`` as the arithmetic prompts of the demo model's warm-up do) until it is found or the turns run
 out. Guessing at random finds it within three turns about 3 times in 10; halving the interval
@@ -20,4 +20,4 @@ def example(rng: random.Random) -> Example:
 
 
 TASK = Task(name="guess", example=example, reward="builtin:exact_numeric",
-            params={"digits": 10}, environment="rollout_server.environments.guess:GuessNumber")
+            params={"digits": 10}, environment="rollout_server.environments.guessing:GuessNumber")

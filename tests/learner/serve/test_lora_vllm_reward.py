@@ -71,10 +71,14 @@ async def test_lora_reward_rises_with_a_vllm_rollout_server(tmp_path, demo_model
     draws), so a 20-step mean's is ~0.012 and the difference of two ~0.017: the 0.05 margin is 2.9
     of those above a flat reward (a server that ignores the adapters) and 3.2-4.4 below the rises
     measured. Time: 125 s at load 2-3, 190-257 s at load 4-6 on the two shared cores (the
-    server's start to version 1 applied: 38-81 s of it)."""
+    server's start to version 1 applied: 38-81 s of it).
+
+    Seeded (learner.sampling.seed_per_assignment): unseeded, vLLM's draws depend on what else it
+    batched, and one clean-clone run rose only 0.046 (0.227 -> 0.273, 2026-12-07). Seeded, the run
+    is the same every time on this machine: 0.185 -> 0.318 (three runs, step for step equal)."""
     cfg = learner_config(tmp_path, lora=LORA, batch_prompts=PROMPTS, group_size=GROUP, lr=LR,
                          total_steps=STEPS, max_staleness=0, final_sync_s=30.0,
-                         micro_batch_samples=PROMPTS * GROUP)
+                         micro_batch_samples=PROMPTS * GROUP, sampling={"seed_per_assignment": True})
     async with running_learner(cfg, demo_model) as svc:
         assert svc.weights.kind == "lora"
         pubs = Recorder(svc, steps=False)

@@ -1,5 +1,5 @@
 """Guess the number: the model guesses a digit, the environment answers ``up`` or ``down`` until
-it is found or the turns run out (``rollout.environment: rollout_server.environments.guess:GuessNumber``;
+it is found or the turns run out (``rollout.environment: rollout_server.environments.guessing:GuessNumber``;
 the task ``builtin:guess``).
 
 The secret is the row's ``answer`` (a digit). A turn's guess is the first digit of the model's
@@ -18,10 +18,12 @@ _DIGIT = re.compile(r"\d")
 
 
 class GuessNumber:
-    """``options``: ``turn_cost`` (0.1), the reward taken for each turn after the first."""
+    """``options``: ``turn_cost`` (0.1), the reward taken for each turn after the first; ``up``,
+    ``down``, ``unknown``: the observations (the demo's; a chat model's preset says them in words)."""
 
-    def __init__(self, turn_cost: float = 0.1):
+    def __init__(self, turn_cost: float = 0.1, up: str = " up=", down: str = " down=", unknown: str = " ?="):
         self.turn_cost = float(turn_cost)
+        self.up, self.down, self.unknown = up, down, unknown
         self.secret: int | None = None
 
     async def reset(self, prompt: str, metadata: dict[str, Any]) -> str | None:
@@ -35,8 +37,8 @@ class GuessNumber:
         parts = {"turns": -self.turn_cost if state.turn > 0 else 0.0}
         m = _DIGIT.search(completion)
         if m is None:
-            return " ?=", parts, False, {}
+            return self.unknown, parts, False, {}
         guess = int(m.group())
         if guess == self.secret:
             return None, {**parts, "solved": 1.0}, True, {}
-        return (" up=" if guess < self.secret else " down="), parts, False, {}
+        return (self.up if guess < self.secret else self.down), parts, False, {}
