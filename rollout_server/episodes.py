@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -55,8 +56,8 @@ from rollout_server.agents import (
     HistoryError,
     OpenAIEndpoint,
     TurnLimit,
+    agent_reward,
     prompt_messages,
-    reward_parts,
 )
 from rollout_server.engine import Completion, GenRequest
 from rollout_server.rewards import load_module
@@ -474,7 +475,7 @@ class EpisodeRunner:
         if session.failed is not None:       # the agent caught the error reply and went on
             raise _ended(session.failed)
         try:
-            ep.parts = reward_parts(value)
+            ep.parts = agent_reward(value)
         except ValueError as e:
             raise EpisodeFailed("reward", str(e)) from None
         if session.truncated:
@@ -486,12 +487,16 @@ class EpisodeRunner:
             raise EpisodeFailed("error", f"step returned {type(result).__name__}; expected "
                                          f"(observation, reward parts, done, info)")
         observation, parts, done, info = result
-        try:
-            parts = reward_parts(parts)
-        except ValueError as e:
-            raise EpisodeFailed("reward", str(e)) from None
+        if isinstance(parts, (int, float)) and not isinstance(parts, bool):
+            parts = {"reward": parts}
+        if not isinstance(parts, dict):
+            raise EpisodeFailed("reward", f"reward parts are a dict of name -> number or a number, "
+                                          f"not {type(parts).__name__}")
         for name, value in parts.items():
-            ep.parts[name] = ep.parts.get(name, 0.0) + value
+            if (not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value)):
+                raise EpisodeFailed("reward", f"reward part {name!r} is {value!r}, not a finite number")
+            ep.parts[name] = ep.parts.get(name, 0.0) + float(value)
         if isinstance(info, dict):
             for key in ("tool_calls", "tool_errors"):
                 n = info.get(key, 0)
