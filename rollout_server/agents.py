@@ -283,10 +283,11 @@ def _error(code: str, message: str) -> dict:
     return {"error": {"message": message, "type": "invalid_request_error", "code": code, "param": None}}
 
 
-def agent_reward(value: Any) -> dict[str, float]:
-    """An agent's return value as reward parts (ValueError for anything else)."""
+def reward_parts(value: Any) -> dict[str, float]:
+    """Reward parts as an environment's ``step`` or an agent program gives them: one number (the
+    part ``reward``) or a dict of name -> finite number (ValueError naming what is wrong)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, dict)):
-        raise ValueError(f"an agent returns its reward, a number or a dict of parts, not {type(value).__name__}")
+        raise ValueError(f"reward parts are a dict of name -> number or a number, not {type(value).__name__}")
     parts = {"reward": value} if not isinstance(value, dict) else value
     out = {}
     for k, v in parts.items():

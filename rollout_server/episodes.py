@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -56,8 +55,8 @@ from rollout_server.agents import (
     HistoryError,
     OpenAIEndpoint,
     TurnLimit,
-    agent_reward,
     prompt_messages,
+    reward_parts,
 )
 from rollout_server.engine import Completion, GenRequest
 from rollout_server.rewards import load_module
@@ -475,7 +474,7 @@ class EpisodeRunner:
         if session.failed is not None:       # the agent caught the error reply and went on
             raise _ended(session.failed)
         try:
-            ep.parts = agent_reward(value)
+            ep.parts = reward_parts(value)
         except ValueError as e:
             raise EpisodeFailed("reward", str(e)) from None
         if session.truncated:
@@ -487,16 +486,12 @@ class EpisodeRunner:
             raise EpisodeFailed("error", f"step returned {type(result).__name__}; expected "
                                          f"(observation, reward parts, done, info)")
         observation, parts, done, info = result
-        if isinstance(parts, (int, float)) and not isinstance(parts, bool):
-            parts = {"reward": parts}
-        if not isinstance(parts, dict):
-            raise EpisodeFailed("reward", f"reward parts are a dict of name -> number or a number, "
-                                          f"not {type(parts).__name__}")
+        try:
+            parts = reward_parts(parts)
+        except ValueError as e:
+            raise EpisodeFailed("reward", str(e)) from None
         for name, value in parts.items():
-            if (not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value)):
-                raise EpisodeFailed("reward", f"reward part {name!r} is {value!r}, not a finite number")
-            ep.parts[name] = ep.parts.get(name, 0.0) + float(value)
+            ep.parts[name] = ep.parts.get(name, 0.0) + value
         if isinstance(info, dict):
             for key in ("tool_calls", "tool_errors"):
                 n = info.get(key, 0)
