@@ -240,6 +240,15 @@ class EnvironmentSettings(BaseModel):
     chat_template: Literal["auto", "never"] = "auto"
     """auto: observations are rendered as messages with the tokenizer's chat template (closing
     the model's turn as the template does); never: an observation's text is appended as it is."""
+    on_failure: Literal["fail", "reissue", "train"] = "fail"
+    """A failed episode (its environment raised, hung, gave a bad observation or reward; counted
+    in slipstream_episodes_failed_total either way): fail: its sample is sent failed and nothing
+    of its group is trained; reissue: the server gives its group back to the learner, which
+    issues it again (to any server; learner.servers.max_attempts bounds the tries, then it counts
+    failed); train: the turns it had are trained with reward ``failure_reward`` (an episode that
+    failed before its first turn has nothing to train: sent failed)."""
+    failure_reward: float = 0.0
+    """The reward of a failed episode under on_failure: train (its only reward part, ``failure``)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -32,9 +32,12 @@ an observation that does not fit ends the episode, finish_reason ``length``), an
 
 **Failures** end that episode, never the server: the environment raises, runs past its timeout,
 returns an observation that is not text (or messages) or longer than
-``max_observation_tokens``, or a reward that is not a finite number. The sample is sent failed
-(``Sample.failed`` says why; the learner trains nothing of its group), counted in
-``slipstream_episodes_failed_total{reason}``.
+``max_observation_tokens``, or a reward that is not a finite number. Counted in
+``slipstream_episodes_failed_total{reason}``; then ``rollout.environment.on_failure``: ``fail``,
+the sample is sent failed (``Sample.failed`` says why; the learner trains nothing of its group);
+``train``, the turns it had are sent as a sample with reward ``failure_reward`` (its metadata's
+``failed`` says why; one that failed before its first turn is sent failed); ``reissue``, the
+pipeline gives the group back (:mod:`rollout_server.pipeline`).
 """
 
 from __future__ import annotations
@@ -309,11 +312,15 @@ class EpisodeRunner:
         if ep.tool_errors:
             self.metrics.tool_errors.inc(ep.tool_errors)
         sid = protocol.sample_id(a.assignment_id, index)
+        trained_failure = False
         if failed is not None:
             self.metrics.episodes_failed.labels(reason=failed.reason).inc()
             message = f"environment {failed.reason}: {failed}"[:1000]
             self.log("episode_failed", sample_id=sid, reason=failed.reason, error=message[:500])
-        else:
+            if self.settings.on_failure == "train" and ep.spans:    # its turns are trained,
+                ep.parts = {"failure": float(self.settings.failure_reward)}   # at this reward
+                failed, trained_failure = None, True
+        if failed is None:
             self.metrics.reward.observe(sum(ep.parts.values()))
             if ep.truncated:
                 self.metrics.episodes_truncated.inc()
@@ -339,7 +346,8 @@ class EpisodeRunner:
             timing={"generate_s": ep.generate_s, "environment_s": ep.env_s},
             completion_text=self.decode(ids),
             metadata={"turns": len(ep.spans) // 2, "tool_calls": ep.tool_calls,
-                      "tool_errors": ep.tool_errors, "truncated": ep.truncated},
+                      "tool_errors": ep.tool_errors, "truncated": ep.truncated,
+                      **({"failed": message} if trained_failure else {})},
             sampling_temperature=a.sampling.temperature,
             turn_spans=np.asarray(ep.spans, dtype=np.int32))
 

@@ -156,6 +156,9 @@ class RolloutMetrics:
             "by reason (rollout_server.episodes.EPISODE_FAILURES)", ["reason"], registry=r)
         for reason in EPISODE_FAILURES:
             self.episodes_failed.labels(reason=reason)
+        self.episode_groups_reissued = Counter(
+            "slipstream_episode_groups_reissued", "Groups with a failed episode given back to the learner "
+            "for re-issue (rollout.environment.on_failure: reissue)", registry=r)
         self.episodes_truncated = Counter(
             "slipstream_episodes_truncated", "Episodes cut by max_turns or max_episode_tokens while "
             "their environment wanted more", registry=r)

@@ -17,7 +17,9 @@ Episodes (:mod:`rollout_server.episodes`): an assignment whose environment is se
 (``rollout.environment``) is not part of the batch's generate call; its group runs as episodes in
 a task of its own, turn after turn, and is sent and its credits given back when its last episode
 ends, so a long episode or a slow environment holds nothing else. The turns of concurrent
-episodes share the engine's decodes (the engines merge concurrent calls).
+episodes share the engine's decodes (the engines merge concurrent calls). A group with a failed
+episode under ``rollout.environment.on_failure: reissue`` is not sent: ``give_back`` refuses the
+assignment (``Error(code="assignment_refused")``), so the learner issues it again.
 
 Failures are per sample: an engine that raises for a batch makes every sample of it
 ``failed`` (``finish_reason="error"``, counted ``generate``); a reward that raises or times out
@@ -83,13 +85,14 @@ class Pipeline:
                  log: Callable[..., None],
                  before_batch: Callable[[list[protocol.Assignment]], Awaitable[object]] | None = None,
                  on_change: Callable[[], None] = lambda: None, batch_wait_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, episodes: EpisodeRunner | None = None):
+                 clock: Callable[[], float] = time.monotonic, episodes: EpisodeRunner | None = None,
+                 give_back: Callable[[protocol.Assignment, str], Awaitable[None]] | None = None):
         self.server_id, self.limits = server_id, limits
         self.generate, self.decode, self.score = generate, decode, score
         self.emit, self.release, self.before_batch = emit, release, before_batch
         self.metrics, self.log, self.on_change = metrics, log, on_change
         self.batch_wait_s, self.clock = batch_wait_s, clock
-        self.episodes = episodes
+        self.episodes, self.give_back = episodes, give_back
         self.episode_tasks: set[asyncio.Task] = set()   # groups running as episodes, each on its own
         self.queue: list[protocol.Assignment] = []
         self.assigned = 0                 # samples queued or generating (credits in use)
@@ -269,6 +272,13 @@ class Pipeline:
         samples out, its credits back."""
         try:
             samples = await self.episodes.run_group(a, spec)
+            failed = next((s.failed for s in samples if s.failed), None)
+            if failed and self.give_back is not None and self.episodes.settings.on_failure == "reissue":
+                self.metrics.episode_groups_reissued.inc()
+                self.log("episodes_given_back", assignment_id=a.assignment_id[:200], error=failed[:500])
+                if epoch == self._epoch:
+                    await self.give_back(a, f"an episode failed, its group goes back for re-issue: {failed}")
+                return
             if epoch == self._epoch:
                 await self.emit(protocol.RolloutResult(server_id=self.server_id, samples=samples))
             else:

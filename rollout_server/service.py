@@ -191,7 +191,8 @@ class RolloutService:
             score=self.rewarder.score_many, emit=self.outbox.put, release=self.release,
             before_batch=self.before_batch,
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
-            batch_wait_s=cfg.generation.batch_wait_s, clock=self.clock, episodes=episodes)
+            batch_wait_s=cfg.generation.batch_wait_s, clock=self.clock, episodes=episodes,
+            give_back=self.give_back)
         self.receiver = WeightsReceiver(
             connect=lambda endpoint, max_bytes: ZmqChunkChannel(
                 self.ctx, endpoint, max_bytes, curve=self.curve,
@@ -550,6 +551,11 @@ class RolloutService:
                                                ref_id=protocol.message_id(frames)))
                 continue
             await self.handle(msg, frames)
+
+    async def give_back(self, a: protocol.Assignment, reason: str) -> None:
+        """Hand ``a`` back to the learner for re-issue (a refusal: its lease is released)."""
+        await self.send(protocol.Error(code="assignment_refused", ref_id=a.assignment_id,
+                                       message=f"assignment {a.assignment_id[:200]!r}: {reason}"[:1000]))
 
     async def handle(self, msg: protocol.Message, frames: list) -> None:
         if isinstance(msg, protocol.Assignment):

@@ -14,7 +14,9 @@ Rows. Each row needs ``prompt_key`` (a string, or a list of chat messages ``{"ro
 and ``answer_key`` (a string or number; none with ``answer_key: null``, TRL's datasets); every
 other field of the row goes unchanged into the prompt's ``metadata``, which travels with the
 assignment to the reward function (as plain msgpack values: NumPy scalars and arrays become
-numbers and lists), and so do a prompt's chat messages (``protocol.PROMPT_MESSAGES_KEY``).
+numbers and lists), and so do the chat messages of a prompt the template formats
+(``protocol.PROMPT_MESSAGES_KEY``: the row's messages, or its string as a user message, with the
+system prompt when one is set).
 ``learner.data.preset`` (trl, verl) sets the two keys for another trainer's layout. A stream
 item is::
 
@@ -305,6 +307,19 @@ class Formatter:
             raise StartupError("learner.data.system_prompt is set, but the policy tokenizer has no chat "
                                "template to put it in (unset system_prompt, or give the tokenizer one)")
 
+    def messages(self, prompt: str | list) -> list | None:
+        """The chat messages the template formats ``prompt`` as (the system prompt included);
+        None when it is sent as text. An agent program's first request carries these
+        (``protocol.PROMPT_MESSAGES_KEY``, rollout_server/agents.py)."""
+        messages = isinstance(prompt, list)
+        use = self.mode == "always" or (self.mode == "auto" and (messages or self.system_prompt is not None))
+        if not use or not self.has_template:
+            return None
+        msgs = list(prompt) if messages else [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None and msgs[0].get("role") != "system":
+            msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
+        return msgs
+
     def __call__(self, prompt: str | list, where: str) -> tuple[str, np.ndarray]:
         messages = isinstance(prompt, list)
         use = self.mode == "always" or (self.mode == "auto" and (messages or self.system_prompt is not None))
@@ -318,9 +333,7 @@ class Formatter:
         if not self.has_template:
             raise StartupError(f"{self.what}: {where}: the prompt is chat messages but the policy "
                                "tokenizer has no chat template (give it one, or plain-text prompts)")
-        msgs = list(prompt) if messages else [{"role": "user", "content": prompt}]
-        if self.system_prompt is not None and msgs[0].get("role") != "system":
-            msgs = [{"role": "system", "content": self.system_prompt}, *msgs]
+        msgs = self.messages(prompt)
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that refuses a row is a bad row
@@ -496,6 +509,7 @@ class PromptSource:
         item = {"prompt_id": f"p{i}", "prompt": row["prompt"], "answer": row["answer"],
                 "metadata": copy.deepcopy(row["metadata"])}
         if self._ids is not None:
+            self._add_messages(item, row["prompt"])
             item["prompt"] = self._texts[r]
             item["prompt_token_ids"] = self._ids[r]
         if self._buckets is not None:
@@ -532,12 +546,19 @@ class PromptSource:
         item = {"prompt_id": f"p{i}", "prompt": ex.prompt, "answer": ex.answer,
                 "metadata": dict(ex.metadata)}
         if self._format is not None:
+            self._add_messages(item, ex.prompt)
             item["prompt"], item["prompt_token_ids"] = self._render(ex.prompt, i)
             if self.max_prompt_tokens and len(item["prompt_token_ids"]) > self.max_prompt_tokens:
                 if count:
                     self._skip("too_long")
                 return None
         return item
+
+    def _add_messages(self, item: dict, prompt: str | list) -> None:
+        """A templated prompt's messages into its metadata (what an agent's first request sends)."""
+        msgs = self._format.messages(prompt)
+        if msgs is not None:
+            item["metadata"][PROMPT_MESSAGES_KEY] = msgs
 
     def _render(self, prompt: str | list, i: int) -> tuple[str, np.ndarray]:
         """``prompt`` formatted and tokenized, remembered by its text (RENDER_CACHE entries, oldest

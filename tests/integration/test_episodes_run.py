@@ -23,8 +23,8 @@ def documented_environment() -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
-def config(tmp_path, model: str, env: dict, steps: int) -> dict:
-    rows = [{"prompt": "guess:", "answer": str(d)} for d in range(10)]
+def config(tmp_path, model: str, env: dict, steps: int, n_rows: int = 10) -> dict:
+    rows = [{"prompt": "guess:", "answer": str(d)} for d in range(n_rows)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     learner = nested({"rollout_port": 0, "weights_port": 0, "control_port": 0, "metrics_port": 0,
                       "total_steps": steps, "batch_prompts": 2, "group_size": 2, "max_new_tokens": 3,
@@ -190,3 +190,66 @@ def test_every_bad_environment_fails_only_its_episodes_in_a_real_run(tmp_path, t
     assert {p.name for p in tmp_path.glob("did-*")} >= {f"did-{k}" for k in (0, 2, 4, 6, 8, 9)}
     rows = step_rows(tmp_path / "run")
     assert len(rows) == 2 and all(r["reward_mean"] == 1.0 for r in rows), rows
+
+
+FAILS_FIRST = '''
+from pathlib import Path
+
+
+class FailsTheFirstTime:
+    """Each prompt's first episode to reach its step crashes; after that the prompt plays fair."""
+
+    async def reset(self, prompt, metadata):
+        return None
+
+    async def step(self, completion, state):
+        seen = Path(f"seen-{state.metadata['answer']}")
+        if not seen.exists():
+            seen.touch()
+            raise RuntimeError("a flaky sandbox")
+        return None, 1.0, True, {}
+'''
+
+
+def test_on_failure_reissue_runs_a_failed_group_again_through_a_real_run(tmp_path, tiny_model_dir,
+                                                                         subprocess_env, process_groups):
+    """rollout.environment.on_failure: reissue: every prompt's first group fails (its first
+    episode crashes), goes back to the learner and is issued again; the second try is fair. With
+    40 prompts, on_failure: fail would drop the first group of each and see all 40 before it
+    trained one (``seen-*``); re-issued, the 4 prompts the run trains (and the few issued ahead)
+    are all it sees."""
+    cfg = config(tmp_path, tiny_model_dir, {"class_name": "flaky_env:FailsTheFirstTime",
+                                            "on_failure": "reissue"}, steps=2, n_rows=40)
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups,
+                               plugins={"flaky_env.py": FAILS_FIRST})
+    assert code == 0, out[-3000:]
+    rows = step_rows(tmp_path / "run")
+    assert len(rows) == 2 and all(r["reward_mean"] == 1.0 for r in rows), rows
+    seen = len(list(tmp_path.glob("seen-*")))
+    assert 4 <= seen <= 16, seen
+
+
+ALWAYS_FAILS = '''
+class CrashesAfterOneTurn:
+    async def reset(self, prompt, metadata):
+        return None
+
+    async def step(self, completion, state):
+        if state.turn == 0:
+            return " again:", 0.0, False, {}
+        raise RuntimeError("the sandbox crashed")
+'''
+
+
+def test_on_failure_train_trains_failed_episodes_at_the_failure_reward(tmp_path, tiny_model_dir,
+                                                                       subprocess_env, process_groups):
+    """rollout.environment.on_failure: train: every episode fails on its second step; the run
+    still trains, each episode's two turns at failure_reward (under fail it would stall)."""
+    cfg = config(tmp_path, tiny_model_dir, {"class_name": "crashing_env:CrashesAfterOneTurn",
+                                            "on_failure": "train", "failure_reward": -1.0}, steps=2)
+    code, out = slipstream_run(tmp_path, cfg, subprocess_env, process_groups,
+                               plugins={"crashing_env.py": ALWAYS_FAILS})
+    assert code == 0, out[-3000:]
+    rows = step_rows(tmp_path / "run")
+    assert len(rows) == 2, rows
+    assert all(r["reward_mean"] == -1.0 and r["episode_turns_mean"] == 2 for r in rows), rows

@@ -166,8 +166,8 @@ HELD = __import__("threading").Event()
 
 def test_malformed_requests_are_refused_in_openais_shape_and_counted(engine):
     """Through a real socket while an episode is open: not HTTP, bad JSON, an unknown episode or
-    route, a wrong method, a body too large, a chunked body, messages that are not strings, a
-    stream request: each an error reply (the episode goes on and ends well)."""
+    route, a wrong method, a body too large, a chunked body, messages that are not strings, tools
+    that are not a list: each an error reply (the episode goes on and ends well)."""
     CALLS.clear()
     HELD.clear()
     metrics = RolloutMetrics()
@@ -195,7 +195,7 @@ def test_malformed_requests_are_refused_in_openais_shape_and_counted(engine):
             "too large": f"POST {path}/chat/completions HTTP/1.1\r\nContent-Length: {1 << 30}\r\n\r\n".encode(),
             "chunked": f"POST {path}/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".encode(),
             "not strings": post(f"{path}/chat/completions", json.dumps({"messages": [{"role": "user", "content": 3}]}).encode()),
-            "stream": post(f"{path}/chat/completions", json.dumps({"messages": [{"role": "user", "content": "q:"}], "stream": True}).encode()),
+            "tools": post(f"{path}/chat/completions", json.dumps({"messages": [{"role": "user", "content": "q:"}], "tools": "calc"}).encode()),
         }
         for name, request in cases.items():
             results[name] = await asyncio.to_thread(_raw, port, request)
@@ -208,7 +208,100 @@ def test_malformed_requests_are_refused_in_openais_shape_and_counted(engine):
     (s,) = asyncio.run(main())
     assert s.failed is None and s.reward == 1.0 and s.turns == 1
     expected = {"not http": 400, "bad json": 400, "no episode": 404, "no route": 404, "method": 405,
-                "too large": 413, "chunked": 411, "not strings": 400, "stream": 400}
+                "too large": 413, "chunked": 411, "not strings": 400, "tools": 400}
     assert {k: v[0] for k, v in results.items()} == expected
     assert all("message" in v[1]["error"] for v in results.values())
     assert metrics.registry.get_sample_value("slipstream_rollout_errors_total", {"kind": "agent_request"}) == 9
+
+
+async def streams(base_url, prompt, metadata):
+    """A streaming client (``stream=True``), two turns: the chunks put together are the turn."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="slipstream", max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    got = []
+    for _ in range(2):
+        stream = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3,
+                                                      stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        got.append((text, finish, chunks[-1].usage.completion_tokens))
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "?"}]
+    CALLS.append(got)
+    await client.close()
+    return 1.0
+
+
+def test_a_streaming_client_gets_the_turn_as_chunks(engine):
+    CALLS.clear()
+    samples = run_agent(engine, "streams", group=1)
+    (s,), (got,) = samples, CALLS
+    assert s.failed is None and s.turns == 2, s.failed
+    ids = s.completion_token_ids.tolist()
+    for (start, end), (text, finish, tokens) in zip(spans_of(s), got):
+        assert text == engine.decode(np.asarray(ids[start:end])) and tokens == end - start
+        assert len(finish) == 1 and finish[0] in ("stop", "length")
+
+
+def test_tool_calls_come_back_in_openais_format_and_their_results_are_the_observation():
+    """Hermes-format calls in the model's text come back as ``tool_calls``; the agent sends the
+    message back as the client gave it, with a ``tool`` result: that result is the observation,
+    and the call is matched, not re-rendered (one with edited arguments rewrites the history)."""
+    from rollout_server.agents import AgentSession, OpenAIEndpoint
+
+    turns = ['Adding. <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', "It is 5."]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+    async def main():
+        seen = []
+
+        async def take_turn(observation, stop, limit):   # the engine's turns, scripted
+            seen.append(observation)
+            return turns[len(seen) - 1], "stop", 9
+
+        endpoint = OpenAIEndpoint()
+        await endpoint.start()
+        client = openai.AsyncOpenAI(base_url=endpoint.open(AgentSession(
+            [{"role": "user", "content": "2+3?"}], take_turn, model="m")), api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "2+3?"}]
+        r = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+        msg = r.choices[0].message
+        call = msg.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Adding."
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+        messages += [msg, {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        stream = await client.chat.completions.create(model="m", messages=messages, tools=tools, stream=True)
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "It is 5."
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert seen == [None, [{"role": "tool", "content": "5", "tool_call_id": call.id}]]
+
+        # The same episode start in another session; the call sent back edited is refused.
+        seen.clear()
+        client2 = openai.AsyncOpenAI(base_url=endpoint.open(AgentSession(
+            [{"role": "user", "content": "2+3?"}], take_turn, model="m")), api_key="x", max_retries=0)
+        r = await client2.chat.completions.create(model="m", messages=messages[:1], tools=tools)
+        edited = r.choices[0].message.model_dump()
+        edited["tool_calls"][0]["function"]["arguments"] = '{"a": 2, "b": 4}'
+        with pytest.raises(openai.BadRequestError, match="continue the previous request"):
+            await client2.chat.completions.create(model="m", tools=tools, messages=[
+                messages[0], edited, {"role": "tool", "tool_call_id": call.id, "content": "6"}])
+        await client.close()
+        await client2.close()
+        await endpoint.close()
+
+    asyncio.run(main())
+
+
+def test_parse_tool_calls_keeps_what_is_not_a_call():
+    from rollout_server.agents import parse_tool_calls
+
+    assert parse_tool_calls("no call here", "c") == ("no call here", [])
+    text = 'a <tool_call>{not json}</tool_call> b'
+    assert parse_tool_calls(text, "c") == (text, [])
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>'
+                                      '<tool_call>{"name": "g"}</tool_call> done', "c")
+    assert content == "done"
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("c0", "f", "x=1"), ("c1", "g", "{}")]

@@ -410,3 +410,77 @@ def test_an_environment_step_never_holds_the_other_episodes(engine):
     samples = asyncio.run(main())
     assert [s.failed for s in samples] == [None] * 4
     assert sorted(s.turns for s in samples) == [1, 3, 3, 3]
+
+
+# ---- what a failed episode becomes (rollout.environment.on_failure) ---------------------------
+class FailsOnItsSecondStep(Raises):
+    async def step(self, completion, state):
+        if state.turn == 0:
+            return " more:", 0.0, False, {}
+        raise RuntimeError("the sandbox crashed")
+
+
+def test_on_failure_train_sends_the_turns_it_had_at_the_failure_reward(engine):
+    spec = f"{__name__}:FailsOnItsSecondStep"
+    metrics = RolloutMetrics()
+    settings = EnvironmentSettings(class_name=spec, on_failure="train", failure_reward=-0.5)
+    samples = asyncio.run(runner(engine, settings, metrics=metrics).run_group(assignment(engine, group=2), spec))
+    for s in samples:
+        s.cross_check("sample")
+        assert s.failed is None and s.reward == -0.5 and s.reward_parts == {"failure": -0.5}
+        assert s.turns == 2 and len(s.completion_token_ids) == spans_of(s)[-1][1]
+        assert s.metadata["failed"].startswith("environment error: step raised RuntimeError"), s.metadata
+    value = metrics.registry.get_sample_value
+    assert value("slipstream_episodes_failed_total", {"reason": "error"}) == 2
+    # One that failed before its first turn has nothing to train: sent failed, as under fail.
+    spec = f"{__name__}:RaisesInReset"
+    settings = EnvironmentSettings(class_name=spec, on_failure="train")
+    (s,) = asyncio.run(runner(engine, settings).run_group(assignment(engine, group=1), spec))
+    assert s.failed is not None and "no such game" in s.failed
+
+
+def test_on_failure_reissue_gives_the_group_back_instead_of_sending_it(engine):
+    """Through the pipeline: a group with a failed episode is handed back (the service sends
+    the learner an assignment_refused for it, which re-issues the lease), nothing of it is sent,
+    its credits are free again; a group that did not fail is sent as usual."""
+    from rollout_server.pipeline import Limits, Pipeline
+
+    spec = f"{__name__}:FailsOnItsSecondStep"
+    metrics = RolloutMetrics()
+    settings = EnvironmentSettings(class_name=spec, on_failure="reissue", named={"fair": GUESS})
+    emitted, given_back, released = [], [], []
+
+    async def main():
+        all_back = asyncio.Event()
+
+        async def emit(result):
+            emitted.append(result)
+
+        async def release(n):
+            released.append(n)
+            if sum(released) == 4:
+                all_back.set()
+
+        async def give_back(a, reason):
+            given_back.append((a.assignment_id, reason))
+
+        pipeline = Pipeline(server_id="s", limits=Limits(8, 8, 64, engine.vocab_size, 64),
+                            generate=engine.generate, decode=engine.decode, score=None, emit=emit,
+                            release=release, metrics=metrics, log=lambda *a, **k: None,
+                            episodes=runner(engine, settings, metrics=metrics), give_back=give_back)
+        task = asyncio.create_task(pipeline.run())
+        bad = assignment(engine, group=2)
+        fair = assignment(engine, group=2)
+        fair.assignment_id, fair.metadata["environment"] = "a-2", "fair"
+        pipeline.admit(bad)
+        pipeline.admit(fair)
+        await asyncio.wait_for(all_back.wait(), 60)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert [aid for aid, _ in given_back] == ["a-1"], given_back
+    assert "an episode failed, its group goes back for re-issue: environment error" in given_back[0][1]
+    assert [s.assignment_id for r in emitted for s in r.samples] == ["a-2", "a-2"]
+    assert sum(released) == 4
+    assert metrics.registry.get_sample_value("slipstream_episode_groups_reissued_total") == 1

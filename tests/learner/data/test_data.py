@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from config_kit import nested
 
+import protocol
 from learner.config import LearnerConfig
 from learner.data.prompts import PromptSource, check_dataset
 from learner.models.builtin import build_tokenizer
@@ -148,6 +149,18 @@ def test_chat_messages_and_system_prompt_use_the_tokenizers_template(tmp_path, c
     assert [p["prompt"] for p in system] == ["s:be.u:hi.a:", "s:be.u:plain.a:", "s:own.u:q.a:"]
     always = PromptSource(path, shuffle=False, tokenizer=chat_tok, chat_template="always").take(3)
     assert always[1]["prompt"] == "u:plain.a:"
+    # What the template formatted travels as the prompt's messages (an agent program's first
+    # request sends them, rollout_server/agents.py): the system prompt and a string's user
+    # message included; a prompt sent as its own text has none.
+    key = protocol.PROMPT_MESSAGES_KEY
+    assert [p["metadata"].get(key) for p in system] == [
+        [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be"}, {"role": "user", "content": "plain"}],
+        data[2]["prompt"]]
+    assert always[1]["metadata"][key] == [{"role": "user", "content": "plain"}]
+    assert key not in auto[1]["metadata"]
+    draw = next(PromptSource("builtin:arith", seed=1, tokenizer=chat_tok, chat_template="always"))
+    assert draw["metadata"][key] == [{"role": "user", "content": draw["prompt"][2:-3]}]
 
 
 @pytest.mark.parametrize("kwargs, prompts, needle", [
