@@ -143,7 +143,7 @@ def assemble(cfg: LearnerConfig, *, run_id: str, process: LearnerProcess) -> Par
                            dedupe_window=cfg.servers.dedupe_window, length_bucketing=cfg.batch.length_bucketing,
                            drop_uniform_groups=cfg.batch.dynamic_sampling)
     metrics.watch_buffer(buffer)
-    weights = WeightsServer(cfg.weights.chunk_bytes, metrics=metrics)
+    weights = WeightsServer(cfg.weights.chunk_bytes, metrics=metrics, delta=cfg.weights.delta)
     endpoints: dict[str, str] = {}        # filled as the sockets bind (LearnerService._open)
     link = RolloutLink()
     checkpoints = LearnerCheckpoints(cfg.checkpoint, cfg.run_dir, run=state, metrics=metrics, log=log,

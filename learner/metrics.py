@@ -143,6 +143,12 @@ class LearnerMetrics:
         self.weights_egress_bytes = Counter(
             "slipstream_weights_egress_bytes", "Weight chunk bytes the learner's weights socket "
             "sent (every server's fetches of every version)", registry=r)
+        self.weights_chunks_served = Counter(
+            "slipstream_weights_chunks_served", "Weight chunks the learner's weights socket sent, by "
+            "encoding (raw: the chunk; delta: xor-zstd against the version the server holds)",
+            ["encoding"], registry=r)
+        for encoding in ("raw", "delta"):
+            self.weights_chunks_served.labels(encoding=encoding)
         self.step_stats = Gauge("slipstream_train_stat", "Last step's training statistics", ["name"],
                                 registry=r)
         self.skipped_steps = Counter(

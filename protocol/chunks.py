@@ -11,6 +11,15 @@ SmolLM2-135M in float32, more than the wire time), XXH3-128 at 10-20 GB/s. The c
 against corruption and mix-ups (a chunk of another version, a torn buffer) and identify a version
 in ``WeightsApplied``; they are not what stops a forger: that is CURVE, which authenticates the
 learner and encrypts the weights socket (``security.curve``).
+
+Deltas (protocol 3.7, ``WeightChunk.encoding = "xor-zstd"``): a chunk of version v sent to a
+server that holds the same chunk of an older version b is ``zstd(chunk_v XOR chunk_b)``. An
+optimizer step at RL learning rates leaves most bf16 elements as they were (the update is below
+half an ulp), so the XOR is mostly zero bytes and compresses to a few percent; in float32 nearly
+every element moves in its low mantissa bits, and the delta saves less (the sender sends the raw
+chunk whenever the delta is not smaller). The receiver XORs the decompressed bytes into its
+chunk of b and checks the result against the manifest's checksum for chunk v: bit-identical to a
+full fetch, or refused (and fetched raw).
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import xxhash
+import zstandard
 
 from protocol.messages import DTYPE_BYTES, TensorSpec
 
@@ -59,3 +70,39 @@ def split_chunks(data: bytes | memoryview, chunk_bytes: int) -> list[memoryview]
         raise ValueError("chunk_bytes must be >= 1")
     view = memoryview(data).cast("B")
     return [view[i:i + chunk_bytes] for i in range(0, view.nbytes, chunk_bytes)]
+
+
+DELTA_LEVEL = 1
+"""zstd level of deltas: level 1 compresses a mostly-zero XOR at ~1.3 GB/s on one core here
+(64 MiB, 3 % of bf16 elements changed: 48 ms, to 3.1 % of the bytes); higher levels gain
+little on such data."""
+
+
+def xor_delta(new: bytes | memoryview, base: bytes | memoryview) -> bytes:
+    """``zstd(new XOR base)`` (equal sizes): the delta :func:`apply_xor_delta` undoes."""
+    a = np.frombuffer(new, dtype=np.uint8)
+    b = np.frombuffer(base, dtype=np.uint8)
+    if a.size != b.size:
+        raise ValueError(f"a delta needs chunks of one size, not {a.size} and {b.size} bytes")
+    return zstandard.ZstdCompressor(level=DELTA_LEVEL).compress(np.bitwise_xor(a, b).data)
+
+
+def apply_xor_delta(delta: bytes | memoryview, base: bytes | memoryview) -> bytes:
+    """The chunk a :func:`xor_delta` against ``base`` encodes. ``ValueError`` for a delta that is
+    not zstd or does not decompress to exactly ``base``'s size (it never allocates more)."""
+    b = np.frombuffer(base, dtype=np.uint8)
+    data = bytes(delta) if isinstance(delta, memoryview) else delta
+    try:
+        # A frame that declares its size is decompressed to that size whatever max_output_size
+        # says: check the declaration first, so a hostile one cannot make us allocate.
+        declared = zstandard.frame_content_size(data)
+        if declared not in (-1, b.size):
+            raise ValueError(f"the delta declares {declared} bytes, the chunk has {b.size}")
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=b.size)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"not a zstd delta: {e}") from None
+    if len(raw) != b.size:
+        raise ValueError(f"the delta decompresses to {len(raw)} bytes, the chunk has {b.size}")
+    out = np.frombuffer(raw, dtype=np.uint8).copy()
+    np.bitwise_xor(out, b, out=out)
+    return out.tobytes()

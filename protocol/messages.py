@@ -94,6 +94,8 @@ TRL-style rewards get them as ``prompts``."""
 SAMPLE_ARRAY_DTYPES = "<i4,<i4,<f4,<i4"   # prompt ids, completion ids, behavior log-probs, versions
 ACK_STATUSES = ("accepted", "duplicate", "stale", "invalid")
 WEIGHT_KINDS = ("full", "lora")
+WEIGHT_ENCODINGS = ("raw", "xor-zstd")
+"""How a ``WeightChunk`` carries its bytes (protocol 3.7): as they are, or as a delta."""
 LORA_BIASES = ("none", "all", "lora_only")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _ACK_STATUS_SET = frozenset(ACK_STATUSES)
@@ -474,20 +476,37 @@ class WeightsAvailable(Message):
 
 @record
 class WeightChunkRequest(Message):
+    """Chunk ``index`` of ``version``. ``base`` (protocol 3.7): the version whose chunk
+    ``index`` the requester holds, verified (-1: none): the reply may then be a delta against it."""
+
     TYPE: ClassVar[str] = "weight_chunk_request"
     version: int = wire(_NAT)
     index: int = wire(_NAT)
+    base: int = wire(Int(-1), default=-1)
 
 
 @record
 class WeightChunk(Message):
-    """Chunk ``index`` of ``version``; ``data`` travels as its own frame (zero-copy)."""
+    """Chunk ``index`` of ``version``; ``data`` travels as its own frame (zero-copy).
+
+    ``encoding`` (protocol 3.7): ``raw``, the chunk's bytes; ``xor-zstd``, a delta against chunk
+    ``index`` of version ``base`` (:func:`protocol.chunks.apply_xor_delta`). ``checksum`` is
+    always the chunk's own (the manifest's), so a delta is verified once applied."""
 
     TYPE: ClassVar[str] = "weight_chunk"
     version: int = wire(_NAT)
     index: int = wire(_NAT)
     checksum: str = wire(_STR)
     data: bytes | memoryview = wire(Frame(), default=b"")
+    base: int = wire(Int(-1), default=-1)
+    encoding: str = wire(_STR, default="raw")
+
+    def cross_check(self, where: str) -> None:
+        if self.encoding not in WEIGHT_ENCODINGS:
+            raise ProtocolError(f"{where}.encoding: {self.encoding!r} not in {WEIGHT_ENCODINGS}")
+        if self.encoding != "raw" and not 0 <= self.base < self.version:
+            raise ProtocolError(f"{where}.base: a delta of version {self.version} against "
+                                f"{self.base} (an older version is required)")
 
 
 @record

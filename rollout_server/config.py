@@ -175,6 +175,10 @@ class WeightsOptions(BaseModel):
     max_bytes: int = Field(0, ge=0)
     """Largest weights version accepted, in bytes; a bigger manifest is refused before anything is
     allocated (0 = twice the size of the model's weight files)."""
+    delta: bool = True
+    """Keep the applied full-weights version's bytes in host memory (one copy of the model) and
+    ask the learner for the next version as deltas against it (learner.weights.delta); false:
+    every fetch is the full version."""
 
 
 class RewardSettings(BaseModel):

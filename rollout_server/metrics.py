@@ -22,6 +22,8 @@ weights_manifest         a manifest refused (too large, no weights endpoint, chu
 weights_version          a manifest older than the version served or announced
 weights_chunk            a chunk reply that is not the chunk asked for (index, version, size)
 weights_checksum         a chunk whose bytes fail their checksum (fetched again)
+weights_delta            a delta chunk that does not decode, names a version this server does not
+                         hold, or makes bytes that fail their checksum (that chunk fetched raw)
 weights_timeout          no chunk within ``chunk_timeout_s`` (the fetch fails)
 weights                  a fetch that failed for another reason, or an update the engine refused
 learner_handshake        the learner refused the CURVE handshake (a key not allowed, CURVE mismatch;
@@ -69,6 +71,7 @@ ERROR_KINDS = (
     "weights_version",
     "weights_chunk",
     "weights_checksum",
+    "weights_delta",
     "weights_timeout",
     "weights",
     "learner_handshake",
@@ -110,6 +113,11 @@ class RolloutMetrics:
         self.weights_received_bytes = Counter(
             "slipstream_weights_received_bytes", "Weight chunk bytes this server received and "
             "verified, by source (learner: the learner's weights socket)", ["source"], registry=r)
+        self.weight_chunks_received = Counter(
+            "slipstream_weight_chunks_received", "Weight chunks this server received and verified, by "
+            "encoding (raw, or delta: xor-zstd against the version it held)", ["encoding"], registry=r)
+        for encoding in ("raw", "delta"):
+            self.weight_chunks_received.labels(encoding=encoding)
         self.weight_update_seconds = Histogram(
             "slipstream_rollout_weight_update_seconds", "Seconds from WeightsAvailable to applied",
             registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

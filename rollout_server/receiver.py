@@ -50,7 +50,7 @@ from typing import Protocol
 import zmq
 
 import protocol
-from protocol.chunks import chunk_checksum, combine_checksums
+from protocol.chunks import apply_xor_delta, chunk_checksum, combine_checksums
 from protocol.codec import MAX_FRAME_BYTES
 from protocol.plumbing.curve import CurveClient
 from protocol.plumbing.process import trace, wait_event
@@ -67,7 +67,7 @@ MAX_CHUNKS = 1 << 20                 # per version; bookkeeping stays a few MiB
 class ChunkChannel(Protocol):
     """One fetch's link to the learner's weights socket."""
 
-    async def request(self, version: int, index: int) -> None: ...
+    async def request(self, version: int, index: int, base: int = -1) -> None: ...
 
     async def receive(self, timeout_s: float) -> protocol.Message | None:
         """The next reply (``ProtocolError`` if it does not decode), or None after ``timeout_s``."""
@@ -94,9 +94,9 @@ class ZmqChunkChannel:
             self.close()              # an open socket would hang the context's term() at exit
             raise
 
-    async def request(self, version: int, index: int) -> None:
+    async def request(self, version: int, index: int, base: int = -1) -> None:
         await self.sock.send_multipart(protocol.encode(
-            protocol.WeightChunkRequest(version=version, index=index)))
+            protocol.WeightChunkRequest(version=version, index=index, base=base)))
 
     async def receive(self, timeout_s: float) -> protocol.Message | None:
         # Waits in slices with the guard's checks between them: a reply that never finishes
@@ -152,8 +152,12 @@ class WeightsReceiver:
                  log: Callable[..., None], max_weights_bytes: int, chunk_timeout_s: float = 30.0,
                  chunk_window: int = 4, chunk_retries: int = 3,
                  clock: Callable[[], float] = time.monotonic,
-                 on_failed: Callable[[str], Awaitable[None]] | None = None):
+                 on_failed: Callable[[str], Awaitable[None]] | None = None, keep_base: bool = True):
         self.connect, self.apply, self.report, self.version = connect, apply, report, version
+        self.keep_base = keep_base
+        # The applied full-weights version's manifest and verified chunks, kept (keep_base) so the
+        # next fetch can ask for deltas against it.
+        self.base: tuple[protocol.WeightsAvailable, list[memoryview]] | None = None
         self.on_failed = on_failed
         self.server_id, self.metrics, self.log, self.clock = server_id, metrics, log, clock
         self.max_weights_bytes = max_weights_bytes
@@ -186,6 +190,7 @@ class WeightsReceiver:
         """A learner of another run welcomed us: fetch its next manifest whatever the version,
         and hold new work until it is applied (see the module docstring)."""
         self.rebasing = True
+        self.base = None
         self.announced = None
         self.newest = -1
         self._rebased.clear()
@@ -286,8 +291,11 @@ class WeightsReceiver:
                 update = WeightUpdate(version=m.version, kind=m.kind,
                                       tensors=unflatten_chunks(chunks, m.chunk_bytes, m.tensors),
                                       lora_config={} if m.lora is None else m.lora.peft_kwargs())
-                del chunks
+                self.base = None                  # the engine's weights change now
                 await self.apply(update)
+                if self.keep_base and m.kind == "full":
+                    self.base = (m, chunks)
+                del chunks
                 trace("rollout.applied")
             except Exception as e:  # noqa: BLE001 - refused by the engine: keep the old version
                 self.metrics.count("weights")
@@ -336,6 +344,8 @@ class WeightsReceiver:
         try:
             got: list[str | None] = [None] * n
             chunks: list[memoryview | None] = [None] * n
+            base = self._base_for(m)          # (version, its chunks) to ask deltas against
+            raw_only: set[int] = set()        # chunks whose delta failed: asked for raw
             attempts = [0] * n
             why: dict[int, str] = {}          # index -> the last problem with it
             todo = deque(range(n))
@@ -350,7 +360,7 @@ class WeightsReceiver:
                         raise FetchError("weights", f"version {m.version}: chunk {i} failed "
                                          f"{attempts[i]} times (last: {why.get(i, '?')})")
                     attempts[i] += 1
-                    await channel.request(m.version, i)
+                    await channel.request(m.version, i, base[0] if base and i not in raw_only else -1)
                     asked.add(i)
                     due += 1
                     sent += 1
@@ -377,14 +387,18 @@ class WeightsReceiver:
                 due = max(0, due - 1)
                 if isinstance(reply, protocol.Error):
                     raise FetchError("weights", f"learner refused chunk: {reply.code}: {reply.message}")
-                problem = self._check(m, reply, asked)
+                data, problem = await self._decode(m, reply, asked, base)
                 if problem is None:
                     i = reply.index
-                    chunks[i] = memoryview(reply.data)
+                    chunks[i] = memoryview(data)
                     received.inc(len(reply.data))
+                    self.metrics.weight_chunks_received.labels(
+                        encoding="raw" if reply.encoding == "raw" else "delta").inc()
                     got[i] = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
                     asked.discard(i)
                 else:
+                    if isinstance(reply, protocol.WeightChunk) and reply.encoding != "raw" and problem[1] is not None:
+                        raw_only.add(problem[1])          # a delta that failed: fetch it raw
                     kind, i, message = problem
                     self.metrics.count(kind)
                     self.log("weights_bad_chunk", weights_version=m.version, kind=kind, error=message)
@@ -400,24 +414,49 @@ class WeightsReceiver:
         finally:
             channel.close()
 
-    def _check(self, m: protocol.WeightsAvailable, reply, asked: set[int]):
-        """None for the chunk asked for, else ``(kind, index to ask again or None, message)``."""
+    def _base_for(self, m: protocol.WeightsAvailable) -> tuple[int, list[memoryview]] | None:
+        """The kept version a fetch of ``m`` may ask deltas against: an older full version with
+        the same tensors in the same chunks."""
+        if self.base is None or m.kind != "full":
+            return None
+        held, chunks = self.base
+        if (held.version >= m.version or held.tensors != m.tensors or held.chunk_bytes != m.chunk_bytes
+                or held.num_chunks != m.num_chunks):
+            return None
+        return held.version, chunks
+
+    async def _decode(self, m: protocol.WeightsAvailable, reply, asked: set[int],
+                      base: tuple[int, list[memoryview]] | None):
+        """``(the chunk's bytes, None)`` for a good reply to a chunk asked for, else ``(None,
+        (kind, index to ask again or None, message))``. A delta is applied (on a worker thread)
+        to the kept chunk and checked as the chunk it makes."""
         if isinstance(reply, protocol.ProtocolError):
-            return "weights_chunk", None, f"undecodable reply: {reply}"
+            return None, ("weights_chunk", None, f"undecodable reply: {reply}")
         if not isinstance(reply, protocol.WeightChunk):
-            return "weights_chunk", None, f"unexpected {type(reply).TYPE} on the weights socket"
+            return None, ("weights_chunk", None, f"unexpected {type(reply).TYPE} on the weights socket")
         if reply.version != m.version:
-            return "weights_chunk", None, f"chunk of version {reply.version}, fetching {m.version}"
+            return None, ("weights_chunk", None, f"chunk of version {reply.version}, fetching {m.version}")
         i = reply.index
         if i not in asked:
-            return "weights_chunk", None, f"chunk {i} not asked for (of {m.num_chunks})"
-        size, want = memoryview(reply.data).nbytes, chunk_size(m, i)
+            return None, ("weights_chunk", None, f"chunk {i} not asked for (of {m.num_chunks})")
+        data = reply.data
+        if reply.encoding != "raw":
+            if base is None or reply.base != base[0]:
+                return None, ("weights_delta", i, f"chunk {i}: a delta against version {reply.base}, "
+                                                  f"which this server does not hold")
+            try:
+                data = await asyncio.to_thread(apply_xor_delta, reply.data, base[1][i])
+            except ValueError as e:
+                return None, ("weights_delta", i, f"chunk {i} of version {m.version}: {e}")
+        size, want = memoryview(data).nbytes, chunk_size(m, i)
         if size != want:
-            return "weights_chunk", i, f"chunk {i} has {size} bytes, the manifest says {want}"
+            return None, ("weights_chunk", i, f"chunk {i} has {size} bytes, the manifest says {want}")
         expected = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
-        if chunk_checksum(reply.data) != expected:
-            return "weights_checksum", i, f"chunk {i} of version {m.version} failed its checksum"
-        return None
+        if chunk_checksum(data) != expected:
+            kind = "weights_checksum" if reply.encoding == "raw" else "weights_delta"
+            return None, (kind, i, f"chunk {i} of version {m.version} failed its checksum"
+                                   + ("" if reply.encoding == "raw" else f" (a delta against {reply.base})"))
+        return data, None
 
     @staticmethod
     def _check_total(m: protocol.WeightsAvailable, got: list) -> None:

@@ -201,7 +201,7 @@ class RolloutService:
             server_id=self.server_id, metrics=self.metrics, log=self.log,
             max_weights_bytes=cfg.weights.max_bytes or default_weights_limit(model_path),
             chunk_timeout_s=cfg.weights.chunk_timeout_s, chunk_window=cfg.weights.chunk_window,
-            chunk_retries=cfg.weights.chunk_retries, clock=self.clock,
+            chunk_retries=cfg.weights.chunk_retries, clock=self.clock, keep_base=cfg.weights.delta,
             on_failed=lambda message: self.send(protocol.Error(code="weights_failed", message=message)))
         w = cfg.watchdog
         self.watchdog = Watchdog(

@@ -8,7 +8,7 @@ packages its row allows:
 
 | package          | first party                      | third party                          |
 |------------------|----------------------------------|--------------------------------------|
-| protocol         | -                                | msgpack, numpy, zmq, xxhash (never torch) |
+| protocol         | -                                | msgpack, numpy, zmq, xxhash, zstandard (never torch) |
 | ops              | -                                | torch                                |
 | buffer           | protocol                         | numpy                                |
 | rollout_server   | protocol, ops                    | any (engines, rewards, metrics)      |
@@ -57,7 +57,7 @@ class Rule:
 
 
 RULES = {
-    "protocol": Rule(frozenset({"protocol"}), frozenset({"msgpack", "numpy", "zmq", "xxhash"})),
+    "protocol": Rule(frozenset({"protocol"}), frozenset({"msgpack", "numpy", "zmq", "xxhash", "zstandard"})),
     "ops": Rule(frozenset({"ops"}), frozenset({"torch"})),
     "buffer": Rule(frozenset({"buffer", "protocol"}), frozenset({"numpy"})),
     "rollout_server": Rule(frozenset({"rollout_server", "protocol", "ops"}), ANY),

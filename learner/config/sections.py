@@ -748,6 +748,9 @@ class WeightsSettings(BaseModel):
 
     chunk_bytes: int = Field(64 << 20, ge=1024)
     """Size of one weight chunk on the wire (bucket size)."""
+    delta: bool = True
+    """Answer a server that holds an older kept version with deltas (xor-zstd against its chunk,
+    when smaller; docs/design.md §5): at RL learning rates in bf16 a few percent of the bytes."""
 
 
 class RuntimeSettings(BaseModel):

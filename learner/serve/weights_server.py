@@ -47,7 +47,7 @@ import torch
 
 import protocol
 from learner.train.weights import copy_into, layout
-from protocol.chunks import chunk_checksum, combine_checksums, split_chunks
+from protocol.chunks import chunk_checksum, combine_checksums, split_chunks, xor_delta
 from protocol.plumbing.process import trace
 
 
@@ -123,7 +123,7 @@ class WeightsServer:
 
     def __init__(self, chunk_bytes: int, kind: str = "full", keep: int = 2,
                  metadata: dict[str, Any] | None = None, buffers: HostBuffers | None = None,
-                 lora: protocol.LoraSpec | None = None, metrics: Any = None):
+                 lora: protocol.LoraSpec | None = None, metrics: Any = None, delta: bool = True):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
         self.chunk_bytes = chunk_bytes
@@ -133,7 +133,11 @@ class WeightsServer:
         self.metadata = dict(metadata or {})
         self.lora = lora                   # the adapter of a "lora" publish (its manifests' lora)
         self.buffers = buffers if buffers is not None else HostBuffers()
+        self.delta = delta                 # answer a request that names a base with a delta
         self._versions: OrderedDict[int, Snapshot] = OrderedDict()
+        # (base, version, index) -> the delta, or None where it is not smaller than the chunk;
+        # kept while both versions are (install prunes it).
+        self._deltas: dict[tuple[int, int, int], bytes | None] = {}
 
     # ---- the three steps --------------------------------------------------------------------
     def snapshot(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Snapshot:
@@ -178,6 +182,8 @@ class WeightsServer:
         self._versions[version] = snap
         while len(self._versions) > self.keep:
             self._versions.popitem(last=False)
+        for key in [k for k in self._deltas if k[0] not in self._versions or k[1] not in self._versions]:
+            del self._deltas[key]
         return snap.manifest
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> protocol.WeightsAvailable:
@@ -218,15 +224,52 @@ class WeightsServer:
         return protocol.WeightChunk(version=version, index=index,
                                     checksum=snap.manifest.chunk_checksums[index], data=snap.chunks[index])
 
+    def _delta_base(self, version: int, base: int) -> Snapshot | None:
+        """The snapshot of ``base`` when a delta of ``version`` against it can be made: both
+        kept, ``base`` older, the same tensors in the same chunks."""
+        if not self.delta or not 0 <= base < version:
+            return None
+        snap, old = self._versions.get(version), self._versions.get(base)
+        if snap is None or old is None or old.specs != snap.specs or len(old.chunks) != len(snap.chunks):
+            return None
+        return old
+
+    async def delta_chunk(self, version: int, index: int, base: int) -> protocol.WeightChunk | None:
+        """Chunk ``index`` of ``version`` as a delta against ``base``: made on a worker thread
+        the first time, then kept while both versions are; None when there is none (no such
+        base, or the delta is not smaller than the chunk)."""
+        old = self._delta_base(version, base)
+        if old is None or not 0 <= index < len(old.chunks):
+            return None
+        snap, key = self._versions[version], (base, version, index)
+        if key in self._deltas:
+            data = self._deltas[key]
+        else:
+            chunk = snap.chunks[index]
+            data = await asyncio.to_thread(xor_delta, chunk, old.chunks[index])
+            data = data if len(data) < chunk.nbytes else None
+            if version in self._versions and base in self._versions:   # not dropped meanwhile
+                self._deltas[key] = data
+        if data is None:
+            return None
+        return protocol.WeightChunk(version=version, index=index, base=base, encoding="xor-zstd",
+                                    checksum=snap.manifest.chunk_checksums[index], data=data)
+
     async def handle(self, identity: bytes, msg: protocol.Message) -> protocol.Message:
-        """The weights socket's handler: a ``WeightChunkRequest`` in, a chunk or an Error out."""
+        """The weights socket's handler: a ``WeightChunkRequest`` in, a chunk or an Error out.
+
+        A request that names a ``base`` the learner still keeps gets a delta against it when
+        that is smaller (made on a worker thread the first time, then kept)."""
         if not isinstance(msg, protocol.WeightChunkRequest):
             raise protocol.ProtocolError(f"weights socket: {type(msg).TYPE} is not a "
                                          f"{protocol.WeightChunkRequest.TYPE}")
         trace("learner.chunk")
-        reply = self.chunk(msg.version, msg.index)
+        reply = await self.delta_chunk(msg.version, msg.index, msg.base) if msg.base >= 0 else None
+        if reply is None:
+            reply = self.chunk(msg.version, msg.index)
         if self.metrics is not None and isinstance(reply, protocol.WeightChunk):
             self.metrics.weights_egress_bytes.inc(len(reply.data))
+            self.metrics.weights_chunks_served.labels(encoding="raw" if reply.encoding == "raw" else "delta").inc()
         return reply
 
 

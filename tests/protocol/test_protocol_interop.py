@@ -47,8 +47,8 @@ def test_wire_field_order_is_pinned():
         "weights_available": ("version", "kind", "tensors", "total_bytes", "chunk_bytes",
                               "num_chunks", "checksum", "chunk_checksums", "metadata",
                               "lora"),                                              # 3.3: lora
-        "weight_chunk_request": ("version", "index"),
-        "weight_chunk": ("version", "index", "checksum"),        # data: its own frame
+        "weight_chunk_request": ("version", "index", "base"),                      # 3.7: base
+        "weight_chunk": ("version", "index", "checksum", "base", "encoding"),      # 3.7; data: its own frame
         "weights_applied": ("server_id", "version", "checksum", "seconds"),
         "control_request": ("command", "args"),
         "control_reply": ("ok", "result", "error"),
@@ -407,3 +407,24 @@ def test_a_3_5_sample_is_one_turn_and_3_6_turn_spans_round_trip():
         worse[at] = [*body[at][:7], turns, tokens]
         with pytest.raises(ProtocolError, match=field):
             decode([frames[0], msgpack.packb(worse)])
+
+
+def test_3_6_chunk_messages_are_raw_and_3_7_deltas_are_checked():
+    """WeightChunkRequest.base and WeightChunk.base / encoding (3.7, issue 28.1): a 3.6 request
+    asks for no delta and a 3.6 chunk is raw; an unknown encoding, or a delta whose base is not
+    an older version, is refused naming the field."""
+    frames = encode(protocol.WeightChunkRequest(version=4, index=2, base=3))
+    assert decode(frames).base == 3
+    body = msgpack.unpackb(frames[1])
+    assert decode(as_minor(frames, 6, body[:2])).base == -1
+    chunk = protocol.WeightChunk(version=4, index=2, checksum="c", data=b"xyz", base=3, encoding="xor-zstd")
+    frames = encode(chunk)
+    got = decode(frames)
+    assert (got.base, got.encoding, bytes(got.data)) == (3, "xor-zstd", b"xyz")
+    body = msgpack.unpackb(frames[1])
+    old = decode([*as_minor(frames, 6, body[:3]), *frames[2:]])
+    assert (old.base, old.encoding, bytes(old.data)) == (-1, "raw", b"xyz")
+    for base, encoding, words in ((3, "gzip", r"\.encoding: 'gzip' not in"), (4, "xor-zstd", r"\.base: a delta"),
+                                  (-1, "xor-zstd", r"\.base: a delta"), (-2, "raw", "minimum")):
+        with pytest.raises(ProtocolError, match=words):
+            decode([frames[0], msgpack.packb([*body[:3], base, encoding]), *frames[2:]])

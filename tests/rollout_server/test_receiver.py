@@ -31,7 +31,7 @@ class MemoryChannel:
         self.closed = False
         self.max_frame_bytes = None
 
-    async def request(self, version: int, index: int) -> None:
+    async def request(self, version: int, index: int, base: int = -1) -> None:
         self.requests.append((version, index))
         if self.silent:
             return

@@ -34,8 +34,9 @@ def test_flatten_unflatten_roundtrip_all_dtypes():
 
 
 @contextlib.asynccontextmanager
-async def served(ws: WeightsServer, corrupt_first: set[int]):
-    """``ws`` on a real ROUTER; the first reply for each index in ``corrupt_first`` is corrupted."""
+async def served(ws: WeightsServer, corrupt_first: set[int], tamper=None):
+    """``ws`` on a real ROUTER; the first reply for each index in ``corrupt_first`` is corrupted;
+    ``tamper(reply)``, when given, may replace any reply."""
     ctx = zmq.asyncio.Context.instance()
     metrics = LearnerMetrics()
     sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=16)
@@ -48,9 +49,9 @@ async def served(ws: WeightsServer, corrupt_first: set[int]):
             corrupt_first.discard(reply.index)
             data = bytearray(reply.data)
             data[0] ^= 0xFF
-            reply = protocol.WeightChunk(version=reply.version, index=reply.index,
-                                         checksum=reply.checksum, data=bytes(data))
-        return reply
+            reply = protocol.WeightChunk(version=reply.version, index=reply.index, base=reply.base,
+                                         encoding=reply.encoding, checksum=reply.checksum, data=bytes(data))
+        return tamper(reply) if tamper is not None else reply
 
     task = asyncio.create_task(router.serve(handle))
     try:
@@ -62,7 +63,7 @@ async def served(ws: WeightsServer, corrupt_first: set[int]):
         router.close()
 
 
-def receiver(endpoint: str):
+def receiver(endpoint: str, applied: list | None = None, **kw):
     from rollout_server.metrics import RolloutMetrics
     from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
 
@@ -71,10 +72,14 @@ def receiver(endpoint: str):
     async def nothing(*_):
         return 0.0
 
+    async def apply(update):
+        applied.append(update)
+        return 0.0
+
     r = WeightsReceiver(connect=lambda ep, max_bytes: ZmqChunkChannel(ctx, ep, max_bytes),
-                        apply=nothing, report=nothing, version=lambda: 0, server_id="s",
-                        metrics=RolloutMetrics(), log=lambda *a, **k: None,
-                        max_weights_bytes=1 << 30, chunk_timeout_s=10.0)
+                        apply=nothing if applied is None else apply, report=nothing, version=lambda: 0,
+                        server_id="s", metrics=RolloutMetrics(), log=lambda *a, **k: None,
+                        max_weights_bytes=1 << 30, chunk_timeout_s=10.0, **kw)
     r.welcome(endpoint)
     return r
 
@@ -115,3 +120,115 @@ async def test_bad_requests_on_the_weights_socket_are_answered_and_counted():
     assert [getattr(r, "code", type(r).__name__) for r in replies] == [
         "bad_chunk", "unknown_version", "protocol_error", "protocol_error", "WeightChunk"]
     assert metrics.value("slipstream_protocol_errors_total", {"socket": "weights"}) == 2
+
+
+# ---- deltas (protocol 3.7, issue 28 item 1) -------------------------------------------------------
+def step_bf16(named, fraction: float, seed: int):
+    """``named`` after an update that moves ``fraction`` of the bf16 elements one ulp (what an
+    optimizer step at an RL learning rate does to bf16 weights: most stay as they were)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, t in named:
+        t = t.clone()
+        if t.dtype == torch.bfloat16:
+            flat = t.view(-1)
+            moved = torch.rand(flat.numel(), generator=g) < fraction
+            flat[moved] = torch.nextafter(flat[moved], torch.full_like(flat[moved], 1e9))
+        out.append((name, t))
+    return out
+
+
+BF16 = [("a", torch.randn(20000).to(torch.bfloat16)), ("b", torch.randn(100, 100).to(torch.bfloat16)),
+        ("c", torch.randn(50))]
+
+
+def chunk_stats(r) -> tuple[float, float, float]:
+    value = r.metrics.registry.get_sample_value
+    return (value("slipstream_weight_chunks_received_total", {"encoding": "raw"}),
+            value("slipstream_weight_chunks_received_total", {"encoding": "delta"}),
+            value("slipstream_weights_received_bytes_total", {"source": "learner"}))
+
+
+async def test_deltas_over_zeromq_make_the_version_bit_for_bit():
+    """A server holding version 1 fetches version 2 as deltas: a few percent of the bytes, and
+    the tensors it applies are version 2's exactly (each chunk checked against the manifest)."""
+    ws = WeightsServer(chunk_bytes=8192, metrics=LearnerMetrics())
+    m1 = ws.publish(1, BF16)
+    v2 = step_bf16(BF16, 0.03, seed=1)
+    m2 = ws.publish(2, v2)
+    applied: list = []
+    async with served(ws, set()) as (endpoint, _):
+        r = receiver(endpoint, applied)
+        assert await r.receive(m1)
+        raw1, delta1, bytes1 = chunk_stats(r)
+        assert (raw1, delta1, bytes1) == (m1.num_chunks, 0, m1.total_bytes)
+        assert await r.receive(m2)
+        raw2, delta2, bytes2 = chunk_stats(r)
+    for name, t in v2:
+        assert torch.equal(applied[1].tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    # Every chunk moved (3 % of the elements, spread out), so every chunk came as a delta: the
+    # float32 tensor's chunk too, where nothing changed (its XOR is all zero).
+    assert raw2 == raw1 and delta2 == m2.num_chunks
+    assert bytes2 - bytes1 < 0.15 * m2.total_bytes, (bytes2 - bytes1, m2.total_bytes)
+    assert ws.metrics.value("slipstream_weights_chunks_served_total", {"encoding": "delta"}) == m2.num_chunks
+
+
+async def test_a_bad_delta_is_fetched_raw_and_a_missing_base_gets_raw_chunks():
+    """A delta that does not decode, one that decodes to the wrong bytes, one against a version
+    the server does not hold: that chunk is counted (weights_delta) and fetched raw; the version
+    is still exact. A learner that no longer keeps the server's version answers raw."""
+    import zstandard
+
+    ws = WeightsServer(chunk_bytes=8192)
+    m1 = ws.publish(1, BF16)
+    v2 = step_bf16(BF16, 0.03, seed=2)
+    m2 = ws.publish(2, v2)
+    hits = {0: b"not zstd", 1: zstandard.ZstdCompressor().compress(bytes(8192)), 2: "base"}
+
+    def tamper(reply):
+        if isinstance(reply, protocol.WeightChunk) and reply.encoding != "raw" and reply.index in hits:
+            bad = hits.pop(reply.index)
+            if bad == "base":
+                return protocol.WeightChunk(version=2, index=2, base=0, encoding="xor-zstd",
+                                            checksum=reply.checksum, data=reply.data)
+            return protocol.WeightChunk(version=2, index=reply.index, base=1, encoding="xor-zstd",
+                                        checksum=reply.checksum, data=bad)
+        return reply
+
+    applied: list = []
+    async with served(ws, set(), tamper) as (endpoint, _):
+        r = receiver(endpoint, applied)
+        assert await r.receive(m1) and await r.receive(m2)
+        assert r.metrics.error_count("weights_delta") == 3
+        raw, delta, _ = chunk_stats(r)
+        assert (raw, delta) == (m1.num_chunks + 3, m2.num_chunks - 3)
+        for name, t in v2:
+            assert torch.equal(applied[1].tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+
+        m3 = ws.publish(3, step_bf16(v2, 0.03, seed=3))
+        m4 = ws.publish(4, step_bf16(v2, 0.03, seed=4))      # keep=2: version 2 is gone
+        assert ws.versions == [3, 4] and m3.num_chunks
+        assert await r.receive(m4)
+        raw, delta, _ = chunk_stats(r)
+        assert (raw, delta) == (m1.num_chunks + 3 + m4.num_chunks, m2.num_chunks - 3)
+
+
+async def test_noise_is_sent_raw_and_delta_off_asks_for_none():
+    """A delta that is not smaller than its chunk (every byte new: random bits) is not sent;
+    rollout.weights.delta false (keep_base) never asks for one."""
+    ws = WeightsServer(chunk_bytes=4096, metrics=LearnerMetrics())
+
+    def noise():
+        return [("w", torch.randint(-(1 << 62), 1 << 62, (2048,), dtype=torch.int64))]
+    named = noise()
+    m1 = ws.publish(1, named)
+    m2 = ws.publish(2, noise())
+    async with served(ws, set()) as (endpoint, _):
+        r = receiver(endpoint, [])
+        assert await r.receive(m1) and await r.receive(m2)
+        assert chunk_stats(r)[:2] == (m1.num_chunks + m2.num_chunks, 0)
+        assert ws.metrics.value("slipstream_weights_chunks_served_total", {"encoding": "raw"}) == 2 * m1.num_chunks
+        m3 = ws.publish(3, step_bf16(named, 0, 0))                        # unchanged: all zero
+        off = receiver(endpoint, [], keep_base=False)
+        assert await off.receive(m2) and await off.receive(m3)
+        assert off.base is None and chunk_stats(off)[:2] == (2 * m2.num_chunks, 0)
