@@ -82,7 +82,7 @@ import protocol
 from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, wait_event
-from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket
+from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket, reachable_endpoint
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
 from protocol.plumbing.unfinished import MONITOR_EVENTS, UnfinishedGuard
 from protocol.plumbing.watchdog import Waiting, Watchdog
@@ -621,11 +621,15 @@ class RolloutService:
             return
         self.hello_sent_at = None
         previous, self.run_id = self.run_id, msg.run_id
-        self.receiver.welcome(msg.weights_endpoint)
+        # A learner bound to every interface advertises its loopback; from another host its
+        # weights socket is at the address this server reached the learner at.
+        weights_endpoint = reachable_endpoint(msg.weights_endpoint, self.cfg.learner)
+        self.receiver.welcome(weights_endpoint)
         if (previous is not None and msg.run_id != previous) or msg.version < self.engine.version:
             self.new_run(previous, msg)
         self.welcomed.set()
-        self.log("welcome", learner_version=msg.version, weights_endpoint=msg.weights_endpoint)
+        self.log("welcome", learner_version=msg.version, weights_endpoint=weights_endpoint,
+                 **({"advertised": msg.weights_endpoint} if weights_endpoint != msg.weights_endpoint else {}))
         self.withheld = 0 if self.stopping.is_set() else self.cfg.generation.max_concurrency - self.pipeline.assigned
         await self.grant()
         await self.outbox.resend_all()

@@ -194,7 +194,13 @@ class NetworkSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True, use_attribute_docstrings=True)
 
     bind_host: str = "127.0.0.1"
-    """Interface the learner's ZeroMQ sockets bind to. 127.0.0.1 keeps them off the network."""
+    """Interface the learner's ZeroMQ sockets bind to. 127.0.0.1 keeps them off the network;
+    0.0.0.0 (every interface) or one address of this host serves rollout servers on other hosts."""
+    advertise_host: str | None = None
+    """The host the learner names in the endpoints it tells peers (the weights endpoint in
+    Welcome, learner.json): null = bind_host, or for a wildcard bind 127.0.0.1, which a server on
+    another host replaces with the address it reached the learner at. Set it where that address
+    is not the one to use (NAT, a DNS name)."""
     rollout_port: int = Field(5555, ge=0, le=65535)
     """ROUTER port for Hello / WorkRequest / RolloutResult traffic (0 = any free port)."""
     weights_port: int = Field(5556, ge=0, le=65535)

@@ -261,7 +261,7 @@ class LearnerService:
         specs = (("rollout", cfg.network.rollout_port, cfg.network.max_message_bytes, cfg.network.send_hwm),
                  ("weights", cfg.network.weights_port, cfg.network.weights_max_message_bytes, cfg.network.weights_send_hwm),
                  ("control", cfg.network.control_port, cfg.network.control_max_message_bytes, cfg.network.send_hwm))
-        host = advertised_host(cfg.network.bind_host)
+        host = cfg.network.advertise_host or advertised_host(cfg.network.bind_host)
         for name, port, max_bytes, hwm in specs:
             sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=max_bytes, hwm=hwm,
                                curve=self.curve.server(name) if self.curve else None)

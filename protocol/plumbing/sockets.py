@@ -132,5 +132,30 @@ def check_peer_endpoint(endpoint: str, what: str) -> str:
 
 
 def advertised_host(bind_host: str) -> str:
-    """The host to tell peers for a socket bound to ``bind_host`` (a wildcard means loopback here)."""
+    """The host to tell peers for a socket bound to ``bind_host`` (a wildcard means loopback here;
+    a peer on another host reads that with :func:`reachable_endpoint`)."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "*", "", "::") else bind_host
+
+
+def _tcp_host_port(endpoint: str) -> tuple[str, str] | None:
+    scheme, _, address = endpoint.partition("://")
+    if scheme != "tcp" or ":" not in address:
+        return None
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def reachable_endpoint(advertised: str, via: str) -> str:
+    """``advertised``, an endpoint a learner named (its weights socket), as a peer that reached the
+    learner at ``via`` must connect to it: a loopback host there is the learner's own loopback, so
+    when ``via`` is not loopback (the peer is, or may be, on another host) it is ``via``'s host
+    with the advertised port. Anything else is ``advertised`` unchanged."""
+    adv, by = _tcp_host_port(advertised), _tcp_host_port(via)
+    if adv is None or by is None or not _loopback(adv[0]) or _loopback(by[0]):
+        return advertised
+    host = f"[{by[0]}]" if ":" in by[0] else by[0]
+    return f"tcp://{host}:{adv[1]}"

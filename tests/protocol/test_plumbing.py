@@ -73,6 +73,24 @@ def test_check_endpoint_accepts():
     assert advertised_host("0.0.0.0") == "127.0.0.1" and advertised_host("10.1.2.3") == "10.1.2.3"
 
 
+@pytest.mark.parametrize("advertised, via, expected", [
+    # a learner on every interface names its loopback: a server that came from elsewhere uses
+    # the address it reached the learner at, with the advertised port
+    ("tcp://127.0.0.1:5556", "tcp://198.18.0.1:5555", "tcp://198.18.0.1:5556"),
+    ("tcp://localhost:7", "tcp://learner.example:5555", "tcp://learner.example:7"),
+    ("tcp://[::1]:5556", "tcp://[fd00::2]:5555", "tcp://[fd00::2]:5556"),
+    # anything else stays as the learner said it
+    ("tcp://127.0.0.1:5556", "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"),
+    ("tcp://10.0.0.5:5556", "tcp://198.18.0.1:5555", "tcp://10.0.0.5:5556"),
+    ("ipc:///tmp/w", "tcp://198.18.0.1:5555", "ipc:///tmp/w"),
+    ("tcp://127.0.0.1:5556", "ipc:///tmp/r", "tcp://127.0.0.1:5556"),
+])
+def test_reachable_endpoint(advertised, via, expected):
+    from protocol.plumbing.sockets import reachable_endpoint
+
+    assert reachable_endpoint(advertised, via) == expected
+
+
 def test_bind_port_in_use_is_a_startup_error():
     ctx = zmq.Context()
     a = make_socket(ctx, zmq.ROUTER, max_message_bytes=1024)
