@@ -212,7 +212,7 @@ def assemble_model(p: Parts, cfg: LearnerConfig, trainer: Any) -> ModelParts:
             max_turns=cfg.sampling.max_turns, max_episode_tokens=cfg.sampling.episode_tokens,
             lease_timeout_s=cfg.servers.lease_timeout_s, tokenizer=tok, encode=encode,
             run_id=p.state.run_id, version=p.state.current_version, metrics=p.metrics,
-            record=p.records.eval_round, log=p.log)
+            record=p.records.eval_round, log=p.log, distrusted=p.admission.distrusted)
         p.admission.side_work = evaluation
     p.offers.prompts = prompts
     batches, ingress = assemble_results(p, cfg, intake=intake, prompts=prompts, evaluation=evaluation)

@@ -90,13 +90,18 @@ class Evaluation:
                  version: Callable[[], int], metrics: LearnerMetrics, record: Callable[[dict], None],
                  log: Callable[..., None] = lambda event, **fields: None, lease_timeout_s: float = 120.0,
                  correct_threshold: float = 1.0, max_attempts: int = MAX_ATTEMPTS,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 distrusted: Callable[[str], set[int] | None] = lambda server_id: None):
         if not prompts:
             raise ValueError("an evaluation needs prompts")
         self.prompts, self.prefix, self.every, self.sampling = prompts, prefix, every, sampling
         self.version, self.metrics, self.record, self.log = version, metrics, record, log
         self.lease_timeout_s, self.correct_threshold = lease_timeout_s, correct_threshold
         self.max_attempts, self.clock = max_attempts, clock
+        # Admission.distrusted: the versions a server applied with a wrong checksum; its eval
+        # samples with a token of one are refused and re-issued, as the intake refuses its
+        # training samples (their scores are not the policy's).
+        self.distrusted = distrusted
         self.round: EvalRound | None = None
         self.rounds = 0
         self.last: dict[str, Any] | None = None       # the last complete round's numbers
@@ -229,15 +234,27 @@ class Evaluation:
             ack = await train(protocol.RolloutResult(server_id=msg.server_id, samples=rest))
             by_id = dict(zip(ack.sample_ids, ack.statuses))
         statuses = []
+        bad = self.distrusted(msg.server_id)
         for s in msg.samples:
             if self.owns(s.assignment_id):
-                status = self._take(s)
+                status = self._take(s) if not (bad and self._unverified(s, bad, msg.server_id)) else "invalid"
                 self.metrics.eval_samples.labels(status=status).inc()
             else:
                 status = by_id[s.sample_id]
             statuses.append(status)
         self._maybe_finish()
         return protocol.Ack(sample_ids=[s.sample_id for s in msg.samples], statuses=statuses)
+
+    def _unverified(self, s: protocol.Sample, bad: set[int], server_id: str) -> bool:
+        """``s`` has a token of a version its server applied with a wrong checksum: refused, its
+        lease re-issued now (True)."""
+        if not len(s.token_versions) or bad.isdisjoint(np.unique(s.token_versions).tolist()):
+            return False
+        self.log("eval_sample_invalid", sample_id=s.sample_id[:200], server=server_id[:200],
+                 reason="unverified_weights")
+        if self.round is not None and self.leases.get(s.assignment_id) is not None:
+            self._lost(self.leases.release(s.assignment_id, server_id), "unverified_weights")
+        return True
 
     def _take(self, s: protocol.Sample) -> str:
         r = self.round

@@ -37,7 +37,8 @@ class Harness:
         self.ev = Evaluation(items, prefix="run-e", every=2, version=lambda: self.version,
                              sampling=protocol.SamplingParams(temperature=1e-6, max_new_tokens=4),
                              metrics=self.metrics, record=self.rows.append, log=log,
-                             lease_timeout_s=lease_timeout_s, clock=self.clock)
+                             lease_timeout_s=lease_timeout_s, clock=self.clock,
+                             distrusted=self.adm.distrusted)
         self.adm.side_work = self.ev
 
     def welcome(self) -> protocol.Welcome:
@@ -65,7 +66,7 @@ class Harness:
         return [m for i, m in self.sent if isinstance(m, protocol.Assignment) and m.group_size == 1
                 and (identity is None or i == identity)]
 
-    async def answer(self, a: protocol.Assignment, reward: float, **change) -> protocol.Ack:
+    async def answer(self, a: protocol.Assignment, reward: float, server: str = "x", **change) -> protocol.Ack:
         s = samples_for(a, version=self.version, reward=lambda i: reward)[0]
         if change:
             fields = {f: getattr(s, f) for f in protocol.Sample.__dataclass_fields__}
@@ -73,7 +74,7 @@ class Harness:
             s = protocol.Sample(**fields)
         async def train(msg):
             raise AssertionError("an eval sample reached the training intake")
-        return await self.ev.receive(protocol.RolloutResult(server_id="x", samples=[s]), train)
+        return await self.ev.receive(protocol.RolloutResult(server_id=server, samples=[s]), train)
 
 
 async def test_eval_goes_first_on_credits_and_leaves_the_gate_alone():
@@ -143,6 +144,30 @@ async def test_lost_server_and_refusal_reissue_at_once():
     (third,) = h.evals(b"C")
     assert third.attempt == 3 and h.adm.outstanding(c) == 1
     assert (await h.answer(third, 1.0)).statuses == ["accepted"] and h.rows[0]["eval_accuracy"] == 1.0
+
+
+async def test_eval_samples_on_weights_a_server_lied_about_are_refused_and_reissued():
+    """issue 28.4 for evaluation: a server that applied version 2 with a wrong checksum scores
+    nothing: its eval sample with a token of version 2 is refused (invalid) and the assignment
+    goes to another server, whose answer completes the round."""
+    h = Harness(prompts=1)
+    h.version = 2
+    await h.adm.announce(protocol.WeightsAvailable(version=2, kind="full", tensors=[], total_bytes=0,
+                                                   chunk_bytes=1024, num_chunks=0, checksum="published"))
+    assert h.ev.maybe_start(2)
+    liar = await h.join("A", credits=1)
+    (first,) = h.evals(b"A")
+    assert not await h.adm.weights_applied(liar, protocol.WeightsApplied(server_id="A", version=2,
+                                                                          checksum="other", seconds=0.1))
+    assert (await h.answer(first, 1.0, server="A")).statuses == ["invalid"]
+    assert ("eval_sample_invalid", {"sample_id": protocol.sample_id(first.assignment_id, 0), "server": "A",
+                                    "reason": "unverified_weights"}) in h.log
+    assert not h.rows                                                 # the round is still open
+    await h.join("B", credits=1)
+    (second,) = h.evals(b"B")
+    assert second.assignment_id == first.assignment_id and second.attempt == 2
+    assert (await h.answer(second, 1.0, server="B")).statuses == ["accepted"]
+    assert h.rows[0]["eval_accuracy"] == 1.0 and h.rows[0]["eval_samples"] == 1
 
 
 def test_from_config_takes_the_same_prompts_every_round_and_needs_a_count_for_a_task(tmp_path):
