@@ -41,6 +41,7 @@ from protocol.messages import (
     WeightChunkRequest,
     WeightsApplied,
     WeightsAvailable,
+    WeightsSource,
     Welcome,
     WorkRequest,
 )
@@ -49,6 +50,6 @@ __all__ = [
     "ACK_STATUSES", "BUCKET_KEY", "DATASET_KEY", "PROMPT_MESSAGES_KEY", "FINISH_REASONS", "MAX_TURNS", "MESSAGE_TYPES", "PROTOCOL_VERSION", "SEED_MAX", "Ack", "Assignment",
     "ControlReply", "ControlRequest", "Error", "Heartbeat", "Hello", "LoraSpec", "Message", "ProtocolError",
     "RolloutResult", "Sample", "SamplingParams", "StartupError", "TensorSpec", "WeightChunk", "WeightChunkRequest", "WeightsApplied",
-    "WeightsAvailable", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",
+    "WeightsAvailable", "WeightsSource", "Welcome", "WorkRequest", "decode", "decode_header", "encode", "message_id",
     "new_message_id", "parse_sample_id", "sample_id",
 ]

@@ -79,7 +79,7 @@ from protocol.schema import (
     frame_fields,
 )
 
-PROTOCOL_VERSION: tuple[int, int] = (3, 7)
+PROTOCOL_VERSION: tuple[int, int] = (3, 8)
 
 MAX_HEADER_BYTES = 4096
 MAX_BODY_BYTES = 256 << 20      # 256 MiB: a result with thousands of long samples still fits

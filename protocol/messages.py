@@ -281,6 +281,24 @@ class SamplingParams(Struct):
 
 
 @record
+class WeightsSource(Struct):
+    """A rollout server that serves the chunks of the versions it holds to its peers (protocol
+    3.8): its relay endpoint and, with CURVE, its relay socket's public key (Z85; "" without)."""
+
+    endpoint: str = wire(_STR)
+    public_key: str = wire(_STR, default="")
+
+    def cross_check(self, where: str) -> None:
+        if len(self.public_key) not in (0, 40):
+            raise ProtocolError(f"{where}.public_key: a 40-character Z85 key or \"\", not "
+                                f"{len(self.public_key)} characters")
+
+
+MAX_WEIGHTS_SOURCES = 8
+"""Peers one manifest may name (a relay plan gives each server one parent; the rest is room)."""
+
+
+@record
 class Hello(Message):
     TYPE: ClassVar[str] = "hello"
     server_id: str = wire(_STR)
@@ -289,6 +307,8 @@ class Hello(Message):
     version: int = wire(_NAT)  # weights version the server currently serves
     max_concurrency: int = wire(Int(1), default=1)
     metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
+    # Where this server relays weight chunks to its peers (protocol 3.8; None: it does not).
+    relay: WeightsSource | None = wire(Optional(Nested(WeightsSource)), default=None)
 
 
 @record
@@ -450,12 +470,19 @@ class WeightsAvailable(Message):
     metadata: dict[str, Any] = wire(_MAP, default_factory=dict)
     # The adapter of a "lora" publish (protocol 3.3; None from an older learner, or for "full").
     lora: LoraSpec | None = wire(Optional(Nested(LoraSpec)), default=None)
+    # Peers to fetch this version's chunks from first, in order (protocol 3.8; the relay plan):
+    # a chunk one of them cannot give, or gives wrong, comes from the next, the learner last.
+    sources: list[WeightsSource] = wire(StructList(WeightsSource), default_factory=list)
 
     def cross_check(self, where: str) -> None:
         if self.kind not in WEIGHT_KINDS:
             raise ProtocolError(f"{where}.kind: {self.kind!r} not in {WEIGHT_KINDS}")
         if self.lora is not None and self.kind != "lora":
             raise ProtocolError(f"{where}.lora: a LoRA adapter in a {self.kind!r} publish")
+        if len(self.sources) > MAX_WEIGHTS_SOURCES:
+            raise ProtocolError(f"{where}.sources: {len(self.sources)} peers, at most {MAX_WEIGHTS_SOURCES}")
+        for i, src in enumerate(self.sources):
+            src.cross_check(f"{where}.sources[{i}]")
         expect = -(-self.total_bytes // self.chunk_bytes)
         if self.num_chunks != expect:
             raise ProtocolError(f"{where}.num_chunks: {self.num_chunks} != ceil(total_bytes / "

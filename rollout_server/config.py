@@ -181,6 +181,27 @@ class WeightsOptions(BaseModel):
     every fetch is the full version."""
 
 
+class RelayOptions(BaseModel):
+    """``rollout.relay``: serving the weight chunks this server holds to its peers
+    (rollout_server/relay.py), so the learner sends each version about once."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_attribute_docstrings=True)
+
+    port: int | None = Field(None, ge=0, le=65535)
+    """Port of this server's relay socket (0 = a free port); null: it relays nothing (its peers
+    fetch from the learner or other relays)."""
+    bind_host: str = "0.0.0.0"
+    """Interface the relay socket binds to (its peers are on other hosts)."""
+    advertise_host: str | None = None
+    """The host peers reach the relay at (told to the learner in Hello); null: this host's
+    address on the route to the learner."""
+    wait_s: float = Field(10.0, gt=0)
+    """How long a peer's request waits for a chunk this server is still fetching."""
+    timeout_s: float = Field(15.0, gt=0)
+    """A peer that answers nothing for this long is skipped for the rest of a fetch (its
+    chunks come from the next source, the learner last)."""
+
+
 class RewardSettings(BaseModel):
     """``rollout.reward``: the reward function(s), how their parts are weighed, where they run.
     A bare string or list stands for ``fn`` (``reward: builtin:format``)."""
@@ -339,6 +360,8 @@ class RolloutConfig(BaseModel):
     """Concurrency, batching of the learner's bursts, in-flight weight updates, length limits."""
     weights: WeightsOptions = Field(default_factory=WeightsOptions)
     """Fetching published weights: waits, chunk windows and retries, the size limit."""
+    relay: RelayOptions = Field(default_factory=RelayOptions)
+    """Serving weight chunks to peers (off unless a port is set)."""
     reward: RewardSettings = Field(default_factory=RewardSettings)
     """Reward function(s), their weights, threads, timeout and the built-ins' options."""
     environment: EnvironmentSettings = Field(default_factory=EnvironmentSettings)

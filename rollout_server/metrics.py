@@ -112,7 +112,19 @@ class RolloutMetrics:
                                        "Samples being generated or awaiting an ack", registry=r)
         self.weights_received_bytes = Counter(
             "slipstream_weights_received_bytes", "Weight chunk bytes this server received and "
-            "verified, by source (learner: the learner's weights socket)", ["source"], registry=r)
+            "verified, by source (learner: the learner's weights socket; peer: another server's "
+            "relay)", ["source"], registry=r)
+        for source in ("learner", "peer"):
+            self.weights_received_bytes.labels(source=source)
+        self.weights_relayed_bytes = Counter(
+            "slipstream_weights_relayed_bytes", "Weight chunk bytes this server's relay socket sent to "
+            "its peers (rollout_server/relay.py)", registry=r)
+        self.relay_failures = Counter(
+            "slipstream_weights_relay_failures", "Peers skipped during a weights fetch, by reason "
+            "(connect, timeout, refused: it did not hold the chunk in time, bad_chunk: a reply "
+            "that failed its checks); their chunks came from the next source", ["reason"], registry=r)
+        for reason in ("connect", "timeout", "refused", "bad_chunk"):
+            self.relay_failures.labels(reason=reason)
         self.weight_chunks_received = Counter(
             "slipstream_weight_chunks_received", "Weight chunks this server received and verified, by "
             "encoding (raw, or delta: xor-zstd against the version it held)", ["encoding"], registry=r)

@@ -54,10 +54,11 @@ from protocol.chunks import apply_xor_delta, chunk_checksum, combine_checksums
 from protocol.codec import MAX_FRAME_BYTES
 from protocol.plumbing.curve import CurveClient
 from protocol.plumbing.process import trace, wait_event
-from protocol.plumbing.sockets import make_socket
+from protocol.plumbing.sockets import endpoint_problem, make_socket
 from protocol.plumbing.unfinished import FOLLOW_UP_S, Cut, UnfinishedGuard
 from rollout_server.engine import WeightUpdate
 from rollout_server.metrics import RolloutMetrics
+from rollout_server.relay import RelayStore
 from rollout_server.weights import unflatten_chunks
 
 CHUNK_FRAME_SLACK_BYTES = 64 << 10   # header and body frames of a WeightChunk are far smaller
@@ -65,7 +66,7 @@ MAX_CHUNKS = 1 << 20                 # per version; bookkeeping stays a few MiB
 
 
 class ChunkChannel(Protocol):
-    """One fetch's link to the learner's weights socket."""
+    """One fetch's link to a weights socket: the learner's, or a peer's relay."""
 
     async def request(self, version: int, index: int, base: int = -1) -> None: ...
 
@@ -152,9 +153,15 @@ class WeightsReceiver:
                  log: Callable[..., None], max_weights_bytes: int, chunk_timeout_s: float = 30.0,
                  chunk_window: int = 4, chunk_retries: int = 3,
                  clock: Callable[[], float] = time.monotonic,
-                 on_failed: Callable[[str], Awaitable[None]] | None = None, keep_base: bool = True):
+                 on_failed: Callable[[str], Awaitable[None]] | None = None, keep_base: bool = True,
+                 relay: RelayStore | None = None, relay_endpoint: str | None = None,
+                 relay_timeout_s: float = 10.0):
         self.connect, self.apply, self.report, self.version = connect, apply, report, version
         self.keep_base = keep_base
+        # Peer relay (rollout_server/relay.py): verified chunks go to ``relay`` for this server's
+        # peers; ``relay_endpoint`` is its own (never fetched from); a peer that gives nothing
+        # for ``relay_timeout_s`` is skipped.
+        self.relay, self.relay_endpoint, self.relay_timeout_s = relay, relay_endpoint, relay_timeout_s
         # The applied full-weights version's manifest and verified chunks, kept (keep_base) so the
         # next fetch can ask for deltas against it.
         self.base: tuple[protocol.WeightsAvailable, list[memoryview]] | None = None
@@ -330,29 +337,69 @@ class WeightsReceiver:
 
     async def fetch_chunks(self, m: protocol.WeightsAvailable) -> list[memoryview]:
         """Every chunk of ``m``, verified, in index order: zero-copy views of the frames libzmq
-        received them into (``ZmqChunkChannel`` receives with ``copy=False``)."""
+        received them into (``ZmqChunkChannel`` receives with ``copy=False``).
+
+        From the manifest's ``sources`` first (peers relaying the version, in order), then the
+        learner for whatever they did not give: a peer that does not answer within
+        ``relay_timeout_s``, answers an Error, or sends a chunk that fails its checks is skipped
+        for the rest of this fetch (``slipstream_weights_relay_failures_total{reason}``); the
+        chunks it gave, each checked against the manifest, are kept."""
         n = m.num_chunks
         if n == 0:
             self._check_total(m, [])
             return []
         if self.endpoint is None:
             raise FetchError("weights_manifest", "no weights endpoint")
+        got: list[str | None] = [None] * n
+        chunks: list[memoryview | None] = [None] * n
+        for src in self._peers(m):
+            try:
+                await self._fetch_from(m, got, chunks, src)
+            except FetchError as e:
+                self.metrics.relay_failures.labels(reason=e.kind).inc()
+                self.log("weights_relay_skipped", weights_version=m.version, relay=src.endpoint[:200],
+                         reason=e.kind, error=str(e)[:300], missing=got.count(None))
+            if None not in got:
+                break
+        if None in got:
+            await self._fetch_from(m, got, chunks, None)
+        self._check_total(m, got)
+        return chunks
+
+    def _peers(self, m: protocol.WeightsAvailable) -> list[protocol.WeightsSource]:
+        """The manifest's sources this server may use: not itself, a well-formed endpoint."""
+        out = []
+        for src in m.sources:
+            if src.endpoint == self.relay_endpoint or endpoint_problem(src.endpoint) is not None:
+                continue
+            out.append(src)
+        return out
+
+    async def _fetch_from(self, m: protocol.WeightsAvailable, got: list, chunks: list,
+                          src: protocol.WeightsSource | None) -> None:
+        """The chunks still missing (``got[i]`` None) from ``src`` (None: the learner), into
+        ``got`` / ``chunks``. The learner: retries, then FetchError. A peer: the first problem
+        is a FetchError (its kind the relay failure's reason)."""
+        n = m.num_chunks
+        relay = src is not None
+        endpoint = src.endpoint if relay else self.endpoint
+        frame_bytes = min(m.chunk_bytes, m.total_bytes) + CHUNK_FRAME_SLACK_BYTES
         try:
-            channel = self.connect(self.endpoint, min(m.chunk_bytes, m.total_bytes) + CHUNK_FRAME_SLACK_BYTES)
+            channel = (self.connect(endpoint, frame_bytes, src.public_key or None) if relay
+                       else self.connect(endpoint, frame_bytes))
         except (zmq.ZMQError, ValueError) as e:   # the service checks the endpoint; this is the net
-            raise FetchError("weights", f"cannot connect to {self.endpoint!r}: {e}") from None
+            raise FetchError("connect" if relay else "weights", f"cannot connect to {endpoint!r}: {e}") from None
+        timeout_s = self.relay_timeout_s if relay else self.chunk_timeout_s
         try:
-            got: list[str | None] = [None] * n
-            chunks: list[memoryview | None] = [None] * n
-            base = self._base_for(m)          # (version, its chunks) to ask deltas against
+            base = self._base_for(m)          # a peer holding the same base may send deltas too
             raw_only: set[int] = set()        # chunks whose delta failed: asked for raw
             attempts = [0] * n
             why: dict[int, str] = {}          # index -> the last problem with it
-            todo = deque(range(n))
+            todo = deque(i for i in range(n) if got[i] is None)
             asked: set[int] = set()           # requested, no good reply yet
-            due = 0                           # replies still owed by the learner
+            due = 0                           # replies still owed
             sent = replies = 0
-            received = self.metrics.weights_received_bytes.labels(source="learner")
+            received = self.metrics.weights_received_bytes.labels(source="peer" if relay else "learner")
             while todo or asked:
                 while todo and due < self.chunk_window:
                     i = todo.popleft()
@@ -365,17 +412,19 @@ class WeightsReceiver:
                     due += 1
                     sent += 1
                 try:
-                    reply = await channel.receive(self.chunk_timeout_s)
+                    reply = await channel.receive(timeout_s)
                 except protocol.ProtocolError as e:
                     self.metrics.protocol_errors.inc()
+                    if relay:
+                        raise FetchError("bad_chunk", f"undecodable reply: {e}") from None
                     reply = e
                 if reply is None:
-                    raise FetchError("weights_timeout", f"no weight chunk for {self.chunk_timeout_s}s "
-                                     f"(version {m.version}, endpoint {self.endpoint})")
+                    raise FetchError("timeout" if relay else "weights_timeout",
+                                     f"no weight chunk for {timeout_s}s (version {m.version}, endpoint {endpoint})")
                 replies += 1
                 if replies > 2 * sent + self.chunk_window:
-                    raise FetchError("weights", f"version {m.version}: {replies} replies to {sent} "
-                                     "requests")
+                    raise FetchError("bad_chunk" if relay else "weights",
+                                     f"version {m.version}: {replies} replies to {sent} requests")
                 if (isinstance(reply, protocol.WeightChunk) and reply.version == m.version
                         and 0 <= reply.index < n and got[reply.index] is not None):
                     # A second copy of a chunk already received answers no request: count it,
@@ -386,7 +435,8 @@ class WeightsReceiver:
                     continue
                 due = max(0, due - 1)
                 if isinstance(reply, protocol.Error):
-                    raise FetchError("weights", f"learner refused chunk: {reply.code}: {reply.message}")
+                    raise FetchError("refused" if relay else "weights",
+                                     f"{'relay' if relay else 'learner'} refused chunk: {reply.code}: {reply.message}")
                 data, problem = await self._decode(m, reply, asked, base)
                 if problem is None:
                     i = reply.index
@@ -396,12 +446,17 @@ class WeightsReceiver:
                         encoding="raw" if reply.encoding == "raw" else "delta").inc()
                     got[i] = m.chunk_checksums[i] if m.chunk_checksums else reply.checksum
                     asked.discard(i)
+                    if self.relay is not None:
+                        self.relay.put(m, i, chunks[i])
                 else:
-                    if isinstance(reply, protocol.WeightChunk) and reply.encoding != "raw" and problem[1] is not None:
-                        raw_only.add(problem[1])          # a delta that failed: fetch it raw
                     kind, i, message = problem
                     self.metrics.count(kind)
-                    self.log("weights_bad_chunk", weights_version=m.version, kind=kind, error=message)
+                    self.log("weights_bad_chunk", weights_version=m.version, kind=kind, error=message,
+                             **({"relay": endpoint[:200]} if relay else {}))
+                    if relay:                 # a peer that sends bad bytes is not asked again
+                        raise FetchError("bad_chunk", message)
+                    if isinstance(reply, protocol.WeightChunk) and reply.encoding != "raw" and i is not None:
+                        raw_only.add(i)       # a delta that failed: fetch it raw
                     if i is not None:
                         why[i] = kind
                         asked.discard(i)
@@ -409,8 +464,6 @@ class WeightsReceiver:
                 if due == 0 and asked:        # answered, but not with these chunks: ask again
                     todo.extend(sorted(asked))
                     asked.clear()
-            self._check_total(m, got)
-            return chunks
         finally:
             channel.close()
 

@@ -79,10 +79,17 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from protocol.plumbing.curve import CurveClient, load_key_pair, load_public_key
+from protocol.plumbing.curve import CurveClient, CurveServer, load_key_pair, load_public_key
 from protocol.plumbing.http import HttpEndpoint
 from protocol.plumbing.process import EventLog, cancel_all, supervise, wait_event
-from protocol.plumbing.sockets import check_endpoint, check_peer_endpoint, make_socket, reachable_endpoint
+from protocol.plumbing.sockets import (
+    bind,
+    check_endpoint,
+    check_peer_endpoint,
+    make_socket,
+    reachable_endpoint,
+    route_address,
+)
 from protocol.plumbing.stacks import dump_stacks, install_stack_dump, stacks_dir
 from protocol.plumbing.unfinished import MONITOR_EVENTS, UnfinishedGuard
 from protocol.plumbing.watchdog import Waiting, Watchdog
@@ -94,6 +101,7 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.outbox import Outbox
 from rollout_server.pipeline import Limits, Pipeline, Refused
 from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
+from rollout_server.relay import RelayServer, RelayStore
 from rollout_server.rewards import Rewarder
 from rollout_server.weights import default_weights_limit
 
@@ -193,15 +201,16 @@ class RolloutService:
             metrics=self.metrics, log=self.log, on_change=self.progress.set,
             batch_wait_s=cfg.generation.batch_wait_s, clock=self.clock, episodes=episodes,
             give_back=self.give_back)
+        self.relay_store = RelayStore() if cfg.relay.port is not None else None
+        self.relay_source: protocol.WeightsSource | None = None    # set once the relay is bound
         self.receiver = WeightsReceiver(
-            connect=lambda endpoint, max_bytes: ZmqChunkChannel(
-                self.ctx, endpoint, max_bytes, curve=self.curve,
-                unfinished_timeout_s=cfg.network.unfinished_timeout_s, on_cut=self.connection_cut),
+            connect=self._chunk_channel,
             apply=self._apply_weights, report=self.send, version=lambda: self.engine.version,
             server_id=self.server_id, metrics=self.metrics, log=self.log,
             max_weights_bytes=cfg.weights.max_bytes or default_weights_limit(model_path),
             chunk_timeout_s=cfg.weights.chunk_timeout_s, chunk_window=cfg.weights.chunk_window,
             chunk_retries=cfg.weights.chunk_retries, clock=self.clock, keep_base=cfg.weights.delta,
+            relay=self.relay_store, relay_timeout_s=cfg.relay.timeout_s,
             on_failed=lambda message: self.send(protocol.Error(code="weights_failed", message=message)))
         w = cfg.watchdog
         self.watchdog = Watchdog(
@@ -237,6 +246,39 @@ class RolloutService:
         return port
 
     # ---- transport -------------------------------------------------------------------------
+    def _chunk_channel(self, endpoint: str, max_bytes: int, relay_key: str | None = None) -> ZmqChunkChannel:
+        """A fetch's link: the learner's weights socket (its key), or a peer's relay (``relay_key``:
+        that relay's public key, with CURVE on)."""
+        curve = self.curve
+        if curve is not None and relay_key is not None:
+            curve = CurveClient(curve.public_key, curve.secret_key, relay_key.encode())
+        return ZmqChunkChannel(self.ctx, endpoint, max_bytes, curve=curve,
+                               unfinished_timeout_s=self.cfg.network.unfinished_timeout_s,
+                               on_cut=self.connection_cut)
+
+    def _open_relay(self) -> tuple[zmq.asyncio.Socket, RelayServer] | None:
+        """Bind the relay socket (rollout.relay.port set): its server and the source Hello names."""
+        cfg = self.cfg.relay
+        if cfg.port is None:
+            return None
+        curve = None
+        if self.curve is not None:          # a CURVE server with this server's own key pair
+            curve = CurveServer(self.curve.public_key, self.curve.secret_key, domain="relay")
+        sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=64, curve=curve)
+        try:
+            port = bind(sock, cfg.bind_host, cfg.port, "rollout.relay.port")
+        except BaseException:
+            sock.close(0)
+            raise
+        host = cfg.advertise_host or route_address(self.cfg.learner)
+        endpoint = f"tcp://{host}:{port}"
+        self.relay_source = protocol.WeightsSource(
+            endpoint=endpoint, public_key=self.curve.public_key.decode() if self.curve is not None else "")
+        self.receiver.relay_endpoint = endpoint
+        server = RelayServer(self.relay_store, sock, wait_s=cfg.wait_s, metrics=self.metrics, log=self.log)
+        self.log("relay", endpoint=endpoint, curve=self.curve is not None)
+        return sock, server
+
     async def send(self, message: protocol.Message) -> None:
         await self.send_frames(protocol.encode(message))
 
@@ -274,12 +316,15 @@ class RolloutService:
                  metrics=f"{self.metrics_url}/metrics", healthz=f"{self.metrics_url}/healthz")
         tasks = []
         crash = None
+        relay = None
         try:
+            relay = self._open_relay()
             await self.say_hello()
             tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("recv", self.recv_loop()), ("pipeline", self.pipeline.run()),
                 ("heartbeat", self.heartbeat_loop()), ("weights", self.receiver.run()),
-                ("monitor", self.monitor_loop(monitor)), ("unfinished", self.guard.run()))]
+                ("monitor", self.monitor_loop(monitor)), ("unfinished", self.guard.run()),
+                *((("relay", relay[1].serve()),) if relay is not None else ()))]
             self.watchdog.start()
             await supervise(tasks, self.stopping, self.log)        # logs a task that crashed
             crash = first_crash(tasks)
@@ -302,6 +347,8 @@ class RolloutService:
             monitor.close(0)
             self.guard.close()
             self.sock.close(0)
+            if relay is not None:
+                relay[0].close(0)
             await self.close()
         if crash is not None:
             return self.crashed(crash)
@@ -437,7 +484,7 @@ class RolloutService:
         await self.send(protocol.Hello(server_id=self.server_id, engine=self.engine.name,
                                        model=self.model_name, version=self.engine.version,
                                        max_concurrency=self.cfg.generation.max_concurrency,
-                                       metadata={"session": self.session}))
+                                       metadata={"session": self.session}, relay=self.relay_source))
 
     def hello_outstanding(self) -> bool:
         """A Hello is waiting for its Welcome, and not for longer than ``learner_timeout_s``."""

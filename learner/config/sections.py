@@ -757,6 +757,13 @@ class WeightsSettings(BaseModel):
     delta: bool = True
     """Answer a server that holds an older kept version with deltas (xor-zstd against its chunk,
     when smaller; docs/design.md §5): at RL learning rates in bf16 a few percent of the bytes."""
+    relay_fanout: int = Field(1, ge=0, le=64)
+    """Peer relay (servers with rollout.relay.port set serve the chunks they hold): each version
+    reaches the relaying servers through a tree with this many children per node (1: a chain),
+    the first server fetching from the learner, so the learner sends about one copy whatever the
+    number of servers; 0: every server fetches from the learner. On links of one speed a node
+    feeding k children takes k times as long: a chain with 8 MiB chunks (chunk_bytes) pipelines
+    best (docs/benchmarks.md, weights across hosts)."""
 
 
 class RuntimeSettings(BaseModel):

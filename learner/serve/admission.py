@@ -149,6 +149,7 @@ import protocol
 from buffer import Lease, LeaseState, RolloutBuffer
 from learner.config import ServersSettings
 from learner.metrics import LearnerMetrics
+from protocol.plumbing.sockets import endpoint_problem
 
 KEEP_CHECKSUMS = 8        # checksums of recent versions kept to check WeightsApplied against
 KEEP_DISTRUSTED = 64      # versions remembered per server whose weights it applied wrongly
@@ -176,6 +177,7 @@ class ServerState:
     preempted: int = 0                 # pre-emptions in a row without a lease completed since
     hold_until: float = float("-inf")  # probation after a pre-emption: no new work before this
     unverified: bool = False           # applied weights with a wrong checksum: no work until verified
+    relay: protocol.WeightsSource | None = None   # where it serves weight chunks to peers (Hello)
 
 
 def _served(srv: ServerState) -> int:
@@ -249,8 +251,9 @@ class Admission:
     def __init__(self, buffer: RolloutBuffer, link: Sender, offers: Offers, *, version: Callable[[], int],
                  servers: ServersSettings, metrics: LearnerMetrics,
                  log: Callable[..., None] = lambda event, **fields: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, relay_fanout: int = 0):
         self.buffer, self.link, self.offers, self.settings = buffer, link, offers, servers
+        self.relay_fanout = relay_fanout          # learner.weights.relay_fanout (0: no relay plan)
         self.version, self.metrics, self.log, self.clock = version, metrics, log, clock
         self._refusal_logged, self._refusals_suppressed = float("-inf"), 0
         self.paused = False                       # ctl pause: no new or re-issued work until resume
@@ -395,6 +398,14 @@ class Admission:
             self.log("server_rejoined", server=msg.server_id, server_version=msg.version,
                      credits=srv.credits)
         srv.last_seen = now
+        srv.relay = None
+        if msg.relay is not None:
+            problem = endpoint_problem(msg.relay.endpoint)
+            if problem is None:
+                srv.relay = msg.relay
+            else:
+                self.log("relay_refused", level="warning", server=msg.server_id,
+                         endpoint=msg.relay.endpoint[:200], reason=problem)
         srv.announced = -1            # it may have missed a manifest while away
         self._set_version(srv, msg.version, force=True)
         if msg.version > self.version():
@@ -556,7 +567,29 @@ class Admission:
             if srv.identity in self.servers:
                 await self._announce_to(srv, manifest)
 
+    def sources(self, srv: ServerState, manifest: protocol.WeightsAvailable) -> list[protocol.WeightsSource]:
+        """The relay plan's answer for ``srv`` (docs/design.md §5, Relay): the peer it fetches
+        ``manifest`` from first ([]: the learner). A server that already applied this version
+        with the right checksum serves one that joins or comes late; at a publish, when none
+        has it yet, the relaying servers form a tree of ``relay_fanout`` children per node in
+        the order they joined (the first fetches from the learner), and a server that relays
+        nothing hangs off them in turn. The learner sends each version about once."""
+        if self.relay_fanout <= 0:
+            return []
+        relays = [s for s in self.servers.values() if s.relay is not None and not s.dropped and not s.unverified]
+        holders = [s for s in relays if s is not srv and s.version == manifest.version]
+        position = list(self.servers).index(srv.identity) if srv.identity in self.servers else 0
+        if holders:
+            return [holders[position % len(holders)].relay]
+        if srv in relays:
+            j = relays.index(srv)
+            return [] if j == 0 else [relays[(j - 1) // self.relay_fanout].relay]
+        return [relays[position % len(relays)].relay] if relays else []
+
     async def _announce_to(self, srv: ServerState, manifest: protocol.WeightsAvailable) -> bool:
+        sources = self.sources(srv, manifest)
+        if sources:
+            manifest = dataclasses.replace(manifest, sources=sources)
         if not await self._send(srv, manifest):
             return False
         srv.announced, srv.announced_at = manifest.version, self.clock()

@@ -159,3 +159,22 @@ def reachable_endpoint(advertised: str, via: str) -> str:
         return advertised
     host = f"[{by[0]}]" if ":" in by[0] else by[0]
     return f"tcp://{host}:{adv[1]}"
+
+
+def route_address(endpoint: str) -> str:
+    """This host's address on the route to ``endpoint``'s host (what a peer on that network
+    reaches this host at): the local address of a UDP socket connected there (nothing is sent);
+    127.0.0.1 for a loopback, an ipc or an unresolvable endpoint."""
+    import socket
+
+    hp = _tcp_host_port(endpoint)
+    if hp is None or _loopback(hp[0]):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in hp[0] else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((hp[0], int(hp[1]) if hp[1].isdigit() else 9))
+            host = s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

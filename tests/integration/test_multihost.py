@@ -1,8 +1,8 @@
 """A run across simulated hosts (issue 28 item 5): the learner in one network namespace, rollout
 servers in three others, each with its own address on 1 Gbit/s links (tests/integration/
 netns_kit.py), CURVE on. It trains while a server joins mid-run and another is SIGKILLed; the
-servers fetch every version across the links (as deltas once they hold one), then the learner
-stops on SIGTERM. The learner binds
+servers fetch every version across the links (as deltas once they hold one), relaying it to each
+other (the learner's relay plan), then the learner stops on SIGTERM. The learner binds
 every interface and advertises nothing but its loopback: the servers reach its weights socket
 at the address they reached the learner at (protocol.plumbing.sockets.reachable_endpoint).
 
@@ -72,7 +72,7 @@ def test_a_run_across_simulated_hosts_trains_with_servers_joining_and_killed(
     def rollout_config(i: int) -> str:
         path = tmp_path / f"s{i}.yaml"
         path.write_text(yaml.safe_dump({"model": tiny_model_dir, "rollout": {
-            "server_id": f"s{i}", "generation": {"max_concurrency": 8},
+            "server_id": f"s{i}", "generation": {"max_concurrency": 8}, "relay": {"port": 5560},
             "security": {"curve": True, "secret_key_file": str(keys / f"s{i}.key_secret"),
                          "learner_public_key_file": str(keys / "learner.key")}}}))
         return str(path)
@@ -117,6 +117,7 @@ def test_a_run_across_simulated_hosts_trains_with_servers_joining_and_killed(
             until(lambda ev: ev.get("event") == "step" and ev["version"] >= lost_at + 3
                   and ev["server_versions"].get("s3", 0) > 2, 300, "three more steps with s3")
             served = _scrape(home, "http://127.0.0.1:9400/metrics")
+            relayed = _scrape(others[2], "http://127.0.0.1:9401/metrics")
             lp.proc.send_signal(signal.SIGTERM)
             until(lambda ev: ev.get("event") == "stopped", 120, "the learner stopping")
             assert lp.proc.wait(timeout=60) == 0, lp.output(60)
@@ -126,5 +127,8 @@ def test_a_run_across_simulated_hosts_trains_with_servers_joining_and_killed(
                 assert welcome["advertised"] == "tcp://127.0.0.1:5556", welcome
             # Every version after the first went out as deltas to the servers holding the one before.
             assert served['slipstream_weights_chunks_served_total{encoding="delta"}'] > 0, served
+            # s3 joined after s1, both relay: the plan has it fetch through s1 (CURVE to s1's key).
+            assert relayed['slipstream_weights_received_bytes_total{source="peer"}'] > 0, relayed
+            assert relayed['slipstream_weights_relay_failures_total{reason="bad_chunk"}'] == 0, relayed
         finally:
             process_groups.stop_all()

@@ -416,9 +416,9 @@ NAMED_ERRORS = [
      r"WeightsAvailable\.lora\.use_rslora: expected a boolean, got int"),
     ("lora field missing", lambda: _lora_case(lambda lo: lo.__delitem__(slice(3, None))),
      r"WeightsAvailable\.lora\.target_modules: missing"),
-    ("lora as a 3.2 map", lambda: _weights_case(lambda b: b.__setitem__(-1, {"r": 8})),
+    ("lora as a 3.2 map", lambda: _weights_case(lambda b: b.__setitem__(_LORA_AT, {"r": 8})),
      r"WeightsAvailable\.lora: expected an array of fields, got dict"),
-    ("lora on a full publish", lambda: _weights_case(lambda b: b.__setitem__(-1, _LORA_WIRE)),
+    ("lora on a full publish", lambda: _weights_case(lambda b: b.__setitem__(_LORA_AT, _LORA_WIRE)),
      r"WeightsAvailable\.lora: a LoRA adapter in a 'full' publish"),
 ]
 
@@ -448,16 +448,17 @@ def _weights_case(mutate: Callable[[list], None]) -> list[bytes]:
     return [frames[0], msgpack.packb(body)]
 
 
+_LORA_AT = [name for name, _ in protocol.WeightsAvailable.FIELDS].index("lora")   # in a manifest body
 _LORA_WIRE = [8, 16.0, 0.0, ["q_proj", "v_proj"], "none", False, False]
 
 
 def _lora_case(mutate: Callable[[list], None]) -> list[bytes]:
-    """A LoRA manifest whose ``lora`` field (its last) is changed by ``mutate``."""
+    """A LoRA manifest whose ``lora`` field is changed by ``mutate``."""
     frames = encode(protocol.WeightsAvailable(
         3, "lora", [protocol.TensorSpec("a", "float32", [4], 0, 16)], 16, 8, 2, "c",
         lora=protocol.LoraSpec(*_LORA_WIRE)))
     body = msgpack.unpackb(frames[1])
-    mutate(body[-1])
+    mutate(body[_LORA_AT])
     return [frames[0], msgpack.packb(body)]
 
 

@@ -34,7 +34,8 @@ def test_wire_field_order_is_pinned():
     """Bodies are positional: reordering or removing a field breaks every peer. Within a major
     version fields may only be appended (with a default). Extend this table when you append one."""
     expected = {
-        "hello": ("server_id", "engine", "model", "version", "max_concurrency", "metadata"),
+        "hello": ("server_id", "engine", "model", "version", "max_concurrency", "metadata",
+                  "relay"),                                                          # 3.8: relay
         "welcome": ("learner_id", "run_id", "version", "weights_endpoint", "weights_kind",
                     "metadata"),
         "heartbeat": ("sender_id", "version", "inflight", "idle_ratio"),            # 3.1: idle_ratio
@@ -46,7 +47,7 @@ def test_wire_field_order_is_pinned():
         "ack": ("sample_ids", "statuses"),
         "weights_available": ("version", "kind", "tensors", "total_bytes", "chunk_bytes",
                               "num_chunks", "checksum", "chunk_checksums", "metadata",
-                              "lora"),                                              # 3.3: lora
+                              "lora", "sources"),                                   # 3.3: lora, 3.8: sources
         "weight_chunk_request": ("version", "index", "base"),                      # 3.7: base
         "weight_chunk": ("version", "index", "checksum", "base", "encoding"),      # 3.7; data: its own frame
         "weights_applied": ("server_id", "version", "checksum", "seconds"),
@@ -61,6 +62,7 @@ def test_wire_field_order_is_pinned():
                                                          "stop", "stop_token_ids",   # 3.5
                                                          "max_turns", "max_episode_tokens")  # 3.6
     assert wire_field_names(protocol.TensorSpec) == ("name", "dtype", "shape", "offset", "nbytes")
+    assert wire_field_names(protocol.WeightsSource) == ("endpoint", "public_key")          # 3.8
     assert wire_field_names(protocol.LoraSpec) == ("r", "lora_alpha", "lora_dropout",
                                                    "target_modules", "bias", "use_rslora",
                                                    "fan_in_fan_out")                # 3.3
@@ -224,7 +226,7 @@ def test_a_3_2_peer_has_no_typed_temperature_or_lora_and_3_3_ones_round_trip():
                                     "target_modules": ["k_proj", "q_proj"], "bias": "none",
                                     "use_rslora": False, "fan_in_fan_out": False}
     frames = encode(lora_manifest(None))
-    older = msgpack.unpackb(frames[1])[:-1]
+    older = msgpack.unpackb(frames[1])[:-2]                         # no lora, no sources (3.8)
     older[-1] = {"lora": {"r": 8}}                                  # where 3.2 put it
     m = decode(as_minor(frames, 2, older))
     assert m.kind == "lora" and m.lora is None and m.metadata == {"lora": {"r": 8}}
@@ -428,3 +430,25 @@ def test_3_6_chunk_messages_are_raw_and_3_7_deltas_are_checked():
                                   (-1, "xor-zstd", r"\.base: a delta"), (-2, "raw", "minimum")):
         with pytest.raises(ProtocolError, match=words):
             decode([frames[0], msgpack.packb([*body[:3], base, encoding]), *frames[2:]])
+
+
+def test_3_7_hello_and_manifest_have_no_relay_and_3_8_sources_are_checked():
+    """Hello.relay and WeightsAvailable.sources (3.8, issue 28.2): a 3.7 Hello relays nothing and
+    a 3.7 manifest names no peer; both round-trip; a key that is not 40 characters and more than
+    MAX_WEIGHTS_SOURCES peers are refused, naming the field."""
+    src = protocol.WeightsSource(endpoint="tcp://198.18.0.2:6000", public_key="k" * 40)
+    hello = protocol.Hello(server_id="s", engine="hf", model="m", version=0, relay=src)
+    frames = encode(hello)
+    assert decode(frames).relay == src
+    body = msgpack.unpackb(frames[1])
+    assert decode(as_minor(frames, 7, body[:6])).relay is None
+    m = protocol.WeightsAvailable(version=1, kind="full", tensors=[], total_bytes=0, chunk_bytes=1024,
+                                  num_chunks=0, checksum="c", sources=[src])
+    frames = encode(m)
+    assert decode(frames).sources == [src]
+    body = msgpack.unpackb(frames[1])
+    assert decode(as_minor(frames, 7, body[:10])).sources == []
+    with pytest.raises(ProtocolError, match=r"sources\[0\]\.public_key: a 40-character"):
+        decode([frames[0], msgpack.packb([*body[:10], [["tcp://h:1", "short"]]])])
+    with pytest.raises(ProtocolError, match=r"\.sources: 9 peers, at most 8"):
+        decode([frames[0], msgpack.packb([*body[:10], [["tcp://h:1", ""]] * 9])])

@@ -429,3 +429,42 @@ async def test_the_version_skew_is_the_fleets_newest_minus_oldest():
     assert h.metrics.value("slipstream_rollout_version_skew") == 2
     h.adm.lose(s, "timeout")
     assert h.metrics.value("slipstream_rollout_version_skew") == 0
+
+
+async def test_the_relay_plan_is_a_tree_at_a_publish_and_holders_serve_late_joiners():
+    """issue 28 items 2, 3: with relay_fanout 2, a publish reaches six relaying servers as a
+    tree (the first from the learner, each other from its parent: (j - 1) // 2 in join order), a
+    server that relays nothing hangs off a relay; once servers applied the version with the right
+    checksum, a server that joins fetches it from one of them. Fanout 0: everyone from the learner."""
+    h = Harness()
+    h.adm.relay_fanout = 2
+    relays = {}
+    for i in range(6):
+        name = f"r{i}"
+        src = protocol.WeightsSource(endpoint=f"tcp://198.18.0.{i + 2}:6000")
+        await h.adm.hello(name.encode(), protocol.Hello(server_id=name, engine="e", model="m", version=0,
+                                                        max_concurrency=4, relay=src))
+        relays[name] = src
+    plain = await h.join("plain")
+    await h.adm.hello(b"bad", protocol.Hello(server_id="bad", engine="e", model="m", version=0,
+                                             max_concurrency=4, relay=protocol.WeightsSource(endpoint="tcp://no port")))
+    assert any(e == "relay_refused" and f["server"] == "bad" for e, f in h.log)
+    assert h.adm.servers[b"bad"].relay is None
+    m = protocol.WeightsAvailable(version=1, kind="full", tensors=[], total_bytes=0, chunk_bytes=1024,
+                                  num_chunks=0, checksum="c1")
+    await h.adm.announce(m)
+    got = {i.decode(): [s.endpoint for s in msg.sources] for i, msg in h.sent
+           if isinstance(msg, protocol.WeightsAvailable)}
+    parent = {"r0": None, "r1": "r0", "r2": "r0", "r3": "r1", "r4": "r1", "r5": "r2"}
+    for name, p in parent.items():
+        assert got[name] == ([] if p is None else [relays[p].endpoint]), (name, got[name])
+    assert len(got["plain"]) == 1 and got["plain"][0] in {s.endpoint for s in relays.values()}
+    # r3 and r4 applied version 1 rightly; a server joining now fetches it from one of them.
+    for name in ("r3", "r4"):
+        assert await h.adm.weights_applied(h.adm.servers[name.encode()], protocol.WeightsApplied(
+            server_id=name, version=1, checksum="c1", seconds=0.1))
+    late = await h.join("late")
+    (manifest,) = h.of_type(protocol.WeightsAvailable, b"late")
+    assert [s.endpoint for s in manifest.sources] in ([relays["r3"].endpoint], [relays["r4"].endpoint])
+    h.adm.relay_fanout = 0
+    assert h.adm.sources(late, m) == [] and h.adm.sources(plain, m) == []
