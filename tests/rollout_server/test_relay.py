@@ -11,6 +11,7 @@ import contextlib
 import torch
 import zmq
 import zmq.asyncio
+from weights_kit import step_bf16
 
 import protocol
 from learner.metrics import LearnerMetrics
@@ -22,19 +23,6 @@ from rollout_server.receiver import WeightsReceiver, ZmqChunkChannel
 from rollout_server.relay import RelayServer, RelayStore
 
 NAMED = [("a", torch.randn(40000).to(torch.bfloat16)), ("b", torch.randn(3000))]    # 92 kB
-
-
-def step(named, fraction: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, t in named:
-        t = t.clone()
-        if t.dtype == torch.bfloat16:
-            flat = t.view(-1)
-            moved = torch.rand(flat.numel(), generator=g) < fraction
-            flat[moved] = torch.nextafter(flat[moved], torch.full_like(flat[moved], 1e9))
-        out.append((name, t))
-    return out
 
 
 @contextlib.asynccontextmanager
@@ -175,7 +163,7 @@ async def test_a_relay_that_sends_bad_bytes_or_nothing_is_skipped_and_the_learne
 async def test_a_relay_holding_the_same_base_sends_deltas():
     ws = WeightsServer(chunk_bytes=8192)
     m1 = ws.publish(1, NAMED)
-    v2 = step(NAMED, 0.03, seed=5)
+    v2 = step_bf16(NAMED, 0.03, seed=5)
     m2 = ws.publish(2, v2)
     async with learner(ws) as endpoint:
         a = Server(endpoint, relay=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from weights_kit import step_bf16
 
 import protocol
 from learner.metrics import LearnerMetrics
@@ -123,21 +124,6 @@ async def test_bad_requests_on_the_weights_socket_are_answered_and_counted():
 
 
 # ---- deltas (protocol 3.7, issue 28 item 1) -------------------------------------------------------
-def step_bf16(named, fraction: float, seed: int):
-    """``named`` after an update that moves ``fraction`` of the bf16 elements one ulp (what an
-    optimizer step at an RL learning rate does to bf16 weights: most stay as they were)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, t in named:
-        t = t.clone()
-        if t.dtype == torch.bfloat16:
-            flat = t.view(-1)
-            moved = torch.rand(flat.numel(), generator=g) < fraction
-            flat[moved] = torch.nextafter(flat[moved], torch.full_like(flat[moved], 1e9))
-        out.append((name, t))
-    return out
-
-
 BF16 = [("a", torch.randn(20000).to(torch.bfloat16)), ("b", torch.randn(100, 100).to(torch.bfloat16)),
         ("c", torch.randn(50))]
 
