@@ -152,7 +152,8 @@ def assemble(cfg: LearnerConfig, *, run_id: str, process: LearnerProcess) -> Par
         cfg.rollout_log, cfg.run_dir, run=state, buffer=buffer, metrics=metrics, log=log)
     offers = LearnerOffers(cfg, state, weights, endpoints, rollout_log)
     admission = Admission(buffer, link, offers, version=state.current_version, servers=cfg.servers,
-                          metrics=metrics, log=log, relay_fanout=cfg.weights.relay_fanout)
+                          metrics=metrics, log=log, relay_fanout=cfg.weights.relay_fanout,
+                          delta_ratio=weights.delta_ratio)
     # Checksums, install and announcement beside the next step (learner.serve.weights_server).
     publisher = Publisher(weights, admission, stopped=process.stopping.is_set, metrics=metrics,
                           log=log)

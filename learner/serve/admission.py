@@ -251,9 +251,14 @@ class Admission:
     def __init__(self, buffer: RolloutBuffer, link: Sender, offers: Offers, *, version: Callable[[], int],
                  servers: ServersSettings, metrics: LearnerMetrics,
                  log: Callable[..., None] = lambda event, **fields: None,
-                 clock: Callable[[], float] = time.monotonic, relay_fanout: int = 0):
+                 clock: Callable[[], float] = time.monotonic, relay_fanout: int = 0,
+                 delta_ratio: Callable[[], float | None] = lambda: None):
         self.buffer, self.link, self.offers, self.settings = buffer, link, offers, servers
         self.relay_fanout = relay_fanout          # learner.weights.relay_fanout (0: no relay plan)
+        # WeightsServer.delta_ratio: the size of the last deltas the learner made over the raw
+        # chunks (None: none made yet); the plan sends deltas straight when they are that small.
+        self.delta_ratio = delta_ratio
+        self.previous: int | None = None          # the version announced before the latest
         self.version, self.metrics, self.log, self.clock = version, metrics, log, clock
         self._refusal_logged, self._refusals_suppressed = float("-inf"), 0
         self.paused = False                       # ctl pause: no new or re-issued work until resume
@@ -559,6 +564,8 @@ class Admission:
 
     async def announce(self, manifest: protocol.WeightsAvailable) -> None:
         """A new version is published: tell every server."""
+        if self.latest is not None and self.latest.version != manifest.version:
+            self.previous = self.latest.version
         self.latest = manifest
         self._checksums[manifest.version] = manifest.checksum
         while len(self._checksums) > KEEP_CHECKSUMS:
@@ -573,8 +580,10 @@ class Admission:
         with the right checksum serves one that joins or comes late; at a publish, when none
         has it yet, the relaying servers form a tree of ``relay_fanout`` children per node in
         the order they joined (the first fetches from the learner), and a server that relays
-        nothing hangs off them in turn. The learner sends each version about once."""
-        if self.relay_fanout <= 0:
+        nothing hangs off them in turn. The learner sends each version about once. Except:
+        servers holding the version before get its deltas from the learner when all of them
+        together cost at most one model (:meth:`_direct_deltas`)."""
+        if self.relay_fanout <= 0 or self._direct_deltas(srv, manifest):
             return []
         relays = [s for s in self.servers.values() if s.relay is not None and not s.dropped and not s.unverified]
         holders = [s for s in relays if s is not srv and s.version == manifest.version]
@@ -585,6 +594,17 @@ class Admission:
             j = relays.index(srv)
             return [] if j == 0 else [relays[(j - 1) // self.relay_fanout].relay]
         return [relays[position % len(relays)].relay] if relays else []
+
+    def _direct_deltas(self, srv: ServerState, manifest: protocol.WeightsAvailable) -> bool:
+        """``srv`` holds the version announced before ``manifest`` and the learner's deltas are
+        small enough that sending one to every server holding it costs at most one model
+        (the last deltas' ratio x those servers <= 1): it fetches them from the learner, the
+        fastest way (a relay makes its own deltas again at every hop)."""
+        ratio = self.delta_ratio()
+        if ratio is None or manifest.kind != "full" or self.previous is None or srv.version != self.previous:
+            return False
+        holding = sum(1 for s in self.servers.values() if s.version == self.previous and not s.unverified)
+        return ratio * holding <= 1.0
 
     async def _announce_to(self, srv: ServerState, manifest: protocol.WeightsAvailable) -> bool:
         sources = self.sources(srv, manifest)

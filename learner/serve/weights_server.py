@@ -138,6 +138,8 @@ class WeightsServer:
         # (base, version, index) -> the delta, or None where it is not smaller than the chunk;
         # kept while both versions are (install prunes it).
         self._deltas: dict[tuple[int, int, int], bytes | None] = {}
+        self._delta_sizes = (0, 0)        # bytes sent for the newest pair's deltas made, their raw bytes
+        self._delta_pair: tuple[int, int] | None = None
 
     # ---- the three steps --------------------------------------------------------------------
     def snapshot(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Snapshot:
@@ -250,10 +252,21 @@ class WeightsServer:
             data = data if len(data) < chunk.nbytes else None
             if version in self._versions and base in self._versions:   # not dropped meanwhile
                 self._deltas[key] = data
+                if self._delta_pair is None or (version, base) > self._delta_pair:
+                    self._delta_pair, self._delta_sizes = (version, base), (0, 0)
+                if (version, base) == self._delta_pair:
+                    sent, raw = self._delta_sizes
+                    self._delta_sizes = (sent + (chunk.nbytes if data is None else len(data)), raw + chunk.nbytes)
         if data is None:
             return None
         return protocol.WeightChunk(version=version, index=index, base=base, encoding="xor-zstd",
                                     checksum=snap.manifest.chunk_checksums[index], data=data)
+
+    def delta_ratio(self) -> float | None:
+        """Bytes sent for the deltas of the newest version pair made so far over their raw
+        bytes (None: no delta made yet): how small the next publish's deltas will likely be."""
+        sent, raw = self._delta_sizes
+        return sent / raw if raw else None
 
     async def handle(self, identity: bytes, msg: protocol.Message) -> protocol.Message:
         """The weights socket's handler: a ``WeightChunkRequest`` in, a chunk or an Error out.

@@ -468,3 +468,36 @@ async def test_the_relay_plan_is_a_tree_at_a_publish_and_holders_serve_late_join
     assert [s.endpoint for s in manifest.sources] in ([relays["r3"].endpoint], [relays["r4"].endpoint])
     h.adm.relay_fanout = 0
     assert h.adm.sources(late, m) == [] and h.adm.sources(plain, m) == []
+
+
+async def test_servers_holding_the_version_before_get_small_deltas_from_the_learner():
+    """The plan sends deltas straight from the learner when one to every server holding the
+    version before costs at most one model (the last deltas' ratio x those servers <= 1): the
+    relay would make them again at every hop. Larger deltas, and servers without the base
+    (a joiner at version 0), go through the relays."""
+    h = Harness()
+    ratio = {"now": None}
+    h.adm.relay_fanout, h.adm.delta_ratio = 1, lambda: ratio["now"]
+    for i in range(3):
+        await h.adm.hello(f"r{i}".encode(), protocol.Hello(server_id=f"r{i}", engine="e", model="m", version=0,
+                                                          max_concurrency=4, relay=protocol.WeightsSource(
+                                                              endpoint=f"tcp://198.18.0.{i + 2}:6000")))
+
+    def manifest(v):
+        return protocol.WeightsAvailable(version=v, kind="full", tensors=[], total_bytes=0, chunk_bytes=1024,
+                                         num_chunks=0, checksum=f"c{v}")
+    await h.adm.announce(manifest(1))
+    for i in range(3):
+        assert await h.adm.weights_applied(h.adm.servers[f"r{i}".encode()], protocol.WeightsApplied(
+            server_id=f"r{i}", version=1, checksum="c1", seconds=0.1))
+    await h.adm.announce(manifest(2))
+    assert h.adm.previous == 1
+    servers = [h.adm.servers[f"r{i}".encode()] for i in range(3)]
+    assert [len(h.adm.sources(s, manifest(2))) for s in servers] == [0, 1, 1]    # no ratio yet: the chain
+    ratio["now"] = 0.01                                                           # 3 x 0.01 <= 1
+    assert [h.adm.sources(s, manifest(2)) for s in servers] == [[], [], []]
+    ratio["now"] = 0.5                                                            # 3 x 0.5 > 1
+    assert [len(h.adm.sources(s, manifest(2))) for s in servers] == [0, 1, 1]
+    ratio["now"] = 0.01
+    joiner = await h.join("late", version=0)
+    assert len(h.adm.sources(joiner, manifest(2))) == 1                           # no base: a relay

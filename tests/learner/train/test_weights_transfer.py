@@ -157,6 +157,7 @@ async def test_deltas_over_zeromq_make_the_version_bit_for_bit():
     assert raw2 == raw1 and delta2 == m2.num_chunks
     assert bytes2 - bytes1 < 0.15 * m2.total_bytes, (bytes2 - bytes1, m2.total_bytes)
     assert ws.metrics.value("slipstream_weights_chunks_served_total", {"encoding": "delta"}) == m2.num_chunks
+    assert ws.delta_ratio() == (bytes2 - bytes1) / m2.total_bytes      # what the relay plan reads
 
 
 async def test_a_bad_delta_is_fetched_raw_and_a_missing_base_gets_raw_chunks():
