@@ -54,7 +54,7 @@ class Server:
         if relay:
             self.sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=64 << 10, hwm=64)
             endpoint = f"tcp://127.0.0.1:{bind(self.sock, '127.0.0.1', 0, 'relay')}"
-            self.task = asyncio.create_task(server_cls(self.store, self.sock, wait_s=kw.pop("wait_s", 5.0), metrics=self.metrics,
+            self.task = asyncio.create_task(server_cls(self.store, self.sock, wait_s=5.0, metrics=self.metrics,
                                                        log=lambda *a, **k: None).serve())
         self.source = protocol.WeightsSource(endpoint=endpoint) if relay else None
 
@@ -179,37 +179,3 @@ async def test_a_relay_holding_the_same_base_sends_deltas():
     assert b.value("slipstream_weight_chunks_received_total", {"encoding": "delta"}) == m2.num_chunks
     assert b.received("peer") - before < 0.2 * m2.total_bytes
     assert b.received("learner") == 0
-
-
-async def test_the_relay_socket_answers_what_a_hostile_peer_sends_and_keeps_serving():
-    """Through a real socket: garbage, a message that is not a chunk request, a request for a
-    version or index this server does not hold (well-formed but wrong): each gets an Error,
-    counted where it does not decode; a good request after them is still served."""
-    import zmq.asyncio as zaio
-
-    ws = WeightsServer(chunk_bytes=8192)
-    m = ws.publish(1, NAMED)
-    async with learner(ws) as endpoint:
-        relay = Server(endpoint, relay=True, wait_s=0.2)
-        relay.store.put_all(m, [memoryview(bytes(c)) for c in ws._versions[1].chunks])
-        sock = zaio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(relay.source.endpoint)
-
-        async def ask(frames):
-            await sock.send_multipart(frames)
-            assert await sock.poll(10_000)
-            return protocol.decode(await sock.recv_multipart())
-
-        try:
-            replies = [await ask([b"\x00garbage"]),
-                       await ask(protocol.encode(protocol.Heartbeat(sender_id="x", version=0))),
-                       await ask(protocol.encode(protocol.WeightChunkRequest(version=7, index=0))),
-                       await ask(protocol.encode(protocol.WeightChunkRequest(version=1, index=999)))]
-            good = await ask(protocol.encode(protocol.WeightChunkRequest(version=1, index=2)))
-        finally:
-            sock.close(0)
-            await relay.close()
-    assert [getattr(r, "code", None) for r in replies] == ["protocol_error", "protocol_error", "not_held", "not_held"]
-    assert isinstance(good, protocol.WeightChunk) and good.index == 2 and good.checksum == m.chunk_checksums[2]
-    assert relay.value("slipstream_protocol_errors_total") == 2
